@@ -1,0 +1,163 @@
+"""Every check the project has. `nox` runs the default set; `nox -l` lists them all.
+
+Each session syncs its own venv from the one `uv.lock` (`--locked`: a stale lock fails instead of
+being silently rewritten). `tests-<member>` installs that member alone with only its declared
+dependencies and its `test` group, so an undeclared import fails there (uv#10630).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "tools"))
+from _workspace import members  # noqa: E402
+
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+nox.options.reuse_existing_virtualenvs = True
+
+MEMBERS = {m.folder.name: m.dist for m in members()}
+PYTEST = ("pytest", "-p", "no:cacheprovider")
+
+
+def uv_sync(session: nox.Session, *args: str) -> None:
+    """Sync this session's venv from the lock (the nox cookbook's uv idiom)."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--no-default-groups",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+def has_tests(folder: Path) -> bool:
+    return any(folder.rglob("test_*.py"))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff format + ruff check + the layout, file-size and declared-import checks."""
+    uv_sync(session, "--all-packages", "--group", "dev")
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+    session.run("python", "tools/check_layout.py")
+    session.run("python", "tools/check_file_size.py")
+    session.run("python", "tools/check_imports.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """pyright (standard mode) over every member's sources."""
+    uv_sync(session, "--all-packages", "--group", "dev")
+    session.run("pyright")
+
+
+def _member_tests(session: nox.Session, folder: str) -> None:
+    tests = ROOT / "packages" / folder / "tests"
+    if not has_tests(tests):
+        session.log(f"packages/{folder} has no tests yet; nothing to run")
+        return
+    uv_sync(session, "--package", MEMBERS[folder], "--group", "test", "--exact")
+    session.run(*PYTEST, str(tests), "-m", "not vllm and not npu and not cuda", *session.posargs)
+
+
+for _folder, _dist in MEMBERS.items():
+
+    @nox.session(name=f"tests-{_folder}")
+    def _tests(session: nox.Session, folder: str = _folder) -> None:
+        _member_tests(session, folder)
+
+    _tests.__doc__ = f"packages/{_folder}/tests with only {_dist} and its declared dependencies."
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Cross-package, multi-process tests in tests/ (real Mooncake engine over TCP on 127.0.0.1)."""
+    uv_sync(session, "--all-packages", "--group", "dev")
+    session.run(*PYTEST, "tests", "-m", "not vllm and not npu and not cuda", *session.posargs)
+
+
+@nox.session(default=False)
+def vllm(session: nox.Session) -> None:
+    """Adapter tests against the pinned vLLM's real classes (tests marked `vllm`)."""
+    uv_sync(session, "--all-packages", "--group", "dev", "--group", "vllm")
+    session.run(*PYTEST, "packages", "tests", "-m", "vllm", *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(default=False)
+def device(session: nox.Session) -> None:
+    """Tests that need real hardware: `nox -s device -- -m cuda` on an NVIDIA host, `-m npu` on Ascend."""
+    uv_sync(session, "--all-packages", "--group", "dev")
+    marker = session.posargs[1] if session.posargs[:1] == ["-m"] else "cuda or npu"
+    session.run(*PYTEST, "packages", "-m", marker)
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build every wheel as a publisher would, install each alone in a fresh venv, import it."""
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("uv", "build", "--all-packages", "--no-sources", "-o", str(dist), external=True)
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text("torch==2.14.0\n")
+    excludes = Path(session.create_tmp()) / "excludes.txt"
+    excludes.write_text("triton\ncuda-bindings\n")
+    wheels_by_dist = {w.name.split("-")[0].replace("_", "-"): w for w in dist.glob("*.whl")}
+    for member in members():
+        venv = Path(session.create_tmp()) / f"venv-{member.folder.name}"
+        session.run("uv", "venv", "--quiet", "--clear", "-p", sys.executable, str(venv), external=True)
+        python = str(venv / "bin" / "python")
+        # The member's wheel plus the wheels of the siblings it needs: sibling names resolve to our
+        # files, never to a same-named package on an index.
+        local = [str(wheels_by_dist[d]) for d in sorted(_sibling_closure(member.dist))]
+        session.run(
+            "uv", "pip", "install", "--quiet", "-p", python, "-c", str(constraints),
+            "--excludes", str(excludes), *local, external=True,
+        )  # fmt: skip
+        imports = "; ".join(f"import {m}" for m in member.imports)
+        session.run(python, "-c", f"{imports}; print('{member.dist}: imports ok')", external=True)
+    session.log("every wheel installs alone and imports")
+    _check_meta_wheel(session, dist, constraints, excludes, wheels_by_dist)
+
+
+def _sibling_closure(dist: str) -> set[str]:
+    by_name = {m.dist: m for m in members()}
+    seen, todo = set(), [dist]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(d for d in by_name[name].requirement_names(extras=False) if d in by_name)
+    return seen
+
+
+def _check_meta_wheel(
+    session: nox.Session, dist: Path, constraints: Path, excludes: Path, wheels_by_dist: dict[str, Path]
+) -> None:
+    """The meta-package with every member: entry points resolve, the command runs."""
+    venv = Path(session.create_tmp()) / "venv-all"
+    session.run("uv", "venv", "--quiet", "--clear", "-p", sys.executable, str(venv), external=True)
+    python = str(venv / "bin" / "python")
+    every = [str(w) for w in wheels_by_dist.values()]
+    session.run(
+        "uv", "pip", "install", "--quiet", "-p", python, "-c", str(constraints), "--excludes", str(excludes),
+        *every, external=True,
+    )  # fmt: skip
+    session.run(python, str(ROOT / "tools" / "check_layout.py"), "--installed", external=True)
+    session.run(str(venv / "bin" / "ascend-dist"), "demo", "--list", external=True)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Every installed benchmark scenario: `nox -s bench -- --json bench.json` (opt-in: it takes minutes)."""
+    uv_sync(session, "--all-packages", "--group", "dev")
+    session.run("ascend-dist", "bench", *session.posargs)
