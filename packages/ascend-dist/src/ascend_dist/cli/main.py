@@ -1,0 +1,75 @@
+"""Entry point of the `ascend-dist` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's argument parser: `doctor`, `demo`, `bench`."""
+    parser = argparse.ArgumentParser(
+        prog="ascend-dist", description="Distributed communication for vLLM on Ascend NPUs."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="report what is installed and usable, with fixes")
+    doctor.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+    for mode, text in (
+        ("demo", "run every subsystem end to end on loopback, verified byte for byte"),
+        ("bench", "measure each figure beside its raw-engine baseline from the same run"),
+    ):
+        cmd = sub.add_parser(mode, help=text)
+        cmd.add_argument("scenarios", nargs="*", help="scenario names (default: all installed)")
+        cmd.add_argument("--list", action="store_true", help="list the installed scenarios and exit")
+        cmd.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run")
+        cmd.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        if mode == "bench":
+            cmd.add_argument("--repeat", type=int, default=3, help="timed repetitions per figure (best kept)")
+    return parser
+
+
+def _list(mode: str) -> int:
+    from ascend_dist.cli.render import render_table
+    from ascend_dist.common.scenarios import discover_scenarios
+
+    available, broken = discover_scenarios()
+    rows = [(s.name, s.summary) for s in available.values() if mode in s.modes]
+    print(render_table(("scenario", "what it does"), rows) if rows else f"no {mode} scenarios are installed")
+    for name, reason in broken.items():
+        print(f"warning: scenario {name} could not be loaded: {reason}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    if args.command == "doctor":
+        from ascend_dist.cli.doctor import run_doctor
+
+        return run_doctor(json_path=args.json)
+    if args.list:
+        return _list(args.command)
+    from ascend_dist.cli.runner import run_scenarios
+
+    if args.command == "bench" and args.repeat < 1:
+        print("--repeat must be at least 1", file=sys.stderr)
+        return 2
+    return run_scenarios(
+        args.command,
+        args.scenarios,
+        quick=args.quick,
+        repeat=getattr(args, "repeat", 1),
+        json_path=args.json,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
