@@ -55,8 +55,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """pyright (standard mode) over every member's sources."""
-    uv_sync(session, "--all-packages", "--group", "dev")
+    """pyright (standard mode) over every member's sources, vLLM adapters against the pinned vLLM."""
+    uv_sync(session, "--all-packages", "--group", "dev", "--group", "vllm")
     session.run("pyright")
 
 

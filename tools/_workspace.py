@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ROOT / "packages"
 META_FOLDER = "ascend-dist"
 # The meta-package is the one exception to folder <-> distribution <-> import naming.
-META_IMPORTS = ("ascend_dist.plugin", "ascend_dist.cli")
+META_IMPORTS = ("ascend_dist.plugin", "ascend_dist.cli", "ascend_dist.parallel")
 
 
 @dataclass(frozen=True)

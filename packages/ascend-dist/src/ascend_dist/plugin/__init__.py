@@ -45,10 +45,7 @@ def _register_kv_connectors() -> None:
     rows = [row for row in KV_CONNECTORS if _installed(row[1])]
     if not rows:
         return
-    # vllm is the optional `vllm` extra, absent from the typecheck venv.
-    from vllm.distributed.kv_transfer.kv_connector.factory import (  # pyright: ignore[reportMissingImports]
-        KVConnectorFactory,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     for name, module_path, class_name in rows:
         try:
