@@ -1,0 +1,133 @@
+"""Worker side of the recompute (preempt) CPU offload connector (kv-offload spec 4.4, F11).
+
+Runs in: each worker process. Copies go through the batched, ordered `OffloadWorker` handlers
+instead of upstream's per-block copies after a full device synchronize, but the store stays
+synchronous inside ``handle_preemptions``: the preempted request's device blocks are already free
+and may be written by another request later in this same step.
+
+Host block ids run ``1..num_cpu_blocks`` (0 is the null block), so the host tensors hold
+``num_cpu_blocks + 1`` rows; the count comes from the scheduler's `HostCapacity` (spec F5).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ascend_dist.common.block_views import BlockView
+from ascend_dist.common.device import DeviceRuntime
+from ascend_dist.kv_offload.capacity import HostCapacity, check_worker_capacity
+from ascend_dist.kv_offload.messages import NO_EVENT, RecomputeMetadata, RecomputeWorkerMeta
+from ascend_dist.kv_offload.offload_worker import OffloadWorker
+from ascend_dist.kv_offload.transfer import DEFAULT_WAIT_S
+
+__all__ = ["RecomputeWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+class RecomputeWorker:
+    """Synchronous stores on preemption, asynchronous restores polled once per step."""
+
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        views: Sequence[BlockView],
+        capacity: HostCapacity,
+        *,
+        timeout_s: float = DEFAULT_WAIT_S,
+    ) -> None:
+        """Allocate the host blocks (the scheduler's count) and the two handlers.
+
+        Args:
+            runtime: the device runtime.
+            views: the unique canonical views of every KV-cache tensor.
+            capacity: the host capacity computed once by the scheduler-side formula.
+            timeout_s: deadline of the synchronous store.
+        """
+        self.transfers = OffloadWorker(runtime, views, num_chunks=capacity.num_cpu_blocks + 1)
+        check_worker_capacity(self.transfers.mirror.num_chunks - 1, capacity)
+        self._timeout_s = timeout_s
+        self._meta: RecomputeMetadata | None = None
+        self._submitted_loads: dict[int, tuple[str, ...]] = {}
+        self._fenced_this_step = False
+        self._completed_stores: dict[int, int] = {}
+        self._failed_stores: list[int] = []
+        self._load_errors: set[int] = set()
+
+    def bind_connector_metadata(self, meta: RecomputeMetadata) -> None:
+        """Take this step's plan."""
+        self._meta = meta
+        self._fenced_this_step = False
+
+    def clear_connector_metadata(self) -> None:
+        """End of step."""
+        self._meta = None
+
+    def handle_preemptions(self, meta: RecomputeMetadata | None = None) -> None:
+        """Finish in-flight loads, then store this step's preempted blocks and wait for them.
+
+        Raises:
+            DeadlineExceeded: the store did not finish within the deadline.
+        """
+        meta = meta or self._meta
+        if meta is None or not meta.need_flush:
+            return
+        self.transfers.load.wait(self._submitted_loads, self._timeout_s)
+        event = meta.store_event
+        if event == NO_EVENT:
+            return
+        if not meta.store_gpu_blocks:
+            self._completed_stores[event] = 1
+            return
+        self.transfers.submit_store(event, meta.store_gpu_blocks, meta.store_cpu_blocks)
+        self.transfers.store.wait([event], self._timeout_s)
+        for result in self.transfers.store.get_finished():
+            if result.success:
+                self._completed_stores[result.job_id] = 1
+            else:
+                logger.warning("recompute store %d failed: %s", result.job_id, result.error)
+                self._failed_stores.append(result.job_id)
+
+    def start_load_kv(self) -> None:
+        """Submit this step's restore (once per event, however often this is called)."""
+        meta = self._meta
+        if meta is None or meta.load_event == NO_EVENT or meta.load_event in self._submitted_loads:
+            return
+        reqs = meta.load_event_to_reqs.get(meta.load_event, ())
+        self._submitted_loads[meta.load_event] = reqs
+        self.transfers.submit_load(meta.load_event, meta.load_cpu_blocks, meta.load_gpu_blocks)
+
+    def wait_for_layer_load(self) -> None:
+        """Once per step: the compute stream waits for the restores submitted so far."""
+        if not self._fenced_this_step and self._submitted_loads:
+            self.transfers.load.fence(self._submitted_loads)
+            self._fenced_this_step = True
+
+    def get_finished(self) -> set[str] | None:
+        """Request ids whose restore finished (successfully or not) since the last call."""
+        done: set[str] = set()
+        for result in self.transfers.load.get_finished():
+            reqs = self._submitted_loads.pop(result.job_id, ())
+            if not result.success:
+                logger.warning("recompute load %d failed for %s: recompute them", result.job_id, list(reqs))
+                self._load_errors.update(result.failed_block_ids)
+            done.update(reqs)
+        return done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device blocks whose restore failed since the last call (the scheduler recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> RecomputeWorkerMeta | None:
+        """Stores finished (or failed) since the last call, or None."""
+        if not self._completed_stores and not self._failed_stores:
+            return None
+        meta = RecomputeWorkerMeta(completed_stores=self._completed_stores, failed_stores=tuple(self._failed_stores))
+        self._completed_stores, self._failed_stores = {}, []
+        return meta
+
+    def shutdown(self) -> None:
+        """Drain both directions."""
+        self.transfers.shutdown(self._timeout_s)

@@ -1,0 +1,178 @@
+"""Recompute, simple and UCM connectors against the pinned vLLM's real classes (nox session vllm).
+
+One preempt/restore cycle runs through the real factory-registered connector class, vLLM's real
+BlockPool, Request, KVCacheBlocks and KVConnectorOutput; a scheduler-role and a worker-role
+connector talk only through vLLM's metadata objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+NUM_BLOCKS = 16
+BLOCK = 16
+
+
+def _register(name: str, module: str, cls: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, cls)
+
+
+def _configs(name: str, extra: dict[str, Any], *, prefix_caching: bool = False) -> tuple[Any, Any]:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    vllm_config = VllmConfig(
+        device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(enable_prefix_caching=prefix_caching),
+        kv_transfer_config=KVTransferConfig(kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra),
+    )
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.int8)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=NUM_BLOCKS * page, layers=["l0"], layer_stride=NUM_BLOCKS * page, block_stride=page)
+    return vllm_config, KVCacheConfig(NUM_BLOCKS, [tensor], [KVCacheGroupSpec(["l0"], spec)])
+
+
+def _kv() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    shape = (NUM_BLOCKS, BLOCK, 1, 4)
+    return (
+        torch.randint(-128, 127, shape, dtype=torch.int8, generator=gen),
+        torch.randint(-128, 127, shape, dtype=torch.int8, generator=gen),
+    )
+
+
+def test_recompute_preempt_reuse_restore_cycle() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    _register("RecomputeCPUOffloadConnector", "ascend_dist.kv_offload.vllm_recompute", "RecomputeCPUOffloadConnector")
+    vllm_config, kv_config = _configs("RecomputeCPUOffloadConnector", {"cpu_bytes_to_use": "8 KiB"})
+    sched = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_config)
+    worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_config)
+    pool = BlockPool(NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK)
+    sched.bind_gpu_block_pool(pool)
+    k, v = _kv()
+    worker.register_kv_caches({"l0": (k, v)})
+    request = Request("A", list(range(40)), SamplingParams(max_tokens=4), None)
+    blocks = pool.get_new_blocks(3)
+    ids = [b.block_id for b in blocks]
+    saved = (k[ids].clone(), v[ids].clone())
+    assert sched.update_state_before_preempt(request, [ids], 40)
+    pool.free_blocks(blocks)  # the scheduler preempts A: its blocks are free at once
+    meta = sched.build_connector_meta(None)
+    worker.bind_connector_metadata(meta)
+    worker.handle_preemptions(meta)  # synchronous store
+    k.fill_(1)  # another request reuses every block in this step
+    v.fill_(1)
+    assert worker.get_finished(set()) == (None, None)
+    out = KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    sched.update_connector_output(out)
+    assert sched.get_num_new_matched_tokens(request, 0) == (40, True)
+    new_blocks = pool.get_new_blocks(3)
+    sched.update_state_after_alloc(request, KVCacheBlocks((new_blocks,)), 40)
+    assert all(b.ref_cnt == 2 for b in new_blocks)  # pinned during the restore
+    worker.bind_connector_metadata(sched.build_connector_meta(None))
+    worker.start_load_kv(None)
+    worker.wait_for_layer_load("l0")
+    worker.worker.transfers.wait(worker.worker.transfers.load.pending(), 10.0)
+    assert worker.get_finished(set()) == (None, {"A"})
+    new_ids = [b.block_id for b in new_blocks]
+    assert torch.equal(k[new_ids], saved[0]) and torch.equal(v[new_ids], saved[1])
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"A"}))
+    assert all(b.ref_cnt == 1 for b in new_blocks) and not sched.has_pending_push_work()
+    worker.shutdown()
+
+
+def test_simple_worker_override_and_ucm_wrapper_without_ucm() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleCPUOffloadWorkerMetadata
+
+    from ascend_dist.kv_offload.ucm import UcmUnavailable
+    from ascend_dist.kv_offload.vllm_simple import AscendSimpleCPUOffloadConnector, AscendSimpleWorkerHandler
+    from ascend_dist.kv_offload.vllm_ucm import UCMConnector
+
+    _register("SimpleCPUOffloadConnector", "ascend_dist.kv_offload.vllm_simple", "AscendSimpleCPUOffloadConnector")
+    _register("UCMConnector", "ascend_dist.kv_offload.vllm_ucm", "UCMConnector")
+    vllm_config, kv_config = _configs("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 4096}, prefix_caching=True)
+    conn = AscendSimpleCPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
+    assert isinstance(conn.worker_handler, AscendSimpleWorkerHandler)
+    k, v = _kv()
+    conn.register_kv_caches({"l0": (k, v)})
+    assert conn.get_aligned_num_cpu_blocks() == conn.worker_handler.num_cpu_blocks == 32
+    meta = SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3, 4], store_cpu_blocks=[0, 1])
+    conn.bind_connector_metadata(meta)
+    conn.wait_for_save()
+    conn.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+    conn.get_finished(set())
+    worker_meta = conn.build_connector_worker_meta()
+    assert isinstance(worker_meta, SimpleCPUOffloadWorkerMetadata) and worker_meta.completed_store_events == {0: 1}
+    conn.clear_connector_metadata()
+    load = SimpleCPUOffloadMetadata(
+        load_event=0, load_gpu_blocks=[9, 10], load_cpu_blocks=[0, 1], load_event_to_reqs={0: ["r"]}
+    )
+    conn.bind_connector_metadata(load)
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    conn.handle_preemptions(SimpleCPUOffloadMetadata(need_flush=True))
+    assert conn.get_finished(set()) == (None, {"r"})
+    assert torch.equal(k[9:11], k[3:5]) and torch.equal(v[9:11], v[3:5])
+    conn.shutdown()
+    ucm_config, _ = _configs("UCMConnector", {})
+    with pytest.raises(UcmUnavailable, match="uc-manager"):
+        UCMConnector(ucm_config, KVConnectorRole.SCHEDULER, kv_config)
+
+
+class _FakeUcm:
+    """Our stand-in for UCM's dispatcher (two-argument constructor, like the 2026-04 snapshot)."""
+
+    calls: ClassVar[list[tuple[str, tuple[Any, ...]]]] = []
+
+    def __init__(self, vllm_config: Any, role: Any) -> None:
+        self.connector = _FakeInner()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        self.calls.append(("match", (request, num_computed)))
+        return 32, False
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        self.calls.append(("finished", (request, tuple(block_ids))))
+        return False, None
+
+    def shutdown(self) -> None:  # the dispatcher's own: wins over the inner one
+        self.calls.append(("shutdown", ()))
+
+
+class _FakeInner:
+    def reset_cache(self) -> bool:
+        return True
+
+
+def test_ucm_adapter_delegates_to_the_dispatcher() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from ascend_dist.kv_offload.vllm_ucm import UCMConnector
+
+    class FakeUCMConnector(UCMConnector):
+        dispatcher_cls = _FakeUcm
+
+    _register("UCMConnector", "ascend_dist.kv_offload.vllm_ucm", "UCMConnector")
+    ucm_config, kv_config = _configs("UCMConnector", {})
+    conn = FakeUCMConnector(ucm_config, KVConnectorRole.SCHEDULER, kv_config)
+    assert conn.get_num_new_matched_tokens("req", 0) == (32, False)
+    assert conn.request_finished_all_groups("req", ([1, 2],)) == (False, None)
+    assert conn.reset_cache() is True and conn.take_events() == () and conn.handle_preemptions(None) is None
+    conn.shutdown()
+    assert [c[0] for c in _FakeUcm.calls] == ["match", "finished", "shutdown"]
