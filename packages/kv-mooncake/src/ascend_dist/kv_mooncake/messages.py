@@ -1,0 +1,184 @@
+"""Every message of the pull connector that crosses a process: msgspec Structs, tagged unions.
+
+Runs in: P workers (server side), D workers (client side), schedulers (``kv_transfer_params``).
+Nothing is pickled. The side channel is request/reply over `ascend_dist.common.zmq_server`:
+
+| request (D -> P) | reply (P -> D) |
+|---|---|
+| `GetMeta` (D's `Handshake`) | `MetaReply` (P's handshake + `AgentMetadata`) or `Refused` |
+| `Renew` (extend the lease of a request's blocks) | `Ack` |
+| `Done` (D finished with a request, ok or not) | `Ack` |
+
+Schema evolution follows `ascend_dist.common.wire`: new fields get defaults; an incompatible change
+bumps `PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.wire import Codec, Handshake
+
+__all__ = [
+    "PROTOCOL",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "AgentMetadata",
+    "Done",
+    "GetMeta",
+    "MetaReply",
+    "Refused",
+    "Renew",
+    "TensorMeta",
+    "TransferParams",
+    "parse_transfer_params",
+    "reply_codec",
+    "request_codec",
+]
+
+PROTOCOL = "kv-mooncake/pull"
+PROTOCOL_VERSION = 1
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    """One registered KV tensor: ``[base, block_len, stride, tokens, heads, head_bytes]``."""
+
+    base: int
+    block_len: int
+    stride: int
+    tokens: int
+    heads: int
+    head_bytes: int
+
+
+class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """What a P worker tells D about its KV cache.
+
+    Attributes:
+        engine_id: P's engine id.
+        te_session: Mooncake session id ``"<host>:<rpc_port>"``.
+        tp_rank: P worker's tp rank.
+        pp_rank: P worker's pp rank.
+        block_size: Tokens per logical block.
+        num_blocks: Logical blocks per tensor.
+        layers: Layer name -> its tensors (K, V or MLA parts) in order.
+    """
+
+    engine_id: str
+    te_session: str
+    tp_rank: int
+    pp_rank: int
+    block_size: int
+    num_blocks: int
+    layers: dict[str, list[TensorMeta]]
+
+
+class GetMeta(msgspec.Struct, frozen=True, kw_only=True, tag="get_meta"):
+    """D asks for a P worker's metadata, presenting its handshake."""
+
+    handshake: Handshake
+    engine_id: str
+
+
+class Renew(msgspec.Struct, frozen=True, kw_only=True, tag="renew"):
+    """D is about to pull these requests: P extends their leases."""
+
+    request_ids: list[str]
+
+
+class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
+    """D rank ``d_rank`` finished pulling ``request_id`` (successfully or not)."""
+
+    request_id: str
+    d_rank: int
+    ok: bool = True
+
+
+class MetaReply(msgspec.Struct, frozen=True, kw_only=True, tag="meta"):
+    """P's answer to `GetMeta`."""
+
+    handshake: Handshake
+    metadata: AgentMetadata
+
+
+class Refused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
+    """P refused D's handshake; ``field`` names the first difference."""
+
+    field: str
+    local: str
+    remote: str
+
+
+class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack"):
+    """Acknowledges `Renew` or `Done`; ``known`` says whether P tracked the request."""
+
+    known: bool = True
+
+
+Request = GetMeta | Renew | Done
+Reply = MetaReply | Refused | Ack
+
+
+def request_codec(max_bytes: int) -> Codec[Request]:
+    """Codec of D -> P messages."""
+    return Codec(Request, max_bytes=max_bytes)
+
+
+def reply_codec(max_bytes: int) -> Codec[Reply]:
+    """Codec of P -> D replies."""
+    return Codec(Reply, max_bytes=max_bytes)
+
+
+class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """``kv_transfer_params`` P returns through the proxy to D (spec §5.2).
+
+    ``remote_block_ids`` has one list per KV-cache group (P's logical ids, already trimmed).
+    """
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: list[list[int]] | None = None
+    remote_ptp_size: int | None = None
+    remote_block_size: int | None = None
+    num_prompt_blocks: int = 0
+    num_computed_tokens: int = 0
+    last_token_id: int | None = None
+    do_virtual: bool = False
+
+
+_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def parse_transfer_params(raw: Mapping[str, Any]) -> TransferParams:
+    """Validate a ``kv_transfer_params`` dict.
+
+    Raises:
+        ConfigError: A key has the wrong type; the error names ``kv_transfer_params.<key>``.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError("kv_transfer_params", type(raw).__name__, "a dict")
+    try:
+        params = msgspec.convert(dict(raw), TransferParams, strict=False)
+    except msgspec.ValidationError as exc:
+        match = _PATH_RE.search(str(exc))
+        key = match.group(1) if match else "?"
+        raise ConfigError(f"kv_transfer_params.{key}", raw.get(key.split("[")[0]), str(exc)) from exc
+    if params.do_remote_prefill:
+        for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids"):
+            if getattr(params, key) is None:
+                raise ConfigError(f"kv_transfer_params.{key}", None, "present when do_remote_prefill is true")
+        port = params.remote_port
+        if port is not None and not 0 < port <= 65535:
+            raise ConfigError("kv_transfer_params.remote_port", port, "an int in [1, 65535]")
+        if any(b < 0 for ids in params.remote_block_ids or [] for b in ids):
+            raise ConfigError("kv_transfer_params.remote_block_ids", params.remote_block_ids, "non-negative ids")
+    return params

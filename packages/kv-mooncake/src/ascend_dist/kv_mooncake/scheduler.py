@@ -1,0 +1,240 @@
+"""Scheduler side of the pull connector: what D loads, what P lends, and the hand-off params.
+
+Runs in: the scheduler process of P and of D (the same class; the role decides what fires).
+Works on plain values (`SchedRequest`, block-id lists); the vLLM adapter translates vLLM's
+objects. Each tracked request has one state in an explicit table, and every entry is dropped when
+the request finishes, so nothing accumulates.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.ports import PortLayout
+from ascend_dist.common.states import StateTable
+from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.messages import parse_transfer_params
+from ascend_dist.kv_mooncake.plan import trim_block_ids
+
+__all__ = ["PullMetadata", "PullScheduler", "RecvState", "ReqMeta", "SchedRequest"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedRequest:
+    """What the scheduler hooks read from a request.
+
+    Attributes:
+        request_id: The engine's request id.
+        prompt_len: Prompt tokens.
+        kv_transfer_params: The request's params dict (mutated in place, as vLLM does).
+        length_capped: The request finished because it hit ``max_tokens`` (P's normal end).
+    """
+
+    request_id: str
+    prompt_len: int
+    kv_transfer_params: dict[str, Any] | None
+    length_capped: bool = False
+
+
+class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """One pull for the D workers (or an empty receive, when ``local_block_ids`` are all empty)."""
+
+    request_id: str
+    local_block_ids: list[list[int]]
+    remote_block_ids: list[list[int]]
+    num_computed_tokens: int
+    remote_request_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_ptp_size: int
+    do_virtual: bool = False
+
+
+class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """One step's work for the workers: D's pulls, P's delayed frees, the batch's ids."""
+
+    requests: dict[str, ReqMeta] = {}
+    to_send: list[str] = []
+    in_batch: list[str] = []
+
+
+class RecvState(enum.Enum):
+    """A D request on the scheduler."""
+
+    MATCHED = enum.auto()
+    ALLOCATED = enum.auto()
+
+
+RECV_TRANSITIONS: Final = {
+    RecvState.MATCHED: frozenset({RecvState.ALLOCATED}),
+    RecvState.ALLOCATED: frozenset(),
+}
+
+
+class PullScheduler:
+    """The scheduler half of ``MooncakeConnectorV1``."""
+
+    def __init__(self, config: PullConfig, block_sizes: Sequence[int], window_blocks: Sequence[int] = ()) -> None:
+        """Create the scheduler.
+
+        Args:
+            config: The connector configuration.
+            block_sizes: Tokens per block of each KV-cache group.
+            window_blocks: Per group, ``ceil(window / block) + 1`` for sliding-window groups, else 0.
+
+        Raises:
+            ConfigError: No groups, or the lists differ in length.
+        """
+        if not block_sizes or any(b <= 0 for b in block_sizes):
+            raise ConfigError("block_sizes", list(block_sizes), "one positive int per KV-cache group")
+        windows = list(window_blocks) or [0] * len(block_sizes)
+        if len(windows) != len(block_sizes):
+            raise ConfigError("window_blocks", windows, f"{len(block_sizes)} entries (one per group)")
+        self._config = config
+        self._block_sizes = list(block_sizes)
+        self._windows = windows
+        layout = PortLayout(
+            kv_port=config.kv_port,
+            tp_size=config.prefill.tp_size,
+            pp_size=config.prefill.pp_size,
+            dp_size=config.prefill.dp_size,
+        )
+        self._remote_port = layout.dp_base(config.dp_rank) if config.is_producer else 0
+        self._recv: StateTable[RecvState] = StateTable(RECV_TRANSITIONS, name="recv")
+        self._pending: dict[str, ReqMeta] = {}
+        self._to_send: list[str] = []
+        self._in_batch: set[str] = set()
+
+    @property
+    def tracked(self) -> int:
+        """Requests with scheduler state (0 when idle: nothing leaks)."""
+        return len(self._recv) + len(self._pending) + len(self._to_send) + len(self._in_batch)
+
+    def get_num_new_matched_tokens(self, request: SchedRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens D will load from P beyond its local prefix hit, and whether asynchronously.
+
+        Raises:
+            ConfigError: The request's ``kv_transfer_params`` are invalid (names the key).
+        """
+        if not request.kv_transfer_params:
+            return 0, False
+        params = parse_transfer_params(request.kv_transfer_params)
+        if not params.do_remote_prefill:
+            return 0, False
+        request.kv_transfer_params["num_computed_tokens"] = num_computed_tokens
+        count = max(request.prompt_len - num_computed_tokens, 0)
+        if count == 0:
+            return 0, False
+        if request.request_id not in self._recv:
+            self._recv.add(request.request_id, RecvState.MATCHED)
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: SchedRequest, local_block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """Record D's pull into the freshly allocated (not prefix-hit) blocks.
+
+        Args:
+            request: The request.
+            local_block_ids: Per group, the new blocks to load into.
+            num_external_tokens: What `get_num_new_matched_tokens` promised (0 = nothing to load).
+        """
+        raw = request.kv_transfer_params
+        if not raw:
+            return
+        params = parse_transfer_params(raw)
+        if params.do_remote_prefill or params.do_remote_decode:
+            self._in_batch.add(request.request_id)
+        if not params.do_remote_prefill:
+            return
+        groups = len(self._block_sizes)
+        local = [list(ids) for ids in local_block_ids] if num_external_tokens > 0 else [[] for _ in range(groups)]
+        if len(local) != groups:
+            raise ConfigError("local_block_ids", f"<{len(local)} groups>", f"{groups} lists (one per KV-cache group)")
+        self._pending[request.request_id] = self._req_meta(request.request_id, params, local, raw)
+        if request.request_id in self._recv:
+            self._recv.advance(request.request_id, RecvState.ALLOCATED)
+        raw["do_remote_prefill"] = False
+
+    def _req_meta(self, request_id: str, params: Any, local: list[list[int]], raw: dict[str, Any]) -> ReqMeta:
+        remote = [list(ids) for ids in params.remote_block_ids or []]
+        if len(remote) != len(local):
+            raise ConfigError(
+                "kv_transfer_params.remote_block_ids",
+                f"<{len(remote)} groups>",
+                f"{len(local)} lists (one per KV-cache group)",
+            )
+        return ReqMeta(
+            request_id=request_id,
+            local_block_ids=local,
+            remote_block_ids=remote,
+            num_computed_tokens=int(raw.get("num_computed_tokens", 0)),
+            remote_request_id=params.remote_request_id or "",
+            remote_engine_id=params.remote_engine_id or "",
+            remote_host=params.remote_host or "",
+            remote_port=params.remote_port or 0,
+            remote_ptp_size=params.remote_ptp_size or self._config.prefill.tp_size,
+            do_virtual=params.do_virtual,
+        )
+
+    def build_connector_meta(self) -> PullMetadata:
+        """This step's work for the workers; resets the pending collections."""
+        meta = PullMetadata(requests=self._pending, to_send=self._to_send, in_batch=sorted(self._in_batch))
+        for rid in self._pending:
+            if rid in self._recv:
+                self._recv.pop(rid)
+        self._pending, self._to_send, self._in_batch = {}, [], set()
+        return meta
+
+    def request_finished(
+        self, request: SchedRequest, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Decide delayed free and P's hand-off params (spec §5.2, §5.3.6).
+
+        Returns:
+            ``(delay_free, kv_transfer_params)``.
+        """
+        if request.request_id in self._recv:
+            self._recv.pop(request.request_id)
+        raw = request.kv_transfer_params
+        if not raw:
+            return False, None
+        params = parse_transfer_params(raw)
+        if params.do_remote_prefill:
+            # D request rejected before allocation: an empty receive still tells P to free.
+            empty = [[] for _ in self._block_sizes]
+            self._pending[request.request_id] = self._req_meta(request.request_id, params, empty, raw)
+            raw["do_remote_prefill"] = False
+            return False, None
+        if not params.do_remote_decode or not request.length_capped:
+            return False, None
+        trimmed = [
+            trim_block_ids(ids, request.prompt_len, bs, win)
+            for ids, bs, win in zip(block_ids, self._block_sizes, self._windows, strict=True)
+        ]
+        delay = any(trimmed)
+        if delay:
+            self._to_send.append(request.request_id)
+        return delay, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": trimmed,
+            "remote_engine_id": self._config.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self._config.host,
+            "remote_port": self._remote_port,
+            "remote_ptp_size": self._config.prefill.tp_size,
+            "remote_block_size": self._block_sizes[0],
+            "num_prompt_blocks": math.ceil(request.prompt_len / self._block_sizes[0]),
+        }

@@ -1,0 +1,258 @@
+"""A synthetic P or D instance: paged KV caches, a block allocator, the real scheduler and workers.
+
+Runs in: the ``pd`` demo/bench scenario, the package's tests and the P child process
+(`ascend_dist.kv_mooncake.pd_peer`). Every worker of the instance (TP x PP ranks) lives in this
+process and shares its Mooncake engine; P and D are separate processes. KV contents are a
+deterministic function of (request seed, layer, part, global head, token position, element), so D
+can verify every byte it pulled without seeing P's memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded
+from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.engine import TransferBackend
+from ascend_dist.kv_mooncake.plan import head_range, pp_layer_ranges
+from ascend_dist.kv_mooncake.scheduler import PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.worker import PullWorker
+
+__all__ = ["Model", "SyntheticInstance", "pattern"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """Shape of the synthetic model.
+
+    Attributes:
+        layers: Transformer layers.
+        heads: Total KV heads (ignored for MLA).
+        head_dim: Elements per head (MLA: the first part's width).
+        block_size: Tokens per block.
+        num_blocks: Blocks per tensor on each rank.
+        mla: One replicated latent cache with two parts (``head_dim`` and ``head_dim // 8``).
+        groups: KV-cache groups (layer i belongs to group ``i % groups``).
+    """
+
+    layers: int = 4
+    heads: int = 4
+    head_dim: int = 64
+    block_size: int = 16
+    num_blocks: int = 64
+    mla: bool = False
+    groups: int = 1
+
+    def layer_name(self, i: int) -> str:
+        """vLLM-style layer name."""
+        return f"model.layers.{i}.self_attn.attn"
+
+    def part_dims(self) -> list[int]:
+        """Element width of each tensor of a layer."""
+        return [self.head_dim, max(1, self.head_dim // 8)] if self.mla else [self.head_dim, self.head_dim]
+
+
+def pattern(
+    seed: int, layer: int, part: int, heads: torch.Tensor, positions: torch.Tensor, *, dim: int
+) -> torch.Tensor:
+    """Expected int16 contents ``[len(positions), tokens, len(heads), dim]`` for positions ``[n, tokens]``."""
+    d = torch.arange(dim, dtype=torch.int64)
+    v = (
+        seed * 1_000_003
+        + layer * 7_919
+        + part * 104_729
+        + heads[None, None, :, None] * 1_299_709
+        + positions[:, :, None, None] * 15_485_863
+        + d[None, None, None, :]
+    )
+    return (v % 32_749).to(torch.int16)
+
+
+@dataclass
+class _Rank:
+    tp: int
+    pp: int
+    layers: list[int]
+    caches: dict[str, tuple[torch.Tensor, ...]]
+    worker: PullWorker
+
+
+@dataclass
+class SyntheticInstance:
+    """One P or D instance with all its worker ranks in this process."""
+
+    config: PullConfig
+    model: Model
+    engine: TransferBackend | None = None
+    ranks: list[_Rank] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        topo = self.config.prefill if self.config.is_producer else self.config.decode
+        self.tp, self.pp = topo.tp_size, topo.pp_size
+        self.scheduler = PullScheduler(self.config, [self.model.block_size] * self.model.groups)
+        self.free: list[list[int]] = [list(range(1, self.model.num_blocks)) for _ in range(self.model.groups)]
+        self.blocks: dict[str, list[list[int]]] = {}
+        self.requests: dict[str, SchedRequest] = {}
+        stages = pp_layer_ranges(self.model.layers, self.pp, topo.pp_layer_partition)
+        for pp in range(self.pp):
+            for tp in range(self.tp):
+                self.ranks.append(self._make_rank(tp, pp, list(range(*stages[pp]))))
+
+    def _heads(self, tp: int) -> tuple[int, int]:
+        return (0, 1) if self.model.mla else head_range(tp, self.tp, self.model.heads)
+
+    def _make_rank(self, tp: int, pp: int, layers: list[int]) -> _Rank:
+        m = self.model
+        _, count = self._heads(tp)
+        dims = m.part_dims()
+        per_layer = sum(m.num_blocks * m.block_size * count * d for d in dims)
+        storage = torch.zeros(per_layer * len(layers), dtype=torch.int16)
+        caches: dict[str, tuple[torch.Tensor, ...]] = {}
+        offset = 0
+        for i in layers:
+            parts = []
+            for d in dims:
+                n = m.num_blocks * m.block_size * count * d
+                parts.append(storage[offset : offset + n].view(m.num_blocks, m.block_size, count, d))
+                offset += n
+            caches[m.layer_name(i)] = tuple(parts)
+        worker = PullWorker(
+            self.config, tp_rank=tp, pp_rank=pp, num_kv_heads=m.heads, use_mla=m.mla, engine=self.engine
+        )
+        groups = [[m.layer_name(i) for i in layers if i % m.groups == g] for g in range(m.groups)]
+        worker.register_kv_caches(caches, groups=groups, num_blocks=m.num_blocks, block_size=m.block_size)
+        return _Rank(tp, pp, layers, caches, worker)
+
+    def _alloc(self, rid: str, tokens: int) -> list[list[int]]:
+        n = -(-tokens // self.model.block_size)
+        if any(len(f) < n for f in self.free):
+            raise ConfigError("num_blocks", self.model.num_blocks, f"enough free blocks for {n} more")
+        ids = [[f.pop(0) for _ in range(n)] for f in self.free]
+        self.blocks[rid] = ids
+        return ids
+
+    def release(self, rid: str) -> None:
+        """Return a request's blocks to the free lists."""
+        for free, ids in zip(self.free, self.blocks.pop(rid, []), strict=False):
+            free.extend(ids)
+        self.requests.pop(rid, None)
+
+    def _step(self) -> None:
+        meta = self.scheduler.build_connector_meta()
+        for r in self.ranks:
+            r.worker.start_load_kv(meta)
+
+    def prefill(self, rid: str, prompt_len: int, seed: int) -> dict[str, object]:
+        """P: run a request's prefill (fill its KV with the pattern) and return kv_transfer_params."""
+        req = SchedRequest(rid, prompt_len, {"do_remote_decode": True})
+        self.requests[rid] = req
+        self.scheduler.get_num_new_matched_tokens(req, 0)
+        ids = self._alloc(rid, prompt_len)
+        self.scheduler.update_state_after_alloc(req, ids, 0)
+        self._step()
+        self.fill(rid, seed, 0)
+        req.length_capped = True
+        delay, params = self.scheduler.request_finished(req, ids)
+        self._step()
+        if not delay or params is None:
+            raise ConfigError("prompt_len", prompt_len, "a prompt that yields blocks to send")
+        return params
+
+    def fill(self, rid: str, seed: int, first_position: int) -> None:
+        """Write the pattern into a request's blocks on every rank."""
+        m = self.model
+        for r in self.ranks:
+            first, count = self._heads(r.tp)
+            heads = torch.arange(first, first + count)
+            for i in r.layers:
+                ids = self.blocks[rid][i % m.groups]
+                pos = first_position + torch.arange(len(ids) * m.block_size).view(len(ids), m.block_size)
+                for part, t in enumerate(r.caches[m.layer_name(i)]):
+                    t[torch.tensor(ids)] = pattern(seed, i, part, heads, pos, dim=t.shape[3])
+
+    def decode(self, rid: str, prompt_len: int, params: dict[str, object], computed_tokens: int = 0) -> int:
+        """D: accept P's params, allocate, queue the pull; returns the tokens to load."""
+        req = SchedRequest(rid, prompt_len, dict(params))
+        self.requests[rid] = req
+        count, _ = self.scheduler.get_num_new_matched_tokens(req, computed_tokens)
+        ids = self._alloc(rid, count)
+        self.scheduler.update_state_after_alloc(req, ids, count)
+        self._step()
+        return count
+
+    def poll(self) -> tuple[set[str], set[str], set[int]]:
+        """Aggregate over ranks: (finished_sending, finished_recving, load-error block ids).
+
+        A request counts as finished only once every rank reported it (as vLLM aggregates).
+        """
+        sending: list[set[str]] = []
+        recving: list[set[str]] = []
+        errors: set[int] = set()
+        for r in self.ranks:
+            errors |= r.worker.get_block_ids_with_load_errors()
+            s, v = r.worker.get_finished()
+            sending.append(s)
+            recving.append(v)
+        self._seen_s = getattr(self, "_seen_s", {})
+        self._seen_r = getattr(self, "_seen_r", {})
+        return self._aggregate(self._seen_s, sending), self._aggregate(self._seen_r, recving), errors
+
+    def _aggregate(self, seen: dict[str, int], reports: Sequence[set[str]]) -> set[str]:
+        done = set()
+        for rep in reports:
+            for rid in rep:
+                seen[rid] = seen.get(rid, 0) + 1
+                if seen[rid] == len(self.ranks):
+                    done.add(rid)
+                    del seen[rid]
+        return done
+
+    def wait_recv(self, rids: set[str], timeout_s: float) -> set[int]:
+        """D: poll until every request in ``rids`` finished receiving; return load errors seen."""
+        deadline = time.monotonic() + timeout_s
+        pending, errors = set(rids), set()
+        while pending:
+            _, recv, errs = self.poll()
+            errors |= errs
+            pending -= recv
+            if pending and time.monotonic() > deadline:
+                raise DeadlineExceeded(f"requests {sorted(pending)[:4]} not received within {timeout_s} s")
+            if pending:
+                time.sleep(0.001)
+        return errors
+
+    def verify(self, rid: str, seed: int, computed_tokens: int = 0) -> int:
+        """D: compare every pulled byte of a request with the pattern; return bytes checked."""
+        m = self.model
+        checked = 0
+        first_block = computed_tokens // m.block_size
+        for r in self.ranks:
+            first, count = self._heads(r.tp)
+            heads = torch.arange(first, first + count)
+            for i in r.layers:
+                ids = self.blocks[rid][i % m.groups]
+                pos = (first_block + torch.arange(len(ids)))[:, None] * m.block_size + torch.arange(m.block_size)[
+                    None, :
+                ]
+                for part, t in enumerate(r.caches[m.layer_name(i)]):
+                    got = t[torch.tensor(ids)]
+                    if not torch.equal(got, pattern(seed, i, part, heads, pos, dim=t.shape[3])):
+                        raise AssertionError(f"{rid}: layer {i} part {part} rank tp{r.tp} differs from P's bytes")
+                    checked += got.numel() * got.element_size()
+        return checked
+
+    def finish_decode(self, rid: str) -> None:
+        """D: the request finished; free its blocks."""
+        req = self.requests.get(rid)
+        if req is not None:
+            self.scheduler.request_finished(req, self.blocks.get(rid, []))
+        self.release(rid)
+
+    def shutdown(self) -> None:
+        """Stop every worker."""
+        for r in self.ranks:
+            r.worker.shutdown()

@@ -1,0 +1,206 @@
+"""``MooncakeConnectorV1`` for vLLM: a thin `KVConnectorBase_V1` that delegates to this package.
+
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
+module of the package that imports vLLM. It translates vLLM objects (``Request``,
+``KVCacheBlocks``, ``KVCacheConfig``, the layer -> tensor dict) into plain values and calls
+`PullScheduler` / `PullWorker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.scheduler import PullMetadata, PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.worker import PullWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["MooncakeConnectorV1", "MooncakeConnectorV1Metadata"]
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeConnectorV1Metadata(KVConnectorMetadata):
+    """vLLM's metadata object carrying this package's `PullMetadata`."""
+
+    def __init__(self, inner: PullMetadata) -> None:
+        """Wrap one step's metadata."""
+        self.inner = inner
+
+
+def _config(vllm_config: VllmConfig) -> PullConfig:
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None:
+        raise ConfigError("kv_transfer_config", None, "set (MooncakeConnectorV1 needs kv_role, kv_port, engine_id)")
+    extra = dict(ktc.kv_connector_extra_config or {})
+    extra.setdefault("dp_rank", vllm_config.parallel_config.data_parallel_rank)
+    return PullConfig.from_kv_transfer_config(
+        engine_id=ktc.engine_id,
+        kv_role=ktc.kv_role,
+        kv_port=ktc.kv_port,
+        extra=extra,
+        model=str(vllm_config.model_config.model),
+        dtype=str(
+            vllm_config.cache_config.cache_dtype
+            if vllm_config.cache_config.cache_dtype != "auto"
+            else vllm_config.model_config.dtype
+        ),
+    )
+
+
+def _ranks() -> tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker; (0, 0) when vLLM's parallel groups are not initialised."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 0
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+
+
+def _sched_request(request: Request) -> SchedRequest:
+    return SchedRequest(
+        request_id=request.request_id,
+        prompt_len=request.num_prompt_tokens,
+        kv_transfer_params=request.kv_transfer_params,
+        length_capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+    )
+
+
+class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
+    """P/D disaggregation: D pulls the prompt's KV cache from P over Mooncake (vllm-ascend's name)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        """Build the scheduler or worker half from vLLM's configuration.
+
+        Raises:
+            ConfigError: The kv_transfer_config is invalid; the error names the field.
+        """
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        self._pull_config = _config(vllm_config)
+        groups = kv_cache_config.kv_cache_groups
+        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self._groups = [list(g.layer_names) for g in groups]
+        self._num_blocks = kv_cache_config.num_blocks
+        self._scheduler: PullScheduler | None = None
+        self._worker: PullWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            windows = [
+                math.ceil(w / bs) + 1 if (w := getattr(g.kv_cache_spec, "sliding_window", None)) else 0
+                for g, bs in zip(groups, self._block_sizes, strict=True)
+            ]
+            self._scheduler = PullScheduler(self._pull_config, self._block_sizes, windows)
+        else:
+            model = vllm_config.model_config
+            tp_rank, pp_rank = _ranks()
+            self._worker = PullWorker(
+                self._pull_config,
+                tp_rank=tp_rank,
+                pp_rank=pp_rank,
+                num_kv_heads=model.get_total_num_kv_heads(),
+                use_mla=bool(model.use_mla),
+            )
+
+    # ---- scheduler side -------------------------------------------------------------------------
+
+    def _sched(self) -> PullScheduler:
+        if self._scheduler is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens D loads from P (async)."""
+        return self._sched().get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Record the pull into the freshly allocated (unhashed) blocks."""
+        local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
+        self._sched().update_state_after_alloc(_sched_request(request), local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's pulls and delayed frees."""
+        return MooncakeConnectorV1Metadata(self._sched().build_connector_meta())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Single-group form of `request_finished_all_groups`."""
+        return self._sched().request_finished(_sched_request(request), [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Delayed free and P's kv_transfer_params (spec §5.2)."""
+        return self._sched().request_finished(_sched_request(request), list(block_ids))
+
+    # ---- worker side ----------------------------------------------------------------------------
+
+    def _work(self) -> PullWorker:
+        if self._worker is None:
+            raise ConfigError("role", "SCHEDULER", "WORKER for this call")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's caches: ``[2, blocks, ...]`` split K/V, or one MLA tensor per layer."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        for name, t in kv_caches.items():
+            if isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[0] == 2:
+                parts[name] = [t[0], t[1]]
+            elif isinstance(t, torch.Tensor):
+                parts[name] = [t]
+            else:
+                parts[name] = list(t)
+        groups = [[n for n in g if n in parts] for g in self._groups]
+        self._work().register_kv_caches(
+            parts, groups=groups, num_blocks=self._num_blocks, block_size=self._block_sizes[0]
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Queue D's pulls / record P's lent blocks for the bound metadata."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, MooncakeConnectorV1Metadata):
+            raise ConfigError("connector_metadata", type(meta).__name__, "MooncakeConnectorV1Metadata")
+        self._work().start_load_kv(meta.inner)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Whole-prompt pull: loads complete between steps, nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """P does not push; D pulls after P finished."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved synchronously."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` of this worker."""
+        sending, recving = self._work().get_finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Logical block ids (every KV group) whose pull failed."""
+        return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Stop threads, sockets and registrations."""
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,272 @@
+"""Worker side of the pull connector: registration, P's side-channel server, D's receiver.
+
+Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, `Renew` and
+`Done` on ``kv_port + device_index`` (bound to the configured host only) and tracks lent blocks
+with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected (any
+`TransferBackend`), by default the process-wide Mooncake engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ascend_dist.common.errors import ConfigError, IncompatiblePeer, LayoutError
+from ascend_dist.common.ports import PortLayout, RankCoord
+from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
+from ascend_dist.common.wire import Codec, Handshake, check_compatible, make_handshake
+from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.engine import TransferBackend, get_engine
+from ascend_dist.kv_mooncake.messages import (
+    PROTOCOL,
+    PROTOCOL_VERSION,
+    Ack,
+    AgentMetadata,
+    Done,
+    GetMeta,
+    MetaReply,
+    Refused,
+    Renew,
+    Reply,
+    Request,
+    TensorMeta,
+    reply_codec,
+    request_codec,
+)
+from ascend_dist.kv_mooncake.plan import PLAN_VERSION, TensorGeom, p_rank_fan_in
+from ascend_dist.kv_mooncake.scheduler import PullMetadata
+from ascend_dist.kv_mooncake.threads import LocalCache, Receiver
+from ascend_dist.kv_mooncake.tracker import SendTracker
+
+__all__ = ["KVCaches", "PullWorker", "tensor_geometry"]
+
+logger = logging.getLogger(__name__)
+
+KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+
+
+def tensor_geometry(name: str, t: torch.Tensor, num_blocks: int) -> TensorGeom:
+    """Geometry of ``[blocks, tokens, heads, head_dim]`` (or ``[blocks, tokens, dim]``: one head).
+
+    Raises:
+        LayoutError: Wrong rank, block count, or inner dimensions not contiguous.
+    """
+    if t.dim() == 3:
+        t = t.unsqueeze(2)
+    if t.dim() != 4:
+        raise LayoutError(f"{name}.shape", tuple(t.shape), "[blocks, tokens, heads, head_dim] or [blocks, tokens, dim]")
+    if t.shape[0] != num_blocks:
+        raise LayoutError(
+            f"{name}.shape[0]", t.shape[0], f"num_blocks ({num_blocks}); kernel block scaling is not supported"
+        )
+    _, tokens, heads, dim = t.shape
+    if t.stride(3) != 1 or t.stride(2) != dim or t.stride(1) != heads * dim:
+        raise LayoutError(f"{name}.stride", t.stride(), "contiguous [tokens, heads, head_dim] inside each block")
+    elt = t.element_size()
+    return TensorGeom(t.data_ptr(), tokens * heads * dim * elt, t.stride(0) * elt, tokens, heads, dim * elt)
+
+
+def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+class PullWorker:
+    """The worker half of ``MooncakeConnectorV1``."""
+
+    def __init__(
+        self,
+        config: PullConfig,
+        *,
+        tp_rank: int,
+        pp_rank: int = 0,
+        num_kv_heads: int,
+        use_mla: bool = False,
+        engine: TransferBackend | None = None,
+    ) -> None:
+        """Create the worker (nothing is started until `register_kv_caches`).
+
+        Args:
+            config: The connector configuration.
+            tp_rank: This worker's tp rank.
+            pp_rank: This worker's pp rank (D: always 0).
+            num_kv_heads: Total KV heads of the model (ignored with ``use_mla``).
+            use_mla: MLA latent cache (one replicated "head").
+            engine: The transfer engine; default the process-wide Mooncake engine.
+        """
+        topo = config.prefill if config.is_producer else config.decode
+        if not 0 <= tp_rank < topo.tp_size:
+            raise ConfigError("tp_rank", tp_rank, f"an int in [0, {topo.tp_size})")
+        if not 0 <= pp_rank < topo.pp_size:
+            raise ConfigError("pp_rank", pp_rank, f"an int in [0, {topo.pp_size})")
+        self._config = config
+        self._tp_rank = tp_rank
+        self._pp_rank = pp_rank
+        self._heads = 1 if use_mla else num_kv_heads
+        self._engine = engine
+        self._regions: RegisterRegions | None = None
+        self._server: RpcServer | None = None
+        self._receiver: Receiver | None = None
+        self._tracker = SendTracker(config.lease_s)
+        self._metadata: AgentMetadata | None = None
+        self._handshake: Handshake | None = None
+        self._requests: Codec[Request] = request_codec(config.max_message_bytes)
+        self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
+        self._layout = "mla" if use_mla else "split_kv"
+
+    @property
+    def handshake_port(self) -> int:
+        """The side-channel port of this worker (P binds it)."""
+        topo = self._config.prefill if self._config.is_producer else self._config.decode
+        layout = PortLayout(
+            kv_port=self._config.kv_port, tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size
+        )
+        return layout.port(RankCoord(tp_rank=self._tp_rank, pp_rank=self._pp_rank, dp_rank=self._config.dp_rank))
+
+    @property
+    def tracker(self) -> SendTracker:
+        """P's lease tracker."""
+        return self._tracker
+
+    @property
+    def receiver(self) -> Receiver | None:
+        """D's receiver (None on P or before registration)."""
+        return self._receiver
+
+    def make_handshake(self, block_size: int) -> Handshake:
+        """This side's handshake: everything P and D must agree on."""
+        c = self._config
+        return make_handshake(
+            PROTOCOL,
+            PROTOCOL_VERSION,
+            sender=f"{c.engine_id}/tp{self._tp_rank}",
+            model=c.model,
+            dtype=c.dtype,
+            block_size=block_size,
+            num_kv_heads=self._heads,
+            layout=self._layout,
+            prefill_tp=c.prefill.tp_size,
+            prefill_pp=c.prefill.pp_size,
+            decode_tp=c.decode.tp_size,
+            plan_version=PLAN_VERSION,
+        )
+
+    def register_kv_caches(
+        self, kv_caches: KVCaches, *, groups: Sequence[Sequence[str]], num_blocks: int, block_size: int
+    ) -> None:
+        """Register the KV cache, then start the server (P) or the receiver (D).
+
+        Args:
+            kv_caches: Layer name -> tensor or tuple of tensors (K, V, or MLA parts).
+            groups: Per KV-cache group, its layer names.
+            num_blocks: Logical blocks per tensor.
+            block_size: Tokens per block.
+
+        Raises:
+            LayoutError: A tensor's layout is unsupported.
+            ConfigError: A layer of ``groups`` is missing from ``kv_caches``.
+        """
+        layers = {name: [tensor_geometry(name, t, num_blocks) for t in _tensors(v)] for name, v in kv_caches.items()}
+        for names in groups:
+            for n in names:
+                if n not in layers:
+                    raise ConfigError("groups", n, f"layer names present in kv_caches ({len(layers)} layers)")
+        engine = self._engine or get_engine(self._config.host, self._config.protocol)
+        self._engine = engine
+        self._regions = collect_storage_merged_register_regions([_tensors(v) for v in kv_caches.values()])
+        engine.register(self._regions)
+        self._handshake = self.make_handshake(block_size)
+        self._tensors = {name: _tensors(v) for name, v in kv_caches.items()}
+        if self._config.is_producer:
+            self._metadata = AgentMetadata(
+                engine_id=self._config.engine_id,
+                te_session=engine.session,
+                tp_rank=self._tp_rank,
+                pp_rank=self._pp_rank,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                layers={
+                    n: [TensorMeta(g.base, g.block_len, g.stride, g.tokens, g.heads, g.head_bytes) for g in gs]
+                    for n, gs in layers.items()
+                },
+            )
+            self._server = RpcServer(
+                self._config.host,
+                self.handshake_port,
+                self._handle,
+                max_bytes=self._config.max_message_bytes,
+                name=f"kv-pull-p{self._pp_rank}.{self._tp_rank}",
+            )
+            self._server.start()
+        else:
+            cache = LocalCache(layers, [list(g) for g in groups], block_size, self._heads)
+            self._receiver = Receiver(
+                self._config, self._tp_rank, cache, engine, handshake=self._handshake, reformat=self._reformat
+            )
+
+    def _handle(self, payload: bytes) -> bytes:
+        """P's side-channel handler (server thread): decode, act, reply."""
+        msg = self._requests.decode(payload)
+        if isinstance(msg, GetMeta):
+            assert self._handshake is not None and self._metadata is not None
+            try:
+                if msg.engine_id == self._config.engine_id:
+                    raise IncompatiblePeer("engine_id", self._config.engine_id, msg.engine_id)
+                check_compatible(self._handshake, msg.handshake)
+            except IncompatiblePeer as exc:
+                logger.error("refused %s: %s", msg.handshake.sender or msg.engine_id, exc)
+                return self._replies.encode(Refused(field=exc.field, local=str(exc.local), remote=str(exc.remote)))
+            return self._replies.encode(MetaReply(handshake=self._handshake, metadata=self._metadata))
+        if isinstance(msg, Renew):
+            known = [self._tracker.renew(r) for r in msg.request_ids]
+            return self._replies.encode(Ack(known=all(known)))
+        assert isinstance(msg, Done)
+        return self._replies.encode(Ack(known=self._tracker.done(msg.request_id)))
+
+    def _reformat(self, layer: str, block_ids: Sequence[int], pulls: int) -> None:
+        """Stacked pulls ``[pull][token][h]`` -> ``[token][pull*h]`` in each listed block."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        for t in self._tensors[layer]:
+            view = t if t.dim() == 4 else t.unsqueeze(2)
+            _, tokens, heads, dim = view.shape
+            blocks = view.index_select(0, idx).reshape(len(block_ids), pulls, tokens, heads // pulls, dim)
+            view.index_copy_(0, idx, blocks.transpose(1, 2).reshape(len(block_ids), tokens, heads, dim).contiguous())
+
+    def start_load_kv(self, meta: PullMetadata) -> None:
+        """Apply one step's metadata: P tracks lent blocks, D queues pulls."""
+        if self._config.is_producer:
+            for rid in meta.in_batch:
+                self._tracker.add_processing(rid)
+            d_tp = self._config.decode.tp_size
+            for rid in meta.to_send:
+                fan_in = p_rank_fan_in(self._tp_rank, self._config.prefill.tp_size, d_tp, self._heads, rid)
+                self._tracker.add_delayed(rid, fan_in)
+            return
+        if self._receiver is None:
+            raise ConfigError("register_kv_caches", "not called", "called before start_load_kv")
+        for req in meta.requests.values():
+            self._receiver.submit(req)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """``(finished_sending, finished_recving)`` since the last call."""
+        if self._config.is_producer:
+            return self._tracker.take_finished(), set()
+        return set(), self._receiver.take_finished() if self._receiver else set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """D: logical block ids (every KV group) whose load failed; reported before or with the request."""
+        return self._receiver.take_load_errors() if self._receiver else set()
+
+    def shutdown(self) -> None:
+        """Stop the server or receiver, then release the registration. Idempotent."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+        if self._regions is not None and self._engine is not None:
+            self._engine.unregister(self._regions)
+            self._regions = None

@@ -1,0 +1,180 @@
+"""Scheduler hooks, P's lease tracker, configuration and message validation (no engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ascend_dist.common.errors import ConfigError, MessageTooLarge, ProtocolError
+from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.messages import Done, GetMeta, parse_transfer_params, request_codec
+from ascend_dist.kv_mooncake.scheduler import PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.tracker import SendTracker
+
+EXTRA: dict[str, Any] = {"prefill": {"tp_size": 2, "dp_size": 2}, "decode": {"tp_size": 1}}
+
+
+def _config(role: str = "kv_producer", **extra: Any) -> PullConfig:
+    return PullConfig.from_kv_transfer_config(engine_id="E", kv_role=role, kv_port=40000, extra={**EXTRA, **extra})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="kv_role"):
+        PullConfig.from_kv_transfer_config(engine_id="E", kv_role="both", kv_port=1, extra=EXTRA)
+    with pytest.raises(ConfigError, match=r"prefill\.tp_size"):
+        PullConfig.from_kv_transfer_config(
+            engine_id="E", kv_role="kv_producer", kv_port=1, extra={**EXTRA, "prefill": {}}
+        )
+    with pytest.raises(ConfigError, match=r"decode\.pp_size"):
+        _config(decode={"tp_size": 1, "pp_size": 2})
+    with pytest.raises(ConfigError, match="mooncake_protocol"):
+        _config(mooncake_protocol="udp")
+    with pytest.raises(ConfigError, match="host"):
+        _config(host="0.0.0.0")
+    with pytest.raises(ConfigError, match="kv_port"):
+        PullConfig.from_kv_transfer_config(engine_id="E", kv_role="kv_producer", kv_port=65534, extra=EXTRA)
+
+
+def test_transfer_params_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"kv_transfer_params\.remote_port"):
+        parse_transfer_params({"remote_port": "x"})
+    with pytest.raises(ConfigError, match=r"kv_transfer_params\.remote_host"):
+        parse_transfer_params(
+            {
+                "do_remote_prefill": True,
+                "remote_engine_id": "P",
+                "remote_request_id": "r",
+                "remote_port": 1,
+                "remote_block_ids": [[1]],
+            }
+        )
+    with pytest.raises(ConfigError, match=r"kv_transfer_params\.remote_block_ids"):
+        parse_transfer_params({"remote_block_ids": [[1, "a"]]})
+
+
+def test_codec_refuses_garbage_and_oversized_frames() -> None:
+    codec = request_codec(1024)
+    assert codec.decode(codec.encode(Done(request_id="r", d_rank=0))) == Done(request_id="r", d_rank=0)
+    with pytest.raises(ProtocolError):
+        codec.decode(b"\xc1garbage")
+    with pytest.raises(MessageTooLarge):
+        codec.decode(b"\x00" * 2048)
+    with pytest.raises(ProtocolError):
+        codec.decode(codec.encode(Done(request_id="r", d_rank=0))[:-1])
+    assert GetMeta.__struct_config__.tag == "get_meta"
+
+
+def test_producer_request_finished_delays_free_with_trimmed_params() -> None:
+    sched = PullScheduler(_config(dp_rank=1), [16])
+    req = SchedRequest("p1", 33, {"do_remote_decode": True})
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [[10, 11, 12, 13, 14]], 0)
+    meta = sched.build_connector_meta()
+    assert meta.in_batch == ["p1"] and not meta.requests
+    req.length_capped = True
+    delay, params = sched.request_finished(req, [[10, 11, 12, 13, 14]])
+    assert delay is True and params is not None
+    assert params["remote_block_ids"] == [[10, 11, 12]]
+    assert params["remote_port"] == 40000 + 1 * 2  # DP rank 1's base
+    assert params["remote_request_id"] == "p1" and params["do_remote_prefill"] is True
+    assert sched.build_connector_meta().to_send == ["p1"]
+    assert sched.tracked == 0
+
+
+def test_aborted_producer_request_is_freed_at_once() -> None:
+    sched = PullScheduler(_config(), [16])
+    assert sched.request_finished(SchedRequest("p", 10, {"do_remote_decode": True}), [[1]]) == (False, None)
+    assert sched.request_finished(SchedRequest("q", 10, None), [[1]]) == (False, None)
+
+
+def _params() -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_request_id": "p1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 40000,
+        "remote_block_ids": [[3, 4, 5]],
+        "remote_ptp_size": 2,
+    }
+
+
+def test_consumer_flow_and_single_transfer() -> None:
+    sched = PullScheduler(_config("kv_consumer"), [16])
+    req = SchedRequest("d1", 40, _params())
+    assert sched.get_num_new_matched_tokens(req, 16) == (24, True)
+    sched.update_state_after_alloc(req, [[7, 8]], 24)
+    assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False
+    meta = sched.build_connector_meta()
+    rm = meta.requests["d1"]
+    assert (rm.local_block_ids, rm.remote_block_ids, rm.num_computed_tokens) == ([[7, 8]], [[3, 4, 5]], 16)
+    assert sched.get_num_new_matched_tokens(req, 16) == (0, False)  # flag flipped: one transfer only
+    assert sched.request_finished(req, [[7, 8]]) == (False, None)
+    assert sched.tracked == 0
+
+
+def test_rejected_consumer_request_sends_an_empty_receive() -> None:
+    sched = PullScheduler(_config("kv_consumer"), [16, 16])
+    req = SchedRequest("d2", 40, {**_params(), "remote_block_ids": [[3], [4]]})
+    sched.get_num_new_matched_tokens(req, 0)
+    assert sched.request_finished(req, [[], []]) == (False, None)
+    rm = sched.build_connector_meta().requests["d2"]
+    assert rm.local_block_ids == [[], []]  # one empty list per group, never a bare []
+    assert sched.tracked == 0
+
+
+def test_group_count_mismatch_is_a_typed_error() -> None:
+    sched = PullScheduler(_config("kv_consumer"), [16, 16])
+    req = SchedRequest("d3", 40, _params())
+    sched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(ConfigError, match="local_block_ids"):
+        sched.update_state_after_alloc(req, [[1, 2, 3]], 40)
+
+
+def test_tracker_waits_for_every_done_and_tolerates_duplicates() -> None:
+    t = SendTracker(10.0, clock=Clock())
+    t.add_processing("a")
+    t.add_delayed("a", 2)
+    assert t.done("a") and t.take_finished() == set()
+    t.done("a")
+    assert t.take_finished() == {"a"}
+    assert not t.done("a") and not t.done("unknown")
+    assert t.take_finished() == set() and len(t) == 0
+
+
+def test_tracker_counts_dones_that_arrive_before_the_delayed_free() -> None:
+    t = SendTracker(10.0, clock=Clock())
+    t.add_processing("a")
+    t.done("a")
+    t.add_delayed("a", 1)
+    assert t.take_finished() == {"a"} and len(t) == 0
+
+
+def test_tracker_lease_expires_and_renew_extends_it() -> None:
+    clock = Clock()
+    t = SendTracker(5.0, clock=clock)
+    for rid in ("a", "b"):
+        t.add_processing(rid)
+        t.add_delayed(rid, 1)
+    clock.now = 4.0
+    assert t.renew("b") and not t.renew("zzz")
+    clock.now = 6.0
+    assert t.take_finished() == {"a"} and t.expired_count == 1
+    clock.now = 9.5
+    assert t.take_finished() == {"b"} and len(t) == 0
+
+
+def test_tracker_zero_fan_in_frees_at_once() -> None:
+    t = SendTracker(5.0, clock=Clock())
+    t.add_processing("a")
+    t.add_delayed("a", 0)
+    assert t.take_finished() == {"a"}

@@ -1,0 +1,236 @@
+"""MooncakeConnectorV1 against the real vLLM 0.33.0 classes (factory, configs, requests, blocks).
+
+A P and a D connector pair (scheduler role and worker role each, built by vLLM's
+``KVConnectorFactory``) run in this process over one real Mooncake engine (TCP, loopback): P's
+scheduler returns kv_transfer_params, D's scheduler turns them into a pull, D's worker pulls P's
+blocks byte-exact into the blocks D allocated, and P frees its blocks after D's DONE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+vllm = pytest.importorskip("vllm")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from ascend_dist.common.errors import ConfigError  # noqa: E402
+from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1, MooncakeConnectorV1Metadata  # noqa: E402
+
+MODULE = "ascend_dist.kv_mooncake.vllm_connector"
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+NUM_BLOCKS = 32
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 1000,
+                "max_position_embeddings": 1024,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    return d
+
+
+def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
+    ktc = KVTransferConfig(
+        kv_connector="MooncakeConnectorV1",
+        kv_role=role,
+        kv_connector_module_path=MODULE,
+        engine_id=engine_id,
+        kv_port=kv_port,
+        kv_connector_extra_config={"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, **extra},
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    page = spec.page_size_bytes
+    tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
+    )
+
+
+class Side:
+    """One instance: scheduler-role and worker-role connectors from vLLM's factory, CPU caches."""
+
+    def __init__(self, config: VllmConfig, seed: int) -> None:
+        kcc = kv_cache_config()
+        self.sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+        gen = torch.Generator().manual_seed(seed)
+        self.caches = {n: torch.randn(2, NUM_BLOCKS, BLOCK, 2, 16, generator=gen).to(torch.float16) for n in LAYERS}
+        self.worker.register_kv_caches(self.caches)
+
+    def step(self) -> None:
+        meta = self.sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert isinstance(meta, MooncakeConnectorV1Metadata)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        self.worker.clear_connector_metadata()
+
+    def block(self, block_id: int) -> bytes:
+        return b"".join(self.caches[n][kv, block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+def request(rid: str, n: int, params: dict[str, Any]) -> Request:
+    return Request(
+        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
+    )
+
+
+def test_p_to_d_pull_through_the_vllm_connector(model_dir: Path) -> None:
+    port = free_port_range(1)
+    p = Side(make_config(model_dir, "kv_producer", "P-vllm", port), seed=1)
+    d = Side(make_config(model_dir, "kv_consumer", "D-vllm", port), seed=2)
+    try:
+        assert isinstance(p.sched, MooncakeConnectorV1) and isinstance(d.worker, MooncakeConnectorV1)
+        # P: prefill of a 40-token prompt in blocks 4, 5, 6 (+ one lookahead block that is trimmed).
+        req_p = request("p-req", 40, {"do_remote_decode": True})
+        assert p.sched.get_num_new_matched_tokens(req_p, 0) == (0, False)
+        p.sched.update_state_after_alloc(req_p, blocks([4, 5, 6, 7]), 0)
+        p.step()
+        req_p.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params = p.sched.request_finished(req_p, [4, 5, 6, 7])
+        assert delay is True and params is not None and params["remote_block_ids"] == [[4, 5, 6]]
+        p.step()
+        # D: the proxy hands P's params over; D has a 16-token prefix hit (block 20) and pulls the rest.
+        req_d = request("d-req", 40, params)
+        assert d.sched.get_num_new_matched_tokens(req_d, 16) == (24, True)
+        d.sched.update_state_after_alloc(req_d, blocks([21, 22]), 24)
+        d.step()
+        finished: set[str] = set()
+        deadline = time.monotonic() + 20
+        while "d-req" not in finished and time.monotonic() < deadline:
+            finished |= d.worker.get_finished(set())[1] or set()
+            time.sleep(0.005)
+        assert "d-req" in finished and d.worker.get_block_ids_with_load_errors() == set()
+        assert [d.block(b) for b in (21, 22)] == [p.block(b) for b in (5, 6)]
+        sent: set[str] = set()
+        while "p-req" not in sent and time.monotonic() < deadline:
+            sent |= p.worker.get_finished(set())[0] or set()
+            time.sleep(0.005)
+        assert sent == {"p-req"}  # P may free its blocks now
+    finally:
+        d.close()
+        p.close()
+
+
+def test_invalid_config_is_a_typed_error_naming_the_field(model_dir: Path) -> None:
+    config = make_config(model_dir, "kv_consumer", "D-bad", 40000, decode={"tp_size": 1, "pp_size": 2})
+    with pytest.raises(ConfigError, match=r"decode\.pp_size"):
+        MooncakeConnectorV1(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_d_scheduler_waits_for_the_pull_then_recomputes_only_the_last_token(model_dir: Path) -> None:
+    """D driven by vLLM's real v1 Scheduler: WAITING_FOR_REMOTE_KVS until the worker reports the pull."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    port = free_port_range(1)
+    p = Side(make_config(model_dir, "kv_producer", "P-sched", port), seed=3)
+    d_config = make_config(model_dir, "kv_consumer", "D-sched", port)
+    kcc = kv_cache_config()
+    d_worker = KVConnectorFactory.create_connector(d_config, KVConnectorRole.WORKER, kcc)
+    d_caches = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.float16) for n in LAYERS}
+    d_worker.register_kv_caches(d_caches)
+    sched = Scheduler(
+        vllm_config=d_config,
+        kv_cache_config=kcc,
+        structured_output_manager=StructuredOutputManager(d_config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+    try:
+        req_p = request("p-req", 40, {"do_remote_decode": True})
+        p.sched.update_state_after_alloc(req_p, blocks([4, 5, 6]), 0)
+        p.step()
+        req_p.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = p.sched.request_finished(req_p, [4, 5, 6])
+        p.step()
+        assert params is not None
+        req_d = Request(
+            "d-req",
+            list(range(100, 140)),
+            SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
+            None,
+        )
+        sched.add_request(req_d)
+        out = sched.schedule()
+        assert req_d.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        d_worker.bind_connector_metadata(out.kv_connector_metadata)
+        d_worker.start_load_kv(None)  # type: ignore[arg-type]
+        d_worker.clear_connector_metadata()
+        done: set[str] = set()
+        deadline = time.monotonic() + 20
+        while "d-req" not in done and time.monotonic() < deadline:
+            done |= d_worker.get_finished(set())[1] or set()
+            time.sleep(0.005)
+        assert done == {"d-req"} and d_worker.get_block_ids_with_load_errors() == set()
+        local = sched.kv_cache_manager.get_block_ids("d-req")[0]
+        block = lambda caches, b: b"".join(caches[n][kv, b].numpy().tobytes() for n in LAYERS for kv in (0, 1))  # noqa: E731
+        assert [block(d_caches, b) for b in local] == [p.block(b) for b in (4, 5, 6)]
+        connector_output = KVConnectorOutput(finished_recving=done)
+        sched.update_from_output(
+            out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=connector_output)
+        )
+        out = sched.schedule()
+        assert out.num_scheduled_tokens == {"d-req": 1}  # only the last prompt token is recomputed on D
+        assert req_d.num_computed_tokens == 40  # 39 loaded from P + the 1 token scheduled now
+    finally:
+        sched.shutdown()
+        d_worker.shutdown()
+        p.close()
