@@ -1,32 +1,72 @@
 """vLLM general plugin: registers the installed ascend_dist components with vLLM, lazily.
 
 Runs in: every vLLM process (entry-point group `vllm.general_plugins`), possibly more than once.
-`register()` is re-entrant, imports no connector module and nothing heavy, skips components that
-are not installed, keeps a name someone else registered first (with one warning), and never raises:
-an exception here would abort vLLM's start-up.
+`register()` is re-entrant, imports no component module and nothing heavy, skips components that
+are not installed, keeps a name someone else registered first (with one warning), never edits
+vLLM's private registries, and never raises: an exception here would abort vLLM's start-up.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["KV_CONNECTORS", "register", "registered_names"]
+__all__ = ["COMPONENTS", "FACTORIES", "Component", "register", "registered_names"]
 
 logger = logging.getLogger(__name__)
 
-# (name used in --kv-transfer-config, module path, class name). The names are vllm-ascend's, so
-# existing deployment configs keep working. A row whose module is not installed is skipped.
-KV_CONNECTORS: tuple[tuple[str, str, str], ...] = (
-    ("MooncakeConnectorV1", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeConnectorV1"),
-    ("MooncakeLayerwiseConnector", "ascend_dist.kv_mooncake.vllm_layerwise", "MooncakeLayerwiseConnector"),
-    ("MooncakeHybridConnector", "ascend_dist.kv_mooncake.vllm_hybrid", "MooncakeHybridConnector"),
-    ("SfaRemoteD2HConnector", "ascend_dist.kv_mooncake.vllm_sfa", "SfaRemoteD2HConnector"),
-    ("AscendStoreConnector", "ascend_dist.kv_store.vllm_connector", "AscendStoreConnector"),
-    ("MooncakeConnectorStoreV1", "ascend_dist.kv_store.vllm_connector", "AscendStoreConnector"),
-    ("RecomputeCPUOffloadConnector", "ascend_dist.kv_offload.vllm_recompute", "RecomputeCPUOffloadConnector"),
-    ("UCMConnector", "ascend_dist.kv_offload.vllm_ucm", "UCMConnector"),
+
+@dataclass(frozen=True)
+class Component:
+    """One registration: `name` (what users put in their config) -> `module:class_name`, in `factory`."""
+
+    factory: str
+    name: str
+    module: str
+    class_name: str
+
+
+# factory key -> (module, class, registering classmethod) in the pinned vLLM.
+FACTORIES: dict[str, tuple[str, str, str]] = {
+    "kv_connector": ("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory", "register_connector"),
+    "weight_transfer": ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory", "register_engine"),
+    "weight_transfer_trainer": (
+        "vllm.distributed.weight_transfer.factory",
+        "WeightTransferTrainerFactory",
+        "register_engine",
+    ),
+}
+
+# KV connector names are vllm-ascend's, so existing deployment configs keep working. vLLM itself owns
+# `OffloadingConnector`, `SimpleCPUOffloadConnector` and `MultiConnector`; ours take an `Ascend` prefix
+# (or select them with `kv_connector_module_path`, see the README) instead of overwriting vLLM's.
+COMPONENTS: tuple[Component, ...] = (
+    Component("kv_connector", "MooncakeConnectorV1", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeConnectorV1"),
+    Component("kv_connector", "AscendStoreConnector", "ascend_dist.kv_store.vllm_connector", "AscendStoreConnector"),
+    Component(
+        "kv_connector", "MooncakeConnectorStoreV1", "ascend_dist.kv_store.vllm_connector", "AscendStoreConnector"
+    ),
+    Component(
+        "kv_connector",
+        "RecomputeCPUOffloadConnector",
+        "ascend_dist.kv_offload.vllm_recompute",
+        "RecomputeCPUOffloadConnector",
+    ),
+    Component("kv_connector", "UCMConnector", "ascend_dist.kv_offload.vllm_ucm", "UCMConnector"),
+    Component(
+        "kv_connector", "AscendOffloadingConnector", "ascend_dist.kv_offload.vllm_native", "AscendOffloadingConnector"
+    ),
+    Component(
+        "kv_connector",
+        "AscendSimpleCPUOffloadConnector",
+        "ascend_dist.kv_offload.vllm_simple",
+        "AscendSimpleCPUOffloadConnector",
+    ),
+    Component("kv_connector", "AscendMultiConnector", "ascend_dist.plugin.multi_connector", "AscendMultiConnector"),
 )
 
 _lock = threading.Lock()
@@ -35,25 +75,37 @@ _done = threading.Event()
 
 
 def _installed(module_path: str) -> bool:
+    """Whether `module_path` exists, without importing it or its parent packages.
+
+    `find_spec("a.b.c")` would import `a.b`, and a component's package may import torch; the files of
+    the `ascend_dist` namespace portions are looked up directly instead.
+    """
+    top, _, rest = module_path.partition(".")
     try:
-        return importlib.util.find_spec(module_path) is not None
-    except (ImportError, ValueError):  # a missing parent package raises instead of returning None
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
         return False
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    relative = Path(*rest.split("."))
+    for location in spec.submodule_search_locations or ():
+        base = Path(location) / relative
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return True
+    return False
 
 
-def _register_kv_connectors() -> None:
-    rows = [row for row in KV_CONNECTORS if _installed(row[1])]
-    if not rows:
+def _register_one(component: Component) -> None:
+    module, cls, method = FACTORIES[component.factory]
+    registrar = getattr(getattr(importlib.import_module(module), cls), method)
+    try:
+        registrar(component.name, component.module, component.class_name)
+    except ValueError:
+        logger.warning("%s %s is already registered by someone else; keeping theirs", component.factory, component.name)
         return
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    for name, module_path, class_name in rows:
-        try:
-            KVConnectorFactory.register_connector(name, module_path, class_name)
-        except ValueError:
-            logger.warning("KV connector %s is already registered by another plugin; keeping that one", name)
-            continue
-        _registered.add(name)
+    _registered.add(f"{component.factory}:{component.name}")
 
 
 def register() -> None:
@@ -62,12 +114,18 @@ def register() -> None:
         if _done.is_set():
             return
         _done.set()
-        try:
-            _register_kv_connectors()
-        except Exception:  # never abort vLLM's start-up because of us
-            logger.exception("ascend_dist plugin registration failed; ascend_dist connectors are unavailable")
+        if not _installed("vllm"):  # only vLLM calls this; without it there is nothing to register with
+            logger.debug("vllm is not installed; nothing to register")
+            return
+        for component in COMPONENTS:
+            if not _installed(component.module):
+                continue
+            try:
+                _register_one(component)
+            except Exception:  # never abort vLLM's start-up because of us
+                logger.exception("registering %s %s failed; it is unavailable", component.factory, component.name)
 
 
 def registered_names() -> frozenset[str]:
-    """The connector names this process registered (for diagnostics and tests)."""
+    """`factory:name` of everything this process registered (for diagnostics and tests)."""
     return frozenset(_registered)
