@@ -85,11 +85,12 @@ def integration(session: nox.Session) -> None:
     session.run(*PYTEST, "tests", "-m", "not vllm and not npu and not cuda", *session.posargs)
 
 
-@nox.session(default=False)
+@nox.session
 def vllm(session: nox.Session) -> None:
-    """Adapter tests against the pinned vLLM's real classes (tests marked `vllm`)."""
+    """Adapter tests against the pinned vLLM's real classes (tests marked `vllm`), in one process: importing
+    vLLM takes ~15 s."""
     uv_sync(session, "--all-packages", "--group", "dev", "--group", "vllm")
-    session.run(*PYTEST, "packages", "tests", "-m", "vllm", *session.posargs, success_codes=[0, 5])
+    session.run(*PYTEST, "packages", "tests", "-m", "vllm", *session.posargs)
 
 
 @nox.session(default=False)
