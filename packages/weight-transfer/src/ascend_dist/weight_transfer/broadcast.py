@@ -1,0 +1,367 @@
+"""One weight update over a `Collective`: the trainer's send and the worker's receive.
+
+Runs in: the trainer (`send_update`, rank 0) and every inference worker (`receive_update`).
+
+Collective order of one update (every rank, in this order):
+
+1. header: int64 ``[MAGIC, PROTOCOL_VERSION, update_id, manifest_len]`` broadcast from rank 0;
+2. the trainer's manifest (msgpack bytes) broadcast from rank 0;
+3. verdict: an int64 vector of ``world_size`` summed across ranks; worker ``r`` writes 1 in slot
+   ``r`` if the manifest differs from its own (and puts the difference in the store). Any 1: every
+   rank stops, the trainer raises `ManifestMismatch` quoting the workers, nothing was written;
+4. data: packed, the byte stream (see `packing`) in fixed-size buffers, ``num_buffers`` in flight
+   on both sides; unpacked, one broadcast per tensor;
+5. commit vote: the same vector again; a worker votes 0 once every byte is in its staging tensors.
+   Only when all votes are 0 does any worker load the staged tensors into the model.
+
+Workers receive into staging tensors, never into the model, so a failure anywhere before the
+commit (a worker dying, a timeout, a mismatch) leaves every surviving worker on its previous
+weights. The trainer turns a failed collective into `WorkerLost` naming the workers whose
+heartbeat stopped, or `UpdateAborted` when all are alive.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from ascend_dist.common.errors import ProtocolError
+from ascend_dist.weight_transfer.collective import Collective, Pending
+from ascend_dist.weight_transfer.errors import ManifestMismatch, ManifestRejected, UpdateAborted
+from ascend_dist.weight_transfer.messages import (
+    PROTOCOL_VERSION,
+    Manifest,
+    check_manifests,
+    decode_manifest,
+    encode_manifest,
+)
+from ascend_dist.weight_transfer.packing import (
+    StreamPlan,
+    as_bytes,
+    check_tensor,
+    new_staging,
+    pack_buffer,
+    plan_stream,
+    staging_images,
+    tensor_views,
+)
+from ascend_dist.weight_transfer.session import WeightSink
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MAGIC", "Phases", "receive_update", "send_update"]
+
+logger = logging.getLogger(__name__)
+
+MAGIC: Final[int] = 0x5754_5846  # "WTXF"
+_SRC: Final[int] = 0
+
+
+@dataclass
+class Phases:
+    """Seconds spent per phase of one update on one side (for the bench split)."""
+
+    pack_s: float = 0.0
+    transfer_s: float = 0.0
+    load_s: float = 0.0
+    bytes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _int64(values: list[int], device: torch.device) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _vote(comm: Collective, slot_value: int) -> list[int]:
+    """Sum a one-hot status vector: everyone learns every rank's status."""
+    votes = _int64([0] * comm.world_size, comm.device)
+    votes[comm.rank] = slot_value
+    comm.all_reduce_sum(votes)
+    return [int(v) for v in votes.tolist()]
+
+
+def _exchange_manifest(comm: Collective, manifest: Manifest | None, update_id: int) -> tuple[int, Manifest]:
+    """Steps 1-2: rank 0 sends its manifest; everyone returns (update_id, trainer manifest)."""
+    import torch
+
+    payload = encode_manifest(manifest) if manifest is not None else b""
+    header = _int64([MAGIC, PROTOCOL_VERSION, update_id, len(payload)], comm.device)
+    comm.broadcast(header, _SRC).wait()
+    magic, version, uid, length = (int(v) for v in header.tolist())
+    if magic != MAGIC or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"weight-update header magic={magic:#x} version={version}: not this protocol")
+    if manifest is None:
+        raw = torch.empty(length, dtype=torch.uint8, device=comm.device)
+        comm.broadcast(raw, _SRC).wait()
+        return uid, decode_manifest(raw.cpu().numpy().tobytes())
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(comm.device)
+    comm.broadcast(raw, _SRC).wait()
+    return uid, manifest
+
+
+class _Puller:
+    """Pulls (and checks) source tensors as the buffers that hold them are packed."""
+
+    def __init__(self, plan: StreamPlan, manifest: Manifest, source: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._plan = plan
+        self._manifest = manifest
+        self._source = source
+        self.images: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+        self._pulled = 0
+        self._released = 0
+
+    def _pull_one(self) -> None:
+        index = self._pulled
+        name, tensor = _next_item(self._source, self._manifest, index)
+        check_tensor(self._manifest.tensors[index], name, tensor, index)
+        self.images[index] = as_bytes(tensor)
+        self._pulled += 1
+
+    def upto(self, index: int) -> list[torch.Tensor | None]:
+        """Images of every tensor starting before the end of unit ``index``; older ones dropped."""
+        plan = self._plan
+        start = plan.unit_start(index)
+        end = start + plan.buffer_length(index)
+        while self._pulled < len(self.images) and plan.offsets[self._pulled] < end:
+            self._pull_one()
+        while self._released < self._pulled and plan.offsets[self._released] + plan.sizes[self._released] <= start:
+            self.images[self._released] = None  # fully sent in earlier units (in-flight sends hold their own ref)
+            self._released += 1
+        return self.images
+
+    def rest(self) -> None:
+        """Pull the remaining (zero-byte) tensors, then require the source to be exhausted."""
+        while self._pulled < len(self.images):
+            self._pull_one()
+        self.images = []
+        _expect_end(self._source, self._manifest)
+
+
+def _slots(comm: Collective, manifest: Manifest, plan: StreamPlan) -> list[torch.Tensor]:
+    """The reusable pipeline buffers: ``num_buffers`` of them, no larger than the largest packed unit."""
+    import torch
+
+    packed = [u.end - u.start for u in plan.units if not u.direct]
+    size = max(packed, default=0)
+    count = min(manifest.num_buffers, len(packed))
+    return [torch.empty(size, dtype=torch.uint8, device=comm.device) for _ in range(count)]
+
+
+def _next_item(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, index: int) -> tuple[str, torch.Tensor]:
+    try:
+        return next(source)
+    except StopIteration:
+        raise ManifestMismatch(
+            f"the source ended after {index} tensors but the manifest declares {len(manifest.tensors)}"
+        ) from None
+
+
+def _send_packed(comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases) -> None:
+    """Send every unit: packed ones through reusable slots, direct ones from the tensor itself.
+
+    At most ``num_buffers`` collectives are in flight; each keeps its memory (slot or tensor image)
+    referenced until it completed, so nothing is reused or freed under a running broadcast.
+    """
+    plan = plan_stream(manifest)
+    puller = _Puller(plan, manifest, source)
+    slots = _slots(comm, manifest, plan)
+    free = list(range(len(slots)))
+    in_flight: collections.deque[tuple[Pending, int | None, torch.Tensor]] = collections.deque()
+
+    def retire() -> None:
+        pending, slot, _memory = in_flight.popleft()
+        t0 = time.perf_counter()
+        pending.wait()
+        phases.transfer_s += time.perf_counter() - t0
+        if slot is not None:
+            free.append(slot)
+
+    for k, unit in enumerate(plan.units):
+        while len(in_flight) >= manifest.num_buffers or (not unit.direct and not free):
+            retire()
+        images = puller.upto(k)
+        if unit.direct:
+            (piece,) = plan.pieces(k)
+            memory = images[piece.tensor_index]
+            assert memory is not None
+            in_flight.append((comm.broadcast(memory, _SRC), None, memory))
+            continue
+        slot = free.pop()
+        t0 = time.perf_counter()
+        length = pack_buffer(plan, k, images, slots[slot])
+        phases.pack_s += time.perf_counter() - t0
+        in_flight.append((comm.broadcast(slots[slot][:length], _SRC), slot, slots[slot]))
+    while in_flight:
+        retire()
+    puller.rest()
+    phases.bytes = plan.total_bytes
+
+
+def _send_unpacked(comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases) -> None:
+    total = 0
+    for index, spec in enumerate(manifest.tensors):
+        name, tensor = _next_item(source, manifest, index)
+        check_tensor(spec, name, tensor, index)
+        image = as_bytes(tensor.to(comm.device))
+        if image.numel():
+            t0 = time.perf_counter()
+            comm.broadcast(image, _SRC).wait()
+            phases.transfer_s += time.perf_counter() - t0
+        total += image.numel()
+    _expect_end(source, manifest)
+    phases.bytes = total
+
+
+def _expect_end(source: Iterator[tuple[str, Any]], manifest: Manifest) -> None:
+    extra = next(source, None)
+    if extra is not None:
+        raise ManifestMismatch(
+            f"the source yielded {extra[0]!r} after the {len(manifest.tensors)} tensors the manifest declares"
+        )
+
+
+def send_update(
+    comm: Collective,
+    manifest: Manifest,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    update_id: int,
+    rejection_detail: Callable[[int, int], str],
+) -> Phases:
+    """Run one update as the trainer (rank 0).
+
+    Args:
+        comm: The transfer group's collective.
+        manifest: What is sent, in order; ``tensors`` must match it exactly.
+        tensors: ``(name, tensor)`` pairs in manifest order (consumed lazily).
+        update_id: Sequence number of the update (for logs and store keys).
+        rejection_detail: ``(update_id, worker_rank) -> str``: the reason a worker gave.
+
+    Returns:
+        Time split of the update.
+
+    Raises:
+        ManifestMismatch: A worker refused the manifest (nothing was sent or written), or the
+            source disagrees with the manifest (workers time out and keep their weights).
+        RuntimeError: The collective failed (the caller maps it to `WorkerLost`/`UpdateAborted`).
+    """
+    phases = Phases()
+    _exchange_manifest(comm, manifest, update_id)
+    votes = _vote(comm, 0)
+    rejected = [r for r, v in enumerate(votes) if v]
+    if rejected:
+        reasons = "; ".join(f"worker rank {r}: {rejection_detail(update_id, r)}" for r in rejected)
+        raise ManifestRejected(f"update {update_id} refused before any data was sent ({reasons})")
+    source = iter(tensors)
+    if manifest.packed:
+        _send_packed(comm, manifest, source, phases)
+    else:
+        _send_unpacked(comm, manifest, source, phases)
+    t0 = time.perf_counter()
+    votes = _vote(comm, 0)
+    phases.transfer_s += time.perf_counter() - t0
+    failed = [r for r, v in enumerate(votes) if v]
+    if failed:
+        raise UpdateAborted(f"update {update_id}: workers {failed} did not receive every byte; none committed")
+    return phases
+
+
+def _recv_packed(comm: Collective, manifest: Manifest, phases: Phases) -> list[torch.Tensor]:
+    """Receive the stream straight into one staging allocation, ``num_buffers`` receives in flight."""
+    import torch
+
+    plan = plan_stream(manifest)
+    flat = torch.empty(plan.total_bytes, dtype=torch.uint8, device=comm.device)
+    depth = manifest.num_buffers
+    posted: dict[int, Pending] = {}
+
+    def post(k: int) -> None:
+        start = plan.unit_start(k)
+        posted[k] = comm.broadcast(flat[start : start + plan.buffer_length(k)], _SRC)
+
+    for k in range(min(depth, plan.num_buffers)):
+        post(k)
+    t0 = time.perf_counter()
+    for k in range(plan.num_buffers):
+        posted.pop(k).wait()
+        if k + depth < plan.num_buffers:
+            post(k + depth)
+    phases.transfer_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    views = tensor_views(flat, plan, manifest)
+    phases.pack_s += time.perf_counter() - t0
+    phases.bytes = plan.total_bytes
+    return views
+
+
+def receive_update(
+    comm: Collective,
+    expected: Manifest | None,
+    sink: WeightSink,
+    *,
+    reject: Callable[[int, str], None],
+    refuse: str = "",
+    validate: Callable[[Manifest], None] | None = None,
+) -> tuple[int, Phases]:
+    """Run one update as a worker; load the weights only if every rank got every byte.
+
+    Args:
+        comm: The transfer group's collective.
+        expected: The manifest this worker built from its update info and init parameters (None
+            when it could not build one: then ``refuse`` says why, and the worker votes no).
+        sink: Receives the staged tensors at commit (``load_weights``).
+        reject: ``(update_id, reason)``: publish why this worker refuses (before the vote).
+        refuse: A reason to refuse whatever the trainer sends (bad local update info).
+        validate: Optional check of the manifest against the model (unknown names, shapes, dtypes).
+
+    Returns:
+        ``(update_id, phases)``.
+
+    Raises:
+        ManifestMismatch: This worker or another refused the update; nothing was written.
+        UpdateAborted: The update did not complete on every rank; the model keeps its weights.
+    """
+    phases = Phases()
+    update_id, remote = _exchange_manifest(comm, None, 0)
+    reason = refuse
+    try:
+        if expected is not None and not reason:
+            check_manifests(expected, remote, local_role="worker", remote_role="trainer")
+            if validate is not None:
+                validate(remote)
+    except ManifestMismatch as exc:
+        reason = str(exc)
+    if reason:
+        reject(update_id, reason)
+    votes = _vote(comm, 1 if reason else 0)
+    if reason:
+        raise ManifestRejected(f"update {update_id} refused: {reason}")
+    if any(votes):
+        others = [r for r, v in enumerate(votes) if v]
+        raise ManifestRejected(f"update {update_id} refused by worker ranks {others}; nothing was written")
+    if remote.packed:
+        staging = _recv_packed(comm, remote, phases)
+    else:
+        staging = new_staging(remote, comm.device)
+        for image in staging_images(staging):
+            if image.numel():
+                t0 = time.perf_counter()
+                comm.broadcast(image, _SRC).wait()
+                phases.transfer_s += time.perf_counter() - t0
+                phases.bytes += image.numel()
+    t0 = time.perf_counter()
+    votes = _vote(comm, 0)
+    phases.transfer_s += time.perf_counter() - t0
+    if any(votes):
+        raise UpdateAborted(f"update {update_id}: ranks {[r for r, v in enumerate(votes) if v]} failed; not committed")
+    t0 = time.perf_counter()
+    sink.load_weights([(spec.name, t) for spec, t in zip(remote.tensors, staging, strict=True)])
+    phases.load_s = time.perf_counter() - t0
+    return update_id, phases

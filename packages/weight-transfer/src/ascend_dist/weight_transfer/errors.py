@@ -1,0 +1,55 @@
+"""Typed errors of the weight-transfer package, all under `AscendDistError`.
+
+Runs in: trainer and inference-worker processes.
+
+Each class says how a caller should degrade.
+"""
+
+from __future__ import annotations
+
+from ascend_dist.common.errors import AscendDistError, ProtocolError, TransferError
+
+__all__ = ["ManifestMismatch", "ManifestRejected", "UpdateAborted", "UpdateStateError", "WorkerLost"]
+
+
+class ManifestMismatch(ProtocolError):
+    """The two sides disagree on what an update carries (tensor list, buffer geometry, mode).
+
+    Raised before any weight is written. Degrade: fix the trainer or worker configuration named in
+    the message and send the update again; the model still holds its previous weights.
+    """
+
+
+class ManifestRejected(ManifestMismatch):
+    """A worker refused the trainer's manifest at the vote, before any data moved.
+
+    The transfer group is still usable: fix the difference and send again.
+    """
+
+
+class UpdateStateError(AscendDistError, RuntimeError):
+    """A weight-update call came in the wrong order (second start, update without start, ...).
+
+    Degrade: call `finish_weight_update` or `abort` as the message says, then start over.
+    """
+
+
+class UpdateAborted(TransferError):
+    """An update did not complete on every rank, so no rank committed it.
+
+    The model keeps its previous weights. Degrade: re-initialise the transfer group (a broken
+    collective cannot be reused) and send the update again.
+    """
+
+
+class WorkerLost(UpdateAborted):
+    """One or more inference workers stopped responding during an update.
+
+    Attributes:
+        ranks: Transfer-group ranks of the workers that were lost.
+    """
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...]) -> None:
+        """Record the lost ranks in the error and its message."""
+        super().__init__(message, peer=",".join(str(r) for r in ranks))
+        self.ranks = ranks

@@ -1,0 +1,200 @@
+"""Trainer side of the same-chip IPC engine (backend ``npu_ipc``); needs torch, never vLLM.
+
+Runs in: every colocated trainer rank (one per chip). Call order:
+
+    trainer = IpcTrainer(client, runtime, packed=True, buffer_size_bytes=...)
+    trainer.init()                      # the sender tells the workers the must-agree parameters
+    trainer.send(model.named_parameters())   # start, update(s), finish through the client
+
+Every rank exports its own copy and the handles are merged across ranks through a
+`HandleExchange`, so each worker finds its own chip's entry; only rank 0 (the sender) talks to the
+client. Packed mode reuses one buffer: after each chunk the sender's ``update_weights`` returns
+only once the workers have copied it, and a barrier holds the other ranks until then, so no rank
+overwrites its buffer while its worker still reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import msgspec
+
+from ascend_dist.common.device.ipc import IpcHandle
+from ascend_dist.common.errors import ProtocolError
+from ascend_dist.weight_transfer.ipc import (
+    HandleExchange,
+    LocalExchange,
+    SharedExporter,
+    device_uuid,
+    make_chunk,
+    merge_handles,
+    packed_chunks,
+    unpacked_chunk,
+)
+from ascend_dist.weight_transfer.messages import (
+    DEFAULT_BUFFER_SIZE_BYTES,
+    IpcChunk,
+    IpcParams,
+    Manifest,
+    ipc_chunk_to_builtins,
+)
+from ascend_dist.weight_transfer.packing import plan_stream
+from ascend_dist.weight_transfer.trainer import manifest_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from ascend_dist.common.device import DeviceRuntime
+
+__all__ = ["IpcTrainer", "TorchDistExchange", "WeightSyncClient"]
+
+logger = logging.getLogger(__name__)
+
+_HANDLE_LISTS = msgspec.msgpack.Decoder(list[dict[str, IpcHandle]])
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@runtime_checkable
+class WeightSyncClient(Protocol):
+    """The inference side's weight-sync control plane (vLLM's ``VLLMWeightSyncClient`` shape)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialise every worker's engine."""
+        ...
+
+    def start_weight_update(self) -> None:
+        """Open an update on every worker."""
+        ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Deliver one update message to every worker; returns when they applied it."""
+        ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update on every worker."""
+        ...
+
+
+class TorchDistExchange:
+    """`HandleExchange` over an initialised torch.distributed group of the trainer ranks (gloo or device)."""
+
+    def __init__(self, group: Any = None) -> None:  # group: a torch ProcessGroup, None for the default
+        """Use ``group`` (None: the default group)."""
+        import torch.distributed as dist
+
+        self._group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_gather(self, payload: bytes) -> list[bytes]:
+        """Gather variable-length bytes: lengths first, then padded payloads (no pickle)."""
+        import torch
+        import torch.distributed as dist
+
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(lengths, length, group=self._group)
+        longest = max(int(x.item()) for x in lengths)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+        gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self._group)
+        return [g[: int(n.item())].numpy().tobytes() for g, n in zip(gathered, lengths, strict=True)]
+
+    def barrier(self) -> None:
+        """torch.distributed barrier on the group."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._group)
+
+
+class IpcTrainer:
+    """Shares weights with colocated inference workers through IPC handles."""
+
+    def __init__(
+        self,
+        client: WeightSyncClient,
+        runtime: DeviceRuntime,
+        *,
+        packed: bool = True,
+        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+        uuid: str | None = None,
+        exchange: HandleExchange | None = None,
+    ) -> None:
+        """Create the engine.
+
+        Args:
+            client: The control plane (called only on the sender, rank 0 of ``exchange``).
+            runtime: Exports tensors (shared memory on the CPU).
+            packed: Pack into one reused buffer (bounded memory) or share every tensor.
+            buffer_size_bytes: Packed buffer size; any tensor size works (tensors span chunks).
+            uuid: This rank's chip identity; default `device_uuid` of the runtime's device.
+            exchange: The colocated trainer ranks; default a single rank.
+        """
+        self.client = client
+        self.exchange: HandleExchange = exchange if exchange is not None else LocalExchange()
+        self.params = IpcParams(packed=packed, buffer_size_bytes=buffer_size_bytes)
+        uid = uuid if uuid is not None else device_uuid(runtime.device_index, runtime.name)
+        self.exporter = SharedExporter(runtime, uid)
+
+    @property
+    def is_sender(self) -> bool:
+        """Whether this rank drives the client (rank 0)."""
+        return self.exchange.rank == 0
+
+    def init(self) -> None:
+        """Send the must-agree parameters to the workers (sender only)."""
+        if self.is_sender:
+            self.client.init_weight_transfer_engine(msgspec.to_builtins(self.params))
+
+    def _merged(self, handles: list[dict[str, IpcHandle]]) -> list[dict[str, IpcHandle]]:
+        if self.exchange.world_size == 1:
+            return handles
+        gathered = self.exchange.all_gather(_ENCODER.encode(handles))
+        try:
+            per_rank = [_HANDLE_LISTS.decode(raw) for raw in gathered]
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"undecodable handle list from a trainer rank: {exc}") from exc
+        return merge_handles(per_rank)
+
+    def _deliver(self, chunk: IpcChunk) -> None:
+        if self.is_sender:
+            self.client.update_weights({"chunk": ipc_chunk_to_builtins(chunk)})
+        self.exchange.barrier()  # no rank reuses its memory before the workers are done with it
+
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest | None = None) -> int:
+        """Run one full update round (start, update(s), finish) on every rank.
+
+        Args:
+            tensors: ``(name, tensor)`` in send order, the same on every rank.
+            manifest: The update's manifest; built from ``tensors`` when None.
+
+        Returns:
+            Number of update messages sent.
+        """
+        if manifest is None:
+            tensors = list(tensors)
+            manifest = manifest_of(
+                tensors, packed=self.params.packed, buffer_size_bytes=self.params.buffer_size_bytes, num_buffers=1
+            )
+        if self.is_sender:
+            self.client.start_weight_update()
+        sent = 0
+        if manifest.packed:
+            count = plan_stream(manifest).num_buffers
+            for index, handle in packed_chunks(self.exporter, manifest, tensors):
+                self._deliver(make_chunk(manifest, index, count, self._merged([handle])))
+                sent += 1
+            if count == 0:  # an update without bytes: one message so the workers still load nothing
+                self._deliver(make_chunk(manifest, 0, 1, self._merged([{}])))
+                sent += 1
+        else:
+            handles, keep = unpacked_chunk(self.exporter, manifest, tensors)
+            self._deliver(make_chunk(manifest, 0, 1, self._merged(handles)))
+            del keep
+            sent = 1
+        if self.is_sender:
+            self.client.finish_weight_update()
+        return sent

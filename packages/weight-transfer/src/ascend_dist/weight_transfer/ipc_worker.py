@@ -1,0 +1,255 @@
+"""Worker side of the same-chip IPC engine (backend ``npu_ipc``), without vLLM.
+
+Runs in: each inference worker colocated with a trainer rank. Call order:
+
+    init({"packed": ..., "buffer_size_bytes": ...})  ->  start()  ->  update(payload) [...]  ->  finish()
+
+Unpacked: one ``update`` carries a handle per tensor; every handle is opened (zero-copy views of
+the trainer's memory) before anything is loaded, then all tensors are loaded at once. Packed: each
+``update`` carries one chunk of the byte stream in the trainer's reused buffer; the worker copies it
+into staging tensors and loads them into the model when the last chunk arrives (upstream's packed
+path never loaded them). A chunk out of order, a different manifest mid-update, or a handle for
+another chip is refused with a typed error, and the staged bytes are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ascend_dist.common.device.ipc import IpcHandle
+from ascend_dist.common.errors import ProtocolError
+from ascend_dist.weight_transfer.errors import ManifestMismatch
+from ascend_dist.weight_transfer.ipc import device_uuid, pick_handle
+from ascend_dist.weight_transfer.messages import (
+    IpcChunk,
+    IpcParams,
+    Manifest,
+    ipc_chunk_from_builtins,
+)
+from ascend_dist.weight_transfer.packing import new_staging, plan_stream, staging_images, unpack_buffer
+from ascend_dist.weight_transfer.session import ModuleSink, Session, SessionState, WeightSink
+
+if TYPE_CHECKING:
+    import torch
+
+    from ascend_dist.common.device import DeviceRuntime
+
+__all__ = ["IpcWorker", "ipc_command_handler"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Staged:
+    """A packed update in progress: its manifest, staging tensors and the next chunk expected."""
+
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
+        self.manifest = manifest
+        self.digest = manifest.digest()
+        self.plan = plan_stream(manifest)
+        self.staging = new_staging(manifest, device)
+        self.images = staging_images(self.staging)
+        self.next_chunk = 0
+
+
+class IpcWorker:
+    """Receives weights through IPC handles from a trainer on the same chip and loads them."""
+
+    def __init__(
+        self,
+        sink: WeightSink,
+        runtime: DeviceRuntime,
+        *,
+        uuid: str | None = None,
+        validate: Callable[[Manifest], None] | None = None,
+    ) -> None:
+        """Create the engine.
+
+        Args:
+            sink: Where weights are loaded (``load_weights``).
+            runtime: Opens handles (shared memory on the CPU, device IPC on npu/cuda).
+            uuid: This worker's chip identity; default `device_uuid` of the runtime's device.
+            validate: Optional check of each manifest against the model before anything is loaded.
+        """
+        import torch
+
+        self.sink = sink
+        self.runtime = runtime
+        self.device_index = runtime.device_index
+        self.uuid = uuid if uuid is not None else device_uuid(runtime.device_index, runtime.name)
+        self.device = torch.device("cpu") if runtime.name == "cpu" else torch.device(runtime.name, runtime.device_index)
+        self._validate = validate
+        self.session = Session("npu_ipc weight transfer")
+        self.params = IpcParams()
+        self._staged: _Staged | None = None
+        self._opened: dict[tuple[bytes, int], torch.Tensor] = {}
+
+    def init(self, params: IpcParams) -> None:
+        """Record the trainer's must-agree parameters (``packed``, buffer size)."""
+        self.session.require("init")
+        self.params = params
+        self.session.move(SessionState.READY)
+
+    def start(self) -> None:
+        """Open an update (raises `UpdateStateError` if one is open)."""
+        self.session.require("start")
+        self._staged = None
+        self.session.move(SessionState.ACTIVE)
+
+    def update(self, payload: dict[str, Any]) -> None:
+        """Apply one update message (``{"chunk": <IpcChunk as JSON builtins>}``).
+
+        Raises:
+            UpdateStateError: No update is active.
+            ProtocolError: Malformed payload, or a chunk out of order.
+            ManifestMismatch: Mode or buffer size differ from init, or the manifest changed mid-update.
+            ConfigError: No handle for this chip.
+        """
+        self.session.require("update")
+        try:
+            raw = payload.get("chunk")
+            if not isinstance(raw, dict):
+                raise ProtocolError("update payload lacks the 'chunk' object")
+            self._apply(ipc_chunk_from_builtins(raw))
+        except BaseException:
+            self._staged = None  # drop half-received bytes; the model was not touched
+            self.session.move(SessionState.READY)
+            raise
+
+    def _apply(self, chunk: IpcChunk) -> None:
+        manifest = chunk.manifest
+        if manifest.packed != self.params.packed:
+            raise ManifestMismatch(f"packed: worker has {self.params.packed!r}, trainer sent {manifest.packed!r}")
+        if manifest.packed and manifest.buffer_size_bytes != self.params.buffer_size_bytes:
+            raise ManifestMismatch(
+                f"buffer_size_bytes: worker has {self.params.buffer_size_bytes}, "
+                f"trainer sent {manifest.buffer_size_bytes}"
+            )
+        if manifest.packed:
+            self._apply_packed(chunk)
+        else:
+            self._apply_unpacked(chunk)
+
+    def _open(self, handles: dict[str, IpcHandle]) -> torch.Tensor:
+        handle = pick_handle(handles, self.uuid, self.device_index)
+        key = (handle.payload, handle.offset)
+        view = self._opened.get(key)
+        if view is None or tuple(view.shape) != handle.shape or str(view.dtype) != f"torch.{handle.dtype}":
+            view = self.runtime.open_ipc_handle(handle)
+            self._opened[key] = view
+        return view
+
+    def _apply_unpacked(self, chunk: IpcChunk) -> None:
+
+        manifest = chunk.manifest
+        if len(chunk.handles) != len(manifest.tensors):
+            raise ProtocolError(f"{len(chunk.handles)} handles for {len(manifest.tensors)} tensors")
+        if self._validate is not None:
+            self._validate(manifest)
+        pairs: list[tuple[str, torch.Tensor]] = []
+        for spec, handles in zip(manifest.tensors, chunk.handles, strict=True):
+            if not handles:  # a zero-byte tensor has no memory to share
+                pairs.append((spec.name, new_staging(Manifest(tensors=(spec,)), self.device)[0]))
+                continue
+            view = self._open(handles)
+            if tuple(view.shape) != spec.shape or str(view.dtype) != f"torch.{spec.dtype}":
+                raise ManifestMismatch(
+                    f"handle of {spec.name!r} describes {view.dtype}{tuple(view.shape)}, manifest {spec}"
+                )
+            pairs.append((spec.name, view))
+        self.sink.load_weights(pairs)
+        self.runtime.synchronize()
+
+    def _apply_packed(self, chunk: IpcChunk) -> None:
+        staged = self._staged
+        if chunk.chunk_index == 0:
+            if self._validate is not None:
+                self._validate(chunk.manifest)
+            staged = self._staged = _Staged(chunk.manifest, self.device)
+            if staged.plan.num_buffers == 0:  # only zero-byte tensors: nothing to copy
+                self._commit(staged)
+                return
+        if staged is None:
+            raise ProtocolError(f"chunk {chunk.chunk_index} arrived before chunk 0 of its update")
+        if chunk.manifest.digest() != staged.digest:
+            raise ManifestMismatch(f"chunk {chunk.chunk_index} carries another manifest than chunk 0 of the update")
+        if chunk.chunk_index != staged.next_chunk or chunk.num_chunks != staged.plan.num_buffers:
+            raise ProtocolError(
+                f"chunk {chunk.chunk_index}/{chunk.num_chunks} arrived, "
+                f"expected {staged.next_chunk}/{staged.plan.num_buffers}"
+            )
+        if len(chunk.handles) != 1:
+            raise ProtocolError(f"a packed chunk carries one buffer handle, got {len(chunk.handles)}")
+        buffer = self._open(chunk.handles[0])
+        if buffer.numel() != staged.plan.buffer_length(chunk.chunk_index):
+            raise ProtocolError(
+                f"chunk {chunk.chunk_index} buffer has {buffer.numel()} bytes, "
+                f"expected {staged.plan.buffer_length(chunk.chunk_index)}"
+            )
+        unpack_buffer(staged.plan, chunk.chunk_index, buffer, staged.images)  # a copy: the buffer is reused
+        staged.next_chunk += 1
+        if staged.next_chunk == staged.plan.num_buffers:
+            self._commit(staged)
+
+    def _commit(self, staged: _Staged) -> None:
+        """Load a fully received packed update into the model."""
+        self.sink.load_weights([(s.name, t) for s, t in zip(staged.manifest.tensors, staged.staging, strict=True)])
+        self.runtime.synchronize()
+        self._staged = None
+
+    def finish(self) -> None:
+        """Close the update; raises `ProtocolError` if a packed update is missing chunks (nothing loaded)."""
+        self.session.require("finish")
+        staged, self._staged = self._staged, None
+        self.session.move(SessionState.READY)
+        if staged is not None:
+            raise ProtocolError(
+                f"finish after {staged.next_chunk} of {staged.plan.num_buffers} chunks: the update was not loaded"
+            )
+
+    def shutdown(self) -> None:
+        """Forget opened mappings (the runtime's owner closes them); idempotent."""
+        self._opened.clear()
+        self._staged = None
+        self.session.move(SessionState.CLOSED)
+
+
+def ipc_command_handler(model: torch.nn.Module) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Serve the demo driver's ``ipc`` commands against ``model`` (used by `demo_procs`)."""
+    from ascend_dist.common.device import CpuSimRuntime
+
+    state: dict[str, Any] = {}
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        action = cmd.get("action") or cmd["op"]
+        if action == "close":
+            worker, runtime = state.pop("worker", None), state.pop("runtime", None)
+            if worker is not None:
+                worker.shutdown()
+            if runtime is not None:
+                runtime.close()
+            return {}
+        if action == "init":
+            params = msgspec.convert(cmd["init_info"], IpcParams)
+            worker = state.get("worker")
+            if worker is None or cmd.get("uuid") is not None:  # a new identity needs a new engine
+                runtime = state.get("runtime") or CpuSimRuntime()
+                state["runtime"] = runtime
+                sink = ModuleSink(model)
+                worker = IpcWorker(sink, runtime, uuid=cmd.get("uuid"), validate=sink.validate)
+                state["worker"] = worker
+            worker.init(params)
+            return {"uuid": worker.uuid}
+        worker = state["worker"]
+        if action == "start":
+            worker.start()
+        elif action == "update":
+            worker.update(cmd["update_info"])
+        elif action == "finish":
+            worker.finish()
+        return {}
+
+    return handle

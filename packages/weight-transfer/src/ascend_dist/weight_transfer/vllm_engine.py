@@ -1,0 +1,255 @@
+# (vLLM is an optional extra: the default environment type-checks without it; run pyright with
+# --pythonpath .nox/vllm/bin/python to check these modules against the pinned vLLM.)
+"""vLLM adapter, worker side: the ``hccl`` and ``npu_ipc`` weight-transfer engines.
+
+Runs in: vLLM worker processes (created by ``WeightTransferEngineFactory.create_engine(config,
+vllm_config, device, model)`` right after the model is loaded). vLLM calls, per the pinned
+``vllm/distributed/weight_transfer/base.py`` (0.33): ``init_transfer_engine`` once, then per update
+``start_weight_update``, ``update_weights`` (parse, ``receive_weights``, sync) one or more times,
+``finish_weight_update``; ``shutdown`` at the end.
+
+The classes are thin: they translate vLLM's dataclasses and configs into `BroadcastWorker` /
+`IpcWorker` calls. Two deliberate differences from vLLM's own NCCL/IPC engines:
+
+- weights are staged and applied to the model only once a whole update arrived; vLLM's layerwise
+  reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``) then runs around that
+  one apply, not from ``start`` to ``finish``, so an aborted update never leaves layers on the meta
+  device (disable it with ``layerwise_reload=False`` for models not loaded by vLLM);
+- ``update_weights`` synchronises through ``ascend_dist.common.device`` rather than
+  ``torch.accelerator.synchronize()``, which raises on a CPU-only host.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ascend_dist.common.device import get_runtime
+from ascend_dist.weight_transfer.collective import gloo_collective, hccl_collective
+from ascend_dist.weight_transfer.ipc_worker import IpcWorker
+from ascend_dist.weight_transfer.messages import (
+    DEFAULT_BUFFER_SIZE_BYTES,
+    DEFAULT_DIRECT_THRESHOLD_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    IpcParams,
+)
+from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = [
+    "HCCLWeightTransferEngine",
+    "HCCLWeightTransferInitInfo",
+    "HCCLWeightTransferUpdateInfo",
+    "NPUIPCWeightTransferEngine",
+    "NPUIPCWeightTransferInitInfo",
+    "NPUIPCWeightTransferUpdateInfo",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class _ModelSink:
+    """Loads into the engine's *current* target model (vLLM retargets it for draft-model updates)."""
+
+    def __init__(self, engine: WeightTransferEngine[Any, Any], layerwise: bool) -> None:  # vLLM generic boundary
+        self._engine = engine
+        self.layerwise = layerwise
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        model = self._engine.model
+        if not self.layerwise:
+            with disable_mtp_completeness_check():
+                return model.load_weights(weights)  # pyright: ignore[reportCallIssue]
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        with disable_mtp_completeness_check():
+            loaded = model.load_weights(weights)  # pyright: ignore[reportCallIssue]
+        finalize_layerwise_reload(model, self._engine.model_config)
+        return loaded
+
+
+@dataclass
+class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
+    """Worker init info of the ``hccl`` backend (field names are the JSON wire format).
+
+    ``rank_offset`` is the number of trainer ranks (1); ``world_size`` counts the trainer and every
+    worker across DP replicas. The packing fields must equal the trainer's (they are checked again
+    in-band on every update).
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
+    packed_direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES
+    op_timeout_s: float = 300.0
+    layerwise_reload: bool = True
+
+
+@dataclass
+class HCCLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """Per-update metadata: tensor names, dtype names and shapes in the trainer's send order.
+
+    The old per-round packing fields are still accepted; when given they must equal the init values.
+    """
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    packed: bool | None = None
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+    def __post_init__(self) -> None:
+        """Check the three lists have one entry per tensor (vLLM's wording)."""
+        for name in ("dtype_names", "shapes"):
+            if len(getattr(self, name)) != len(self.names):
+                raise ValueError(
+                    f"`{name}` should be of the same size as `names`: "
+                    f"got {len(getattr(self, name))} and {len(self.names)}"
+                )
+
+
+def _device_factory(device: torch.device):
+    return gloo_collective if device.type == "cpu" else hccl_collective
+
+
+class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, HCCLWeightTransferUpdateInfo]):
+    """Broadcast weight transfer (backend ``hccl``): HCCL on Ascend, NCCL on CUDA, gloo on the CPU."""
+
+    init_info_cls = HCCLWeightTransferInitInfo
+    update_info_cls = HCCLWeightTransferUpdateInfo
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        """Create the engine (positional arguments, as the factory calls it)."""
+        super().__init__(config, vllm_config, device, model)
+        self._sink = _ModelSink(self, layerwise=True)
+        self.worker = BroadcastWorker(self._sink, device=device, collective_factory=_device_factory(device))
+
+    def init_transfer_engine(self, init_info: HCCLWeightTransferInitInfo) -> None:
+        """Join the trainer's group as ``rank_offset + dp_index * replica_size + rank``."""
+        pc = self.parallel_config
+        rank = worker_group_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
+        self._sink.layerwise = init_info.layerwise_reload
+        self.worker.init(
+            master_address=init_info.master_address, master_port=init_info.master_port, rank=rank,
+            world_size=init_info.world_size, packed=init_info.packed,
+            buffer_size_bytes=init_info.packed_buffer_size_bytes, num_buffers=init_info.packed_num_buffers,
+            op_timeout_s=init_info.op_timeout_s, direct_threshold_bytes=init_info.packed_direct_threshold_bytes,
+        )  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        """Open an update (`UpdateStateError` if one is open)."""
+        self.worker.start()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:  # vLLM passes a JSON dict
+        """Parse, receive and apply one update, then synchronise the device."""
+        self.receive_weights(self.parse_update_info(update_info))
+        get_runtime().synchronize()
+
+    def receive_weights(self, update_info: HCCLWeightTransferUpdateInfo) -> None:
+        """Receive one update and load it into the model once every rank has all of it."""
+        refuse = ""
+        for name, mine in (("packed", self.worker.packed), ("packed_buffer_size_bytes", self.worker.buffer_size_bytes),
+                           ("packed_num_buffers", self.worker.num_buffers)):  # fmt: skip
+            theirs = getattr(update_info, name)
+            if theirs is not None and theirs != mine:
+                refuse = f"update_info.{name}={theirs!r} differs from the init value {mine!r}"
+        # a refusal still joins the exchange and votes no: the trainer fails at once, naming it
+        self.worker.update(update_info.names, update_info.dtype_names, update_info.shapes, refuse=refuse)
+
+    def finish_weight_update(self) -> None:
+        """Close the update (`UpdateStateError` if none is open)."""
+        self.worker.finish()
+
+    def shutdown(self) -> None:
+        """Destroy the communicator and leave the group."""
+        self.worker.shutdown()
+
+
+@dataclass
+class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
+    """Worker init info of the ``npu_ipc`` backend, sent by the trainer."""
+
+    packed: bool = True
+    buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    version: int = 1
+    layerwise_reload: bool = True
+
+
+@dataclass
+class NPUIPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One IPC update message: ``chunk`` is an `IpcChunk` as JSON builtins (no pickle)."""
+
+    chunk: dict[str, Any] = field(default_factory=dict)  # JSON object from the control plane
+
+
+class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitInfo, NPUIPCWeightTransferUpdateInfo]):
+    """Same-chip IPC weight transfer (backend ``npu_ipc``); shared memory on the CPU."""
+
+    init_info_cls = NPUIPCWeightTransferInitInfo
+    update_info_cls = NPUIPCWeightTransferUpdateInfo
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        """Create the engine; the device identity comes from the process's device runtime."""
+        super().__init__(config, vllm_config, device, model)
+        self._sink = _ModelSink(self, layerwise=True)
+        self.worker = IpcWorker(self._sink, get_runtime())
+
+    def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
+        """Record the trainer's must-agree parameters."""
+        self._sink.layerwise = init_info.layerwise_reload
+        self.worker.init(
+            msgspec.convert(
+                {
+                    "version": init_info.version,
+                    "packed": init_info.packed,
+                    "buffer_size_bytes": init_info.buffer_size_bytes,
+                },
+                IpcParams,
+            )
+        )
+
+    def start_weight_update(self) -> None:
+        """Open an update."""
+        self.worker.start()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:  # vLLM passes a JSON dict
+        """Apply one IPC message, then synchronise the device."""
+        self.receive_weights(self.parse_update_info(update_info))
+        get_runtime().synchronize()
+
+    def receive_weights(self, update_info: NPUIPCWeightTransferUpdateInfo) -> None:
+        """Open this chip's handles and load (packed: stage, load after the last chunk)."""
+        self.worker.update({"chunk": update_info.chunk})
+
+    def finish_weight_update(self) -> None:
+        """Close the update (a packed update missing chunks is refused, nothing loaded)."""
+        self.worker.finish()
+
+    def shutdown(self) -> None:
+        """Forget opened mappings."""
+        self.worker.shutdown()

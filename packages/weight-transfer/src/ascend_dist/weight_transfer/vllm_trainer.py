@@ -1,0 +1,232 @@
+# (vLLM is an optional extra: the default environment type-checks without it; run pyright with
+# --pythonpath .nox/vllm/bin/python to check these modules against the pinned vLLM.)
+"""vLLM adapter, trainer side: ``hccl`` and ``npu_ipc`` engines for ``WeightTransferTrainerFactory``.
+
+Runs in: the trainer process, when the RL framework goes through vLLM's trainer API
+(``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)`` then
+``engine.send_weights()`` each round). Trainers that do not have vLLM installed use
+`BroadcastTrainer` / `IpcTrainer` directly: these classes only wrap them.
+
+Per the pinned ``vllm/distributed/weight_transfer/base.py`` (0.33): ``TrainerInitInfo`` has a
+keyword-only ``rank`` (rank 0 sends) and a class-level ``backend``; ``trainer_init`` is a
+classmethod called on every trainer rank; ``send_weights`` drives start, update(s) and finish
+through the client. The broadcast engine runs the client's ``update_weights`` in a thread while it
+broadcasts, since both sides meet inside the same collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+
+from ascend_dist.common.device import get_runtime
+from ascend_dist.common.device.ipc import dtype_to_str
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.weight_transfer.ipc_trainer import IpcTrainer
+from ascend_dist.weight_transfer.messages import (
+    DEFAULT_BUFFER_SIZE_BYTES,
+    DEFAULT_DIRECT_THRESHOLD_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    Manifest,
+    make_manifest,
+)
+from ascend_dist.weight_transfer.trainer import BroadcastTrainer
+from ascend_dist.weight_transfer.vllm_engine import _device_factory
+
+__all__ = [
+    "HCCLTrainerInitInfo",
+    "HCCLTrainerWeightTransferEngine",
+    "NPUIPCTrainerInitInfo",
+    "NPUIPCTrainerWeightTransferEngine",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _manifest(
+    source: WeightSource, *, packed: bool, buffer_size_bytes: int, num_buffers: int, direct_threshold_bytes: int = 0
+) -> Manifest:
+    return make_manifest(
+        [(m.name, dtype_to_str(m.dtype), tuple(m.shape)) for m in source.metadata],
+        packed=packed, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers,
+        direct_threshold_bytes=direct_threshold_bytes,
+    )  # fmt: skip
+
+
+def _checked_source(source: WeightSource | None, rank: int) -> WeightSource:
+    if source is None:
+        raise ConfigError("source", None, "a vLLM WeightSource (full-resync backend)")
+    if not source.implements_iter_full():
+        raise ConfigError("source", type(source).__name__, "a WeightSource implementing iter_full()")
+    if len(source.owned_names(rank)) != len(source.metadata):
+        raise ConfigError("source", f"rank {rank} owns a subset", "every parameter on every trainer rank")
+    return source
+
+
+@dataclass
+class HCCLTrainerInitInfo(TrainerInitInfo):
+    """Trainer init info of the ``hccl`` backend; the packing fields are sent to the workers at init."""
+
+    backend: ClassVar[str] = "hccl"
+    master_address: str
+    master_port: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
+    packed_direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES
+    op_timeout_s: float = 300.0
+    layerwise_reload: bool = True
+
+
+class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
+    """Trainer side of the broadcast backend; rank 0 holds the communicator and drives the client."""
+
+    init_info_cls = HCCLTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True,
+                 rank: int = 0, init_info: HCCLTrainerInitInfo) -> None:  # fmt: skip
+        """Store the wire parameters; `trainer_init` connects."""
+        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        self.init_info = init_info
+        self.trainer: BroadcastTrainer | None = None
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: HCCLTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
+        """Rank 0: host the group while the workers join it (their init RPC runs in a thread)."""
+        checked = _checked_source(source, init_info.rank)
+        engine = cls(client=client, source=checked, is_sender=init_info.is_sender, rank=init_info.rank,
+                     init_info=init_info)  # fmt: skip
+        if not engine.is_sender:
+            return engine
+        payload: dict[str, Any] = {
+            "master_address": init_info.master_address, "master_port": init_info.master_port, "rank_offset": 1,
+            "world_size": init_info.world_size, "packed": init_info.packed,
+            "packed_buffer_size_bytes": init_info.packed_buffer_size_bytes,
+            "packed_num_buffers": init_info.packed_num_buffers, "op_timeout_s": init_info.op_timeout_s,
+            "packed_direct_threshold_bytes": init_info.packed_direct_threshold_bytes,
+            "layerwise_reload": init_info.layerwise_reload,
+        }  # fmt: skip
+        runtime = get_runtime()
+        device = "cpu" if runtime.name == "cpu" else f"{runtime.name}:{runtime.device_index}"
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-init") as pool:
+            future = pool.submit(client.init_weight_transfer_engine, payload)
+            engine.trainer = BroadcastTrainer.connect(
+                init_info.master_address, init_info.master_port, init_info.world_size, device=device,
+                collective_factory=_device_factory(torch.device(device)),
+                op_timeout_s=init_info.op_timeout_s, packed=init_info.packed,
+                buffer_size_bytes=init_info.packed_buffer_size_bytes, num_buffers=init_info.packed_num_buffers,
+                direct_threshold_bytes=init_info.packed_direct_threshold_bytes,
+            )  # fmt: skip
+            future.result(timeout=init_info.op_timeout_s)
+        return engine
+
+    def send_weights(self) -> None:
+        """One round: start, update (concurrently with the broadcast), finish."""
+        assert self.source is not None
+        if not self.is_sender:
+            for _ in self.source.iter_full():  # join the trainer-side gathers only
+                pass
+            return
+        assert self.trainer is not None, "trainer_init() must run first"
+        info = self.init_info
+        manifest = _manifest(self.source, packed=info.packed, buffer_size_bytes=info.packed_buffer_size_bytes,
+                             num_buffers=info.packed_num_buffers,
+                             direct_threshold_bytes=info.packed_direct_threshold_bytes)  # fmt: skip
+        update = {"names": [t.name for t in manifest.tensors], "dtype_names": [t.dtype for t in manifest.tensors],
+                  "shapes": [list(t.shape) for t in manifest.tensors]}  # fmt: skip
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-update")
+        try:
+            future = pool.submit(self.client.update_weights, update)
+            self.trainer.send(self.source.iter_full(), manifest)
+            future.result(timeout=info.op_timeout_s)
+        finally:
+            # The broadcast either completed (the RPC returns promptly) or failed (the workers fail
+            # too, within op_timeout_s): the RPC thread ends either way; wait for it, bounded.
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        """Destroy the communicator."""
+        if self.trainer is not None:
+            self.trainer.shutdown()
+            self.trainer = None
+
+
+@dataclass
+class NPUIPCTrainerInitInfo(TrainerInitInfo):
+    """Trainer init info of the ``npu_ipc`` backend."""
+
+    backend: ClassVar[str] = "npu_ipc"
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    layerwise_reload: bool = True
+
+
+class _ClientAdapter:
+    """Our `WeightSyncClient` over vLLM's client; adds ``layerwise_reload`` to the init payload."""
+
+    def __init__(self, client: VLLMWeightSyncClient, layerwise_reload: bool) -> None:
+        self._client = client
+        self._layerwise = layerwise_reload
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._client.init_weight_transfer_engine({**init_info, "layerwise_reload": self._layerwise})
+
+    def start_weight_update(self) -> None:
+        self._client.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._client.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._client.finish_weight_update(weight_version)
+
+
+class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTrainerInitInfo]):
+    """Trainer side of the same-chip IPC backend (single trainer rank; see `IpcTrainer` for more)."""
+
+    init_info_cls = NPUIPCTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True,
+                 rank: int = 0, init_info: NPUIPCTrainerInitInfo) -> None:  # fmt: skip
+        """Create the core `IpcTrainer` on the process's device runtime."""
+        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        self.init_info = init_info
+        self.trainer = IpcTrainer(
+            _ClientAdapter(client, init_info.layerwise_reload), get_runtime(), packed=init_info.packed,
+            buffer_size_bytes=init_info.packed_buffer_size_bytes,
+        )  # fmt: skip
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: NPUIPCTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
+        """Build the engine; the sender ships the must-agree parameters to the workers."""
+        checked = _checked_source(source, init_info.rank)
+        engine = cls(client=client, source=checked, is_sender=init_info.is_sender, rank=init_info.rank,
+                     init_info=init_info)  # fmt: skip
+        if engine.is_sender:
+            engine.trainer.init()
+        return engine
+
+    def send_weights(self) -> None:
+        """One round: start, one message per chunk (or one for all tensors), finish."""
+        assert self.source is not None
+        info = self.init_info
+        manifest = _manifest(self.source, packed=info.packed, buffer_size_bytes=info.packed_buffer_size_bytes,
+                             num_buffers=1)  # fmt: skip
+        self.trainer.send(self.source.iter_full(), manifest)

@@ -1,0 +1,247 @@
+"""Worker side of the broadcast engine (backend ``hccl``), without vLLM.
+
+Runs in: each inference worker process. Call order (driven by vLLM's worker or by hand):
+
+    init(...)  ->  start()  ->  update(names, dtype_names, shapes) [one or more]  ->  finish()
+    ... start() again for the next update ...   shutdown()
+
+`init` joins the trainer's transfer group (blocking until the trainer and every worker joined);
+the worker's rank in it is `worker_group_rank`. An update is received into staging tensors and
+loaded into the model only when every rank has every byte, so a failed update leaves the previous
+weights in place. After a failed collective the group is unusable: `update` then raises
+`UpdateAborted` until `init` is called again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ascend_dist.common.errors import AscendDistError, ConfigError
+from ascend_dist.weight_transfer.broadcast import Phases, receive_update
+from ascend_dist.weight_transfer.collective import (
+    Collective,
+    CollectiveFactory,
+    Heartbeat,
+    TransferGroup,
+    gloo_collective,
+)
+from ascend_dist.weight_transfer.errors import ManifestRejected, UpdateAborted
+from ascend_dist.weight_transfer.messages import (
+    DEFAULT_BUFFER_SIZE_BYTES,
+    DEFAULT_DIRECT_THRESHOLD_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    Manifest,
+    make_manifest,
+)
+from ascend_dist.weight_transfer.session import Session, SessionState, WeightSink
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BroadcastWorker", "worker_group_rank"]
+
+logger = logging.getLogger(__name__)
+
+
+def worker_group_rank(rank_offset: int, data_parallel_index: int, replica_world_size: int, rank_in_replica: int) -> int:
+    """A worker's rank in the trainer-to-workers group (the trainer holds ranks below ``rank_offset``).
+
+    ``rank_offset + data_parallel_index * replica_world_size + rank_in_replica``, where
+    ``replica_world_size`` is TP x PP x PCP of one DP replica and ``rank_in_replica`` the worker's
+    rank inside it (vLLM ``ParallelConfig.world_size`` and ``.rank``).
+
+    Raises:
+        ConfigError: A negative index, a rank outside its replica, or a non-positive size.
+    """
+    if replica_world_size <= 0:
+        raise ConfigError("replica_world_size", replica_world_size, "a positive integer")
+    if not 0 <= rank_in_replica < replica_world_size:
+        raise ConfigError("rank_in_replica", rank_in_replica, f"0..{replica_world_size - 1}")
+    if data_parallel_index < 0:
+        raise ConfigError("data_parallel_index", data_parallel_index, "a non-negative integer")
+    if rank_offset < 1:
+        raise ConfigError("rank_offset", rank_offset, "at least 1 (the trainer is rank 0)")
+    return rank_offset + data_parallel_index * replica_world_size + rank_in_replica
+
+
+class BroadcastWorker:
+    """Receives packed or per-tensor broadcasts from the trainer and loads them into a model."""
+
+    def __init__(
+        self,
+        sink: WeightSink,
+        *,
+        device: torch.device | str = "cpu",
+        collective_factory: CollectiveFactory = gloo_collective,
+        validate: Callable[[Manifest], None] | None = None,
+        heartbeat_interval_s: float = 0.2,
+    ) -> None:
+        """Create an engine that is not yet in a group.
+
+        Args:
+            sink: Where received weights are loaded (a vLLM model or a `ModuleSink`).
+            device: Device of the receive buffers and staging tensors.
+            collective_factory: Builds the data plane (`gloo_collective` on CPU, `hccl_collective`).
+            validate: Optional check of each manifest against the model before any byte is received.
+            heartbeat_interval_s: Liveness interval published to the trainer.
+        """
+        import torch
+
+        self.sink = sink
+        self.device = torch.device(device)
+        self._factory = collective_factory
+        self._validate = validate
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self.session = Session("hccl weight transfer")
+        self._group: TransferGroup | None = None
+        self._comm: Collective | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._broken: str | None = None
+        self.packed = True
+        self.buffer_size_bytes = DEFAULT_BUFFER_SIZE_BYTES
+        self.num_buffers = DEFAULT_NUM_BUFFERS
+        self.direct_threshold_bytes = DEFAULT_DIRECT_THRESHOLD_BYTES
+        self.last_update_id = -1
+        self.last_phases: Phases | None = None
+
+    @property
+    def rank(self) -> int | None:
+        """This worker's rank in the transfer group (None before `init`)."""
+        return None if self._group is None else self._group.rank
+
+    @property
+    def collective(self) -> Collective | None:
+        """The data-plane communicator (None before `init`); for diagnostics and baselines."""
+        return self._comm
+
+    def init(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        packed: bool = True,
+        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
+        op_timeout_s: float = 300.0,
+        direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES,
+    ) -> None:
+        """Join the trainer's group (collective with the trainer and every other worker).
+
+        Raises:
+            UpdateStateError: Called while an update is active or after shutdown.
+            ConfigError: Bad rank, world size, buffer geometry or timeout.
+        """
+        self.session.require("init")
+        make_manifest(  # validates the geometry
+            [],
+            buffer_size_bytes=buffer_size_bytes,
+            num_buffers=num_buffers,
+            direct_threshold_bytes=direct_threshold_bytes,
+        )
+        self._release()
+        group = TransferGroup.join(master_address, master_port, rank, world_size, timeout_s=op_timeout_s)
+        self._heartbeat = Heartbeat(group.store, rank, self._heartbeat_interval_s)
+        self._group = group
+        self._comm = self._factory(group, self.device)
+        self._broken = None
+        self.packed, self.buffer_size_bytes, self.num_buffers = packed, buffer_size_bytes, num_buffers
+        self.direct_threshold_bytes = direct_threshold_bytes
+        self.session.move(SessionState.READY)
+        logger.info("weight transfer worker rank=%d world=%d packed=%s", rank, world_size, packed)
+
+    def start(self) -> None:
+        """Open an update (raises `UpdateStateError` if one is already open)."""
+        self.session.require("start")
+        self.session.move(SessionState.ACTIVE)
+
+    def update(self, names: list[str], dtype_names: list[str], shapes: list[list[int]], *, refuse: str = "") -> Phases:
+        """Receive one update described by vLLM-style metadata, then load it into the sink.
+
+        Args:
+            names: Tensor names in the trainer's send order.
+            dtype_names: Their dtype names (``"bfloat16"``).
+            shapes: Their shapes.
+            refuse: A reason to refuse this update (the worker still joins the manifest exchange
+                and votes no, so the trainer fails fast with the reason instead of timing out).
+
+        Raises:
+            UpdateStateError: No update is active.
+            ManifestRejected: The trainer sends something else, or the metadata is malformed (lists
+                of different lengths, an unknown dtype); the difference is named; nothing changed.
+            UpdateAborted: The update did not complete on every rank; the model keeps its weights.
+        """
+        self.session.require("update")
+        try:
+            expected, why = self._expected(names, dtype_names, shapes)
+            return self._receive(None if refuse else expected, refuse or why)
+        except BaseException:
+            self.session.move(SessionState.READY)  # the caller can start over
+            raise
+
+    def _expected(
+        self, names: list[str], dtype_names: list[str], shapes: list[list[int]]
+    ) -> tuple[Manifest | None, str]:
+        """This worker's manifest, or None and the reason it cannot build one (it then votes no)."""
+        if not len(names) == len(dtype_names) == len(shapes):
+            return (
+                None,
+                f"update_info lists differ: {len(names)} names, {len(dtype_names)} dtypes, {len(shapes)} shapes",
+            )
+        try:
+            manifest = make_manifest(
+                list(zip(names, dtype_names, [tuple(s) for s in shapes], strict=True)),
+                buffer_size_bytes=self.buffer_size_bytes,
+                num_buffers=self.num_buffers,
+                packed=self.packed,
+                direct_threshold_bytes=self.direct_threshold_bytes,
+            )
+        except ConfigError as exc:
+            return None, f"bad update_info: {exc}"
+        return manifest, ""
+
+    def _receive(self, expected: Manifest | None, refuse: str) -> Phases:
+        comm, group = self._comm, self._group
+        assert comm is not None and group is not None
+        if self._broken is not None:
+            raise UpdateAborted(f"the transfer group failed earlier ({self._broken}); call init again")
+
+        def reject(update_id: int, reason: str) -> None:
+            group.store.set(f"wt/reject/{update_id}/{group.rank}", reason)
+
+        try:
+            update_id, phases = receive_update(
+                comm, expected, self.sink, reject=reject, refuse=refuse, validate=self._validate
+            )
+        except ManifestRejected:
+            raise  # refused at the vote: the group is intact
+        except AscendDistError as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"[:200]
+            raise
+        except RuntimeError as exc:  # the collective failed: the group is unusable from now on
+            self._broken = str(exc).splitlines()[0][:200]
+            raise UpdateAborted(f"weight update aborted on worker rank {group.rank}: {self._broken}") from exc
+        self.last_update_id, self.last_phases = update_id, phases
+        return phases
+
+    def finish(self) -> None:
+        """Close the update (raises `UpdateStateError` if none is open)."""
+        self.session.require("finish")
+        self.session.move(SessionState.READY)
+
+    def _release(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None
+        self._group = None
+
+    def shutdown(self) -> None:
+        """Stop the heartbeat, destroy the communicator, leave the group; idempotent."""
+        self._release()
+        self.session.move(SessionState.CLOSED)

@@ -1,0 +1,94 @@
+"""Small pure pieces: worker ranks, the session table, device identity, handle merge and pick."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_dist.common.device.ipc import IPC_HANDLE_VERSION, IpcHandle
+from ascend_dist.common.errors import ConfigError, ProtocolError
+from ascend_dist.weight_transfer.errors import ManifestMismatch, UpdateStateError
+from ascend_dist.weight_transfer.ipc import device_uuid, merge_handles, pick_handle
+from ascend_dist.weight_transfer.messages import make_manifest
+from ascend_dist.weight_transfer.session import ModuleSink, Session, SessionState
+from ascend_dist.weight_transfer.worker import worker_group_rank
+
+
+@pytest.mark.parametrize(
+    ("offset", "dp", "replica", "rank", "expected"),
+    [(1, 0, 1, 0, 1), (1, 1, 1, 0, 2), (1, 0, 4, 3, 4), (1, 2, 4, 1, 10), (3, 1, 2, 1, 6)],
+)
+def test_worker_group_rank(offset: int, dp: int, replica: int, rank: int, expected: int) -> None:
+    assert worker_group_rank(offset, dp, replica, rank) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [((1, 0, 2, 2), "rank_in_replica"), ((1, -1, 2, 0), "data_parallel_index"), ((0, 0, 1, 0), "rank_offset"),
+     ((1, 0, 0, 0), "replica_world_size")],
+)  # fmt: skip
+def test_worker_group_rank_refuses_bad_input(args: tuple[int, int, int, int], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        worker_group_rank(*args)
+
+
+def test_session_transitions_and_hints() -> None:
+    s = Session("engine")
+    with pytest.raises(UpdateStateError, match="init_transfer_engine first"):
+        s.require("start")
+    s.require("init")
+    s.move(SessionState.READY)
+    with pytest.raises(UpdateStateError, match="start_weight_update first"):
+        s.require("update")
+    s.require("start")
+    s.move(SessionState.ACTIVE)
+    with pytest.raises(UpdateStateError, match="finish_weight_update first"):
+        s.require("start")
+    s.move(SessionState.CLOSED)
+    with pytest.raises(UpdateStateError, match="shut down"):
+        s.require("init")
+
+
+def test_module_sink_validates_before_writing() -> None:
+    model = torch.nn.Linear(3, 2)
+    sink = ModuleSink(model)
+    sink.validate(make_manifest([("weight", "float32", (2, 3)), ("bias", "float32", (2,))]))
+    with pytest.raises(ManifestMismatch, match="unknown parameter 'nope'"):
+        sink.validate(make_manifest([("nope", "float32", (2,))]))
+    with pytest.raises(ManifestMismatch, match=r"shape of 'bias': model has \(2,\), update has \(3,\)"):
+        sink.validate(make_manifest([("bias", "float32", (3,))]))
+    with pytest.raises(ManifestMismatch, match="dtype of 'bias': model has float32, update has bfloat16"):
+        sink.validate(make_manifest([("bias", "bfloat16", (2,))]))
+    assert sink.load_weights([("bias", torch.ones(2))]) == {"bias"}
+    assert torch.equal(model.bias.detach(), torch.ones(2))
+
+
+def test_device_uuid_uses_the_visible_devices_list() -> None:
+    assert device_uuid(1, "npu", ip="10.0.0.1", visible="4, 6,7") == "10.0.0.1-6"
+    assert device_uuid(2, "cuda", ip="10.0.0.1", visible="") == "10.0.0.1-2"
+    assert device_uuid(0, "cpu", ip="h") == "h-cpu0"
+    with pytest.raises(ConfigError, match="logical device index"):
+        device_uuid(3, "npu", ip="h", visible="0,1")
+
+
+def _handle(name: bytes, index: int = 0) -> IpcHandle:
+    return IpcHandle(version=IPC_HANDLE_VERSION, backend="npu", payload=name, offset=0, nbytes=8, dtype="uint8",
+                     shape=(8,), stride=(1,), device_index=index)  # fmt: skip
+
+
+def test_merge_handles_unions_per_entry_and_refuses_conflicts() -> None:
+    rank0 = [{"h-0": _handle(b"a0")}, {"h-0": _handle(b"b0")}]
+    rank1 = [{"h-1": _handle(b"a1")}, {"h-1": _handle(b"b1")}]
+    merged = merge_handles([rank0, rank1])
+    assert merged == [{"h-0": _handle(b"a0"), "h-1": _handle(b"a1")}, {"h-0": _handle(b"b0"), "h-1": _handle(b"b1")}]
+    with pytest.raises(ConfigError, match="h-0"):
+        merge_handles([rank0, rank0])
+    with pytest.raises(ProtocolError, match="rank 1 exported 1"):
+        merge_handles([rank0, rank1[:1]])
+
+
+def test_pick_handle_rewrites_the_device_index() -> None:
+    picked = pick_handle({"h-5": _handle(b"x", index=7)}, "h-5", 0)
+    assert picked.device_index == 0 and picked.payload == b"x"
+    with pytest.raises(ConfigError, match=r"one of \['h-5'\]"):
+        pick_handle({"h-5": _handle(b"x")}, "h-4", 0)

@@ -1,0 +1,221 @@
+"""The vLLM adapters against the pinned vLLM's real base classes and factories (marked vllm).
+
+Trainer and workers run in this process (workers as threads for the collectives), connected by a
+client that calls the worker engines the way vLLM's worker does: parse, init, start, update, finish.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from ascend_dist.weight_transfer.demo_procs import synthetic_specs, synthetic_weights
+
+from .conftest import free_port
+
+pytestmark = pytest.mark.vllm
+
+SPECS = synthetic_specs(12, 24 * 1024, dtypes=("float32", "bfloat16", "float16"))
+
+
+class LoadableModel(torch.nn.Module):
+    """A model with vLLM's ``load_weights`` surface (copies by parameter name)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterDict()
+        weights = synthetic_weights(SPECS, seed) if seed is not None else None
+        for i, (name, dtype, shape) in enumerate(SPECS):
+            value = weights[i][1] if weights else torch.zeros(shape, dtype=getattr(torch, dtype))
+            self.params[name.replace(".", "_")] = torch.nn.Parameter(value.clone(), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                self.params[name.removeprefix("params.").replace(".", "_")].copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, self.params[name.replace(".", "_")]) for name, _, _ in SPECS]
+
+
+def _vllm_config(dp_index: int) -> Any:
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.config.parallel import ParallelConfig
+
+    pc = ParallelConfig()
+    pc.data_parallel_index = dp_index
+    return VllmConfig(parallel_config=pc, device_config=DeviceConfig("cpu"))
+
+
+class EngineClient:
+    """A ``VLLMWeightSyncClient`` calling worker engines directly (all workers concurrently)."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines = engines
+        self.pool = ThreadPoolExecutor(max_workers=len(engines))
+
+    def _each(self, fn: Callable[[Any], object]) -> None:
+        for future in [self.pool.submit(fn, e) for e in self.engines]:
+            future.result(timeout=60)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._each(lambda e: e.init_transfer_engine(e.parse_init_info(init_info)))
+
+    def start_weight_update(self) -> None:
+        self._each(lambda e: e.start_weight_update())
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._each(lambda e: e.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._each(lambda e: e.finish_weight_update())
+
+
+@pytest.fixture(scope="module")
+def registered() -> list[str]:
+    from ascend_dist.weight_transfer.registration import register_engines
+
+    first = register_engines()
+    assert register_engines() == []  # re-entrant: a second call registers nothing and does not raise
+    return first
+
+
+def test_registration_is_lazy_by_module_path_and_idempotent(registered: list[str]) -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    assert set(registered) <= {"worker:hccl", "worker:npu_ipc", "trainer:hccl", "trainer:npu_ipc"}
+    assert WeightTransferEngineFactory._registry["hccl"]().__name__ == "HCCLWeightTransferEngine"
+    assert WeightTransferEngineFactory._registry["npu_ipc"]().__name__ == "NPUIPCWeightTransferEngine"
+    assert WeightTransferTrainerFactory._registry["hccl"]().__name__ == "HCCLTrainerWeightTransferEngine"
+    assert WeightTransferTrainerFactory._registry["npu_ipc"]().__name__ == "NPUIPCTrainerWeightTransferEngine"
+
+
+def test_engines_subclass_the_real_bases_with_the_factory_signature(registered: list[str]) -> None:
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightTransferEngine
+
+    from ascend_dist.weight_transfer import vllm_engine, vllm_trainer
+
+    for cls in (vllm_engine.HCCLWeightTransferEngine, vllm_engine.NPUIPCWeightTransferEngine):
+        assert issubclass(cls, WeightTransferEngine)
+        assert list(inspect.signature(cls.__init__).parameters) == ["self", "config", "vllm_config", "device", "model"]
+    for cls in (vllm_trainer.HCCLTrainerWeightTransferEngine, vllm_trainer.NPUIPCTrainerWeightTransferEngine):
+        assert issubclass(cls, TrainerWeightTransferEngine)
+    assert issubclass(vllm_trainer.HCCLTrainerInitInfo, TrainerInitInfo)
+    assert vllm_trainer.HCCLTrainerInitInfo.backend == "hccl"
+    assert vllm_trainer.NPUIPCTrainerInitInfo.backend == "npu_ipc"
+
+
+def _workers(backend: str, count: int) -> tuple[list[Any], list[LoadableModel]]:
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    models = [LoadableModel() for _ in range(count)]
+    engines = [
+        WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend=backend), _vllm_config(i), torch.device("cpu"), m
+        )
+        for i, m in enumerate(models)
+    ]
+    return engines, models
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_hccl_round_trips_through_the_real_factories(registered: list[str], packed: bool) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    engines, models = _workers("hccl", 2)
+    client = EngineClient(engines)
+    trainer_model = LoadableModel(seed=1)
+    info = HCCLTrainerInitInfo(
+        "127.0.0.1", free_port(), 3, rank=0, packed=packed, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
+        layerwise_reload=False, packed_direct_threshold_bytes=2000,
+    )  # fmt: skip
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(trainer_model))
+    try:
+        assert [e.worker.rank for e in engines] == [1, 2]  # from data_parallel_index 0 and 1
+        for seed in (2, 3, 4):
+            trainer_model.load_weights(synthetic_weights(SPECS, seed))
+            trainer.send_weights()
+            for m in models:
+                for (_, got), (_, want) in zip(m.named_tensors(), trainer_model.named_tensors(), strict=True):
+                    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        with pytest.raises(ValueError, match="Invalid update_info"):
+            engines[0].update_weights({"bogus": 1})
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_npu_ipc_round_trips_through_the_real_factories(registered: list[str], packed: bool) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.vllm_trainer import NPUIPCTrainerInitInfo
+
+    engines, models = _workers("npu_ipc", 1)
+    client = EngineClient(engines)
+    trainer_model = LoadableModel(seed=5)
+    info = NPUIPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=3000, layerwise_reload=False)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(trainer_model))
+    try:
+        for seed in (6, 7):
+            trainer_model.load_weights(synthetic_weights(SPECS, seed))
+            trainer.send_weights()  # packed: several chunks, loaded after the last one
+            for (_, got), (_, want) in zip(models[0].named_tensors(), trainer_model.named_tensors(), strict=True):
+                assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    finally:
+        trainer.shutdown()
+        engines[0].shutdown()
+        client.pool.shutdown()
+
+
+def test_hccl_per_round_field_disagreeing_with_init_fails_fast_and_session_restarts(registered: list[str]) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import ManifestRejected
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    engines, models = _workers("hccl", 2)
+
+    class OldStyleClient(EngineClient):
+        """Sends the pre-0.28 per-round packing fields, with a buffer size the workers were not given."""
+
+        def __init__(self, engines: list[Any]) -> None:
+            super().__init__(engines)
+            self.inject: dict[str, Any] = {"packed_buffer_size_bytes": 999}
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            super().update_weights({**update_info, **self.inject})
+
+    client = OldStyleClient(engines)
+    trainer_model = LoadableModel(seed=1)
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
+                               layerwise_reload=False)  # fmt: skip
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(trainer_model))
+    try:
+        with pytest.raises(ManifestRejected, match=r"update_info\.packed_buffer_size_bytes=999 differs"):
+            trainer.send_weights()
+        client.inject = {}
+        trainer.send_weights()  # the same group, a fresh update: it goes through
+        for (_, got), (_, want) in zip(models[1].named_tensors(), trainer_model.named_tensors(), strict=True):
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()
