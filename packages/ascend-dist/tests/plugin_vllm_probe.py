@@ -10,6 +10,7 @@ import logging
 import sys
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 from vllm.plugins import load_general_plugins
 
 
@@ -34,8 +35,15 @@ def main() -> None:
     from ascend_dist.plugin import register, registered_names
 
     register()
-    registry = KVConnectorFactory._registry  # reading, never editing, vLLM's registry
-    print(json.dumps({"ours": sorted(registered_names()), "in_vllm": sorted(registry), "logs": capture.messages}))
+    # Reading, never editing, vLLM's registries.
+    seen = {
+        "ours": sorted(registered_names()),
+        "in_vllm": sorted(KVConnectorFactory._registry),
+        "weight_engines": sorted(WeightTransferEngineFactory._registry),
+        "trainer_engines": sorted(WeightTransferTrainerFactory._registry),
+        "logs": capture.messages,
+    }
+    print(json.dumps(seen))
 
 
 if __name__ == "__main__":

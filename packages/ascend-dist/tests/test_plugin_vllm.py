@@ -24,9 +24,10 @@ def _probe(*args):
 
 def test_vllm_plugin_loading_registers_every_installed_connector_once():
     seen = _probe()
-    expected = {f"kv_connector:{c.name}" for c in plugin.COMPONENTS if plugin._installed(c.module)}
-    assert set(seen["ours"]) == expected
-    assert {name.split(":", 1)[1] for name in expected} <= set(seen["in_vllm"])
+    installed = [c for c in plugin.COMPONENTS if plugin._installed(c.module)]
+    assert set(seen["ours"]) == {f"{c.factory}:{c.name}" for c in installed}
+    assert {c.name for c in installed if c.factory == "kv_connector"} <= set(seen["in_vllm"])
+    assert {"hccl", "npu_ipc"} <= set(seen["weight_engines"]) and {"hccl", "npu_ipc"} <= set(seen["trainer_engines"])
     assert "MooncakeConnectorV1" in seen["in_vllm"]
 
 

@@ -67,6 +67,18 @@ COMPONENTS: tuple[Component, ...] = (
         "AscendSimpleCPUOffloadConnector",
     ),
     Component("kv_connector", "AscendMultiConnector", "ascend_dist.plugin.multi_connector", "AscendMultiConnector"),
+    # RL weight sync, under vllm-ascend's backend names; the trainer side has its own factory.
+    Component("weight_transfer", "hccl", "ascend_dist.weight_transfer.vllm_engine", "HCCLWeightTransferEngine"),
+    Component("weight_transfer", "npu_ipc", "ascend_dist.weight_transfer.vllm_engine", "NPUIPCWeightTransferEngine"),
+    Component(
+        "weight_transfer_trainer", "hccl", "ascend_dist.weight_transfer.vllm_trainer", "HCCLTrainerWeightTransferEngine"
+    ),
+    Component(
+        "weight_transfer_trainer",
+        "npu_ipc",
+        "ascend_dist.weight_transfer.vllm_trainer",
+        "NPUIPCTrainerWeightTransferEngine",
+    ),
 )
 
 _lock = threading.Lock()
