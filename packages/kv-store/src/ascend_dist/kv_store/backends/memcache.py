@@ -1,0 +1,127 @@
+"""memcache (``memcache_hybrid.DistributedObjectStore``) backend: needs the Ascend driver.
+
+Runs in: worker processes. On a machine without the Ascend driver, ``init(rank, init_bm=True)``
+returns -1 ("Failed to init smem bm") and ``init_bm=False`` connects but every put fails; so the
+backend raises `MemcacheUnavailable` at construction, with the reason, instead of running broken.
+With a working native store (injected or on Ascend) it maps the Protocol onto the same-named calls
+(spec §12.3: ``batch_put_from_layers``/``batch_get_into_layers`` with directions 0 L2G / 1 G2L).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ascend_dist.common.errors import StoreError
+
+__all__ = ["MemcacheBackend", "MemcacheStore", "MemcacheUnavailable"]
+
+logger = logging.getLogger(__name__)
+
+L2G = 0
+G2L = 1
+
+
+class MemcacheUnavailable(StoreError):
+    """memcache cannot run here (no Ascend driver, or the package is missing): pick another backend."""
+
+
+class MemcacheStore(Protocol):
+    """The subset of ``memcache_hybrid.DistributedObjectStore`` this backend calls."""
+
+    def init(self, local_rank: int, init_bm: bool = True) -> int:
+        """Native call."""
+        ...
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        """Native call."""
+        ...
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        """Native call."""
+        ...
+
+    def batch_put_from_layers(
+        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], direction: int
+    ) -> list[int]:
+        """Native batch call."""
+        ...
+
+    def batch_get_into_layers(
+        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], direction: int
+    ) -> list[int]:
+        """Native batch call."""
+        ...
+
+    def close(self) -> Any:
+        """Native call."""
+        ...
+
+
+def _default_factory() -> MemcacheStore:
+    try:
+        from memcache_hybrid import DistributedObjectStore  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise MemcacheUnavailable(f"memcache_hybrid is not installed ({exc}); install the 'memcache' extra") from exc
+    return DistributedObjectStore()
+
+
+class MemcacheBackend:
+    """A `PoolBackend` over memcache."""
+
+    name = "memcache"
+
+    def __init__(self, *, local_rank: int = 0, store_factory: Callable[[], MemcacheStore] = _default_factory) -> None:
+        """Initialise the native store.
+
+        Raises:
+            MemcacheUnavailable: The package is missing or ``init`` failed (no Ascend driver).
+        """
+        self._store = store_factory()
+        rc = self._store.init(local_rank, True)
+        if rc != 0:
+            raise MemcacheUnavailable(
+                f"memcache init(local_rank={local_rank}, init_bm=True) returned {rc}: memcache needs the Ascend "
+                "driver (/usr/local/Ascend/driver); use backend 'mooncake' or 'yuanrong' on this machine"
+            )
+
+    def register_buffer(self, ptrs: Sequence[int], lengths: Sequence[int]) -> None:
+        """Register each region.
+
+        Raises:
+            StoreError: The store refused a region.
+        """
+        for ptr, size in zip(ptrs, lengths, strict=True):
+            rc = self._store.register_buffer(ptr, size)
+            if rc != 0:
+                raise StoreError(f"memcache register_buffer({ptr:#x}, {size}) returned {rc}")
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        """``batch_is_exist``.
+
+        Raises:
+            StoreError: A result other than 0/1.
+        """
+        codes = [int(c) for c in self._store.batch_is_exist(list(keys))] if keys else []
+        if any(c not in (0, 1) for c in codes):
+            raise StoreError(f"memcache batch_is_exist returned {sorted(set(codes))}")
+        return codes
+
+    def put(self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+        """``batch_put_from_layers`` device -> global."""
+        if not keys:
+            return []
+        codes = self._store.batch_put_from_layers(list(keys), [list(a) for a in addrs], [list(s) for s in sizes], L2G)
+        return [int(c) for c in codes]
+
+    def get(self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+        """``batch_get_into_layers`` global -> device."""
+        if not keys:
+            return []
+        codes = self._store.batch_get_into_layers(list(keys), [list(a) for a in addrs], [list(s) for s in sizes], G2L)
+        return [int(c) for c in codes]
+
+    def close(self) -> None:
+        """Close the native store."""
+        self._store.close()

@@ -1,0 +1,125 @@
+"""openYuanrong datasystem backend over ``yr.datasystem.KVClient`` (host memory, CPU-capable).
+
+Runs in: worker processes. Upstream used ``HeteroClient`` (device-memory H2D/D2H, needs an NPU); on
+a CPU host the same contract is met with the plain KV client: ``put`` gathers each key's pieces into
+one value and ``set``s it, ``get`` fetches values and scatters them into the pieces. Results follow
+the Mooncake conventions (0 ok, -704 missing, -600 size mismatch) so the worker treats every backend
+alike. Keys are the pool's key strings unchanged (no normalisation, unlike the drifted docs, §19.14).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ascend_dist.common.errors import StoreError
+from ascend_dist.kv_store.backends.base import INVALID_PARAMS, OBJECT_NOT_FOUND
+from ascend_dist.kv_store.config import YuanrongConfig
+
+__all__ = ["YuanrongBackend", "YuanrongKVClient"]
+
+logger = logging.getLogger(__name__)
+
+
+class YuanrongKVClient(Protocol):
+    """The subset of ``yr.datasystem.KVClient`` this backend calls."""
+
+    def init(self) -> None:
+        """Native call."""
+        ...
+
+    def exist(self, keys: list[str]) -> list[bool]:
+        """Native call."""
+        ...
+
+    def set(self, key: str, val: bytes) -> Any:
+        """Native call."""
+        ...
+
+    def get(self, keys: list[str], convert_to_str: bool = False, sub_timeout_ms: int = 0) -> list[bytes]:
+        """Native call."""
+        ...
+
+
+def _default_factory(cfg: YuanrongConfig) -> YuanrongKVClient:
+    from yr.datasystem import KVClient  # native; imported only when used
+
+    return KVClient(
+        cfg.host, cfg.port, connect_timeout_ms=cfg.connect_timeout_ms, req_timeout_ms=cfg.request_timeout_ms
+    )
+
+
+class YuanrongBackend:
+    """A `PoolBackend` over an openYuanrong datasystem worker."""
+
+    name = "yuanrong"
+
+    def __init__(
+        self, config: YuanrongConfig, *, client_factory: Callable[[YuanrongConfig], YuanrongKVClient] = _default_factory
+    ) -> None:
+        """Connect to the worker.
+
+        Raises:
+            StoreError: The worker cannot be reached (``init`` failed).
+        """
+        self._cfg = config
+        self._client = client_factory(config)
+        try:
+            self._client.init()
+        except RuntimeError as exc:
+            raise StoreError(f"openYuanrong worker {config.host}:{config.port} unreachable: {exc}") from exc
+
+    def register_buffer(self, ptrs: Sequence[int], lengths: Sequence[int]) -> None:
+        """Nothing to register: values are copied through host memory."""
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        """1/0 per key.
+
+        Raises:
+            StoreError: The worker failed the query.
+        """
+        if not keys:
+            return []
+        try:
+            found = self._client.exist(list(keys))
+        except RuntimeError as exc:
+            raise StoreError(f"openYuanrong exist failed: {exc}") from exc
+        return [1 if f else 0 for f in found]
+
+    def put(self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Gather and ``set`` each key; -1 for a key the worker refused."""
+        codes: list[int] = []
+        for key, key_addrs, key_sizes in zip(keys, addrs, sizes, strict=True):
+            value = b"".join(ctypes.string_at(a, s) for a, s in zip(key_addrs, key_sizes, strict=True))
+            try:
+                self._client.set(key, value)
+                codes.append(0)
+            except RuntimeError as exc:
+                logger.warning("openYuanrong set of %s failed: %s", key, exc)
+                codes.append(-1)
+        return codes
+
+    def get(self, keys: Sequence[str], addrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Fetch each key and scatter it: -704 missing, -600 size mismatch."""
+        codes: list[int] = []
+        for key, key_addrs, key_sizes in zip(keys, addrs, sizes, strict=True):
+            try:
+                value = self._client.get([key], False, 0)[0]
+            except RuntimeError:
+                codes.append(OBJECT_NOT_FOUND)
+                continue
+            if len(value) != sum(key_sizes):
+                codes.append(INVALID_PARAMS)
+                continue
+            view = memoryview(value)
+            pos = 0
+            for addr, size in zip(key_addrs, key_sizes, strict=True):
+                ctypes.memmove(addr, bytes(view[pos : pos + size]), size)
+                pos += size
+            codes.append(0)
+        return codes
+
+    def close(self) -> None:
+        """The KV client closes with the process; nothing to release."""

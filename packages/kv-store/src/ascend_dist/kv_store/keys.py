@@ -1,0 +1,201 @@
+"""Pool keys: per-rank key metadata, the exact key strings, and which rank writes which key.
+
+Runs in: scheduler and worker processes. Pure planning: no I/O.
+
+Key formats (spec kv-store.md §4.2-4.4; the fields and their order are part of the pool's
+compatibility, so changing them invalidates every stored object):
+
+* whole chunk:
+  ``{model}@pcp{p}@dcp{d}@head_or_tp_rank:{h}@pp_rank:{pp}@group:{g}@cache_role:{r}@cache_family:{f}@{hash}``
+* partial chunk (only when ``discard_partial_chunks`` is false): the whole-chunk key plus
+  ``@partial:{num_tokens}``. Upstream stored a short object under the full chunk's key, so a later
+  full-size get failed (spec §19.7); a partial object now has its own key.
+* per layer: the whole-chunk prefix, then ``layer_id:{L}@{hash}``.
+  Upstream omitted ``pp_rank`` here, so layer ids restarting at 0 per PP stage collided (§19.8).
+* GVA block keys (memcache layer-wise): ``{model}@{hash}@{h}`` / ``{model}@{g}@{hash}@{h}``.
+
+The model name is normalised identically on both sides (`normalize_model_name`): upstream's
+worker stripped a trailing ``/`` and its scheduler did not, which gave zero hits (§19.5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from ascend_dist.common.errors import ConfigError
+
+__all__ = [
+    "KeyMetadata",
+    "RankLayout",
+    "chunk_hash_hex",
+    "gva_block_key",
+    "gva_partial_key",
+    "normalize_model_name",
+    "put_step_and_head",
+]
+
+
+def normalize_model_name(model: str) -> str:
+    """The last path component of a model path or name, ignoring trailing slashes.
+
+    Args:
+        model: ``model_config.model`` (a hub name or a local path).
+
+    Returns:
+        e.g. ``"Qwen3-8B"`` for ``"/models/Qwen3-8B/"`` and ``"Qwen/Qwen3-8B"``.
+
+    Raises:
+        ConfigError: The name is empty after normalisation.
+    """
+    name = model.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    if not name:
+        raise ConfigError("model", model, "a non-empty model name or path")
+    return name
+
+
+def chunk_hash_hex(value: bytes | str) -> str:
+    """Render a chunk hash for a key: lower-case hex of bytes; a ``str`` is used verbatim."""
+    return value if isinstance(value, str) else value.hex()
+
+
+def put_step_and_head(tp_size: int, tp_rank: int, num_kv_heads: int, use_mla: bool) -> tuple[int, int]:
+    """Which replica set a TP rank belongs to (spec §4.5).
+
+    Args:
+        tp_size: Tensor-parallel size.
+        tp_rank: This rank.
+        num_kv_heads: Total KV heads of the model (ignored for MLA, which has one latent head).
+        use_mla: Whether the model uses MLA.
+
+    Returns:
+        ``(put_step, head_or_tp_rank)``: ranks sharing ``head_or_tp_rank`` hold identical KV and
+        ``put_step`` of them share the writing.
+
+    Raises:
+        ConfigError: A size or rank is out of range.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ConfigError("tp_rank", tp_rank, f"an integer in [0, {tp_size})")
+    heads = 1 if use_mla else num_kv_heads
+    if heads < 1:
+        raise ConfigError("num_kv_heads", num_kv_heads, "a positive integer")
+    if heads < tp_size:
+        step = tp_size // heads
+        return step, tp_rank // step
+    return 1, tp_rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyMetadata:
+    """The identity fields of every key one rank writes for one KV-cache group (spec §4.1)."""
+
+    model_name: str
+    head_or_tp_rank: int = 0
+    pcp_rank: int = 0
+    dcp_rank: int = 0
+    pp_rank: int = 0
+    kv_cache_group_id: int = 0
+    cache_role: str = "kv"
+    cache_family: str = "default"
+
+    def __post_init__(self) -> None:
+        """Normalise the model name so scheduler and worker always agree."""
+        object.__setattr__(self, "model_name", normalize_model_name(self.model_name))
+
+    @cached_property
+    def prefix(self) -> str:
+        """Everything of a whole-chunk key before the hash, including the trailing ``@``."""
+        return (
+            f"{self.model_name}@pcp{self.pcp_rank}@dcp{self.dcp_rank}"
+            f"@head_or_tp_rank:{self.head_or_tp_rank}@pp_rank:{self.pp_rank}"
+            f"@group:{self.kv_cache_group_id}@cache_role:{self.cache_role}@cache_family:{self.cache_family}@"
+        )
+
+    def pool_key(self, chunk_hash: bytes | str) -> str:
+        """The whole-chunk key of ``chunk_hash``."""
+        return self.prefix + chunk_hash_hex(chunk_hash)
+
+    def partial_key(self, chunk_hash: bytes | str, num_tokens: int) -> str:
+        """The key of a partial chunk holding only its first ``num_tokens`` tokens."""
+        return f"{self.prefix}{chunk_hash_hex(chunk_hash)}@partial:{num_tokens}"
+
+    def layer_key(self, chunk_hash: bytes | str, layer_id: int) -> str:
+        """The per-layer key of ``chunk_hash`` (layer-wise path; includes ``pp_rank``)."""
+        return f"{self.prefix}layer_id:{layer_id}@{chunk_hash_hex(chunk_hash)}"
+
+    def layer_keys(self, chunk_hash: bytes | str, num_layers: int) -> list[str]:
+        """Per-layer keys for layers ``0..num_layers-1`` (upstream ``split_layers``)."""
+        return [self.layer_key(chunk_hash, layer) for layer in range(num_layers)]
+
+    def for_rank(self, *, head: int, pp: int, pcp: int = 0, dcp: int = 0) -> KeyMetadata:
+        """The same metadata as seen by another rank."""
+        return replace(self, head_or_tp_rank=head, pp_rank=pp, pcp_rank=pcp, dcp_rank=dcp)
+
+
+def gva_block_key(model: str, chunk_hash: bytes | str, head_or_tp_rank: int, group: int | None = None) -> str:
+    """Key of a whole block holding all layers (memcache GVA path, spec §4.4)."""
+    name = normalize_model_name(model)
+    if group is None:
+        return f"{name}@{chunk_hash_hex(chunk_hash)}@{head_or_tp_rank}"
+    return f"{name}@{group}@{chunk_hash_hex(chunk_hash)}@{head_or_tp_rank}"
+
+
+def gva_partial_key(model: str, req_id: str, *, group: int, block_index: int, end_token: int, head: int) -> str:
+    """Request-scoped key of a trailing partial block (never shared across requests)."""
+    return f"{normalize_model_name(model)}@partial@{req_id}@{group}@{block_index}@{end_token}@{head}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLayout:
+    """The parallel layout that decides how many distinct key variants one chunk has (spec §4.6).
+
+    A chunk is a pool hit only if the keys of every rank holding distinct data exist. Unlike
+    upstream (§19.6), PCP and DCP ranks are expanded too.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    num_kv_heads: int = 1
+    use_mla: bool = False
+    group_kv_heads: Sequence[int] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        """Validate the sizes."""
+        for name in ("tp_size", "pp_size", "pcp_size", "dcp_size", "num_kv_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, value, "a positive integer")
+
+    def group_tp_size(self, group: int) -> int:
+        """How many distinct ``head_or_tp_rank`` values group ``group`` has."""
+        heads = self.group_kv_heads[group] if group < len(self.group_kv_heads) else self.num_kv_heads
+        heads = 1 if self.use_mla else heads
+        return min(self.tp_size, heads)
+
+    def rank_variants(self, group: int) -> Iterator[tuple[int, int, int, int]]:
+        """Every distinct ``(pcp, dcp, pp, head)`` of ``group``, rank-major."""
+        for pcp in range(self.pcp_size):
+            for dcp in range(self.dcp_size):
+                for pp in range(self.pp_size):
+                    for head in range(self.group_tp_size(group)):
+                        yield pcp, dcp, pp, head
+
+    def num_variants(self, group: int) -> int:
+        """How many key variants one chunk of ``group`` has."""
+        return self.pcp_size * self.dcp_size * self.pp_size * self.group_tp_size(group)
+
+    def expand(self, meta: KeyMetadata, hashes: Sequence[bytes | str]) -> list[str]:
+        """All-rank keys of ``hashes``: ``[variant0 keys..., variant1 keys..., ...]``.
+
+        Example: GQA 8 heads, TP=4, PP=2, 3 chunks -> 2 x 4 x 3 = 24 keys.
+        """
+        hexes = [chunk_hash_hex(h) for h in hashes]
+        out: list[str] = []
+        for pcp, dcp, pp, head in self.rank_variants(meta.kv_cache_group_id):
+            prefix = meta.for_rank(head=head, pp=pp, pcp=pcp, dcp=dcp).prefix
+            out.extend(prefix + h for h in hexes)
+        return out

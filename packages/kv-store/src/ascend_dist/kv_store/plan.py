@@ -1,0 +1,224 @@
+"""Scheduler-side planning: load specs, request trackers, per-step request metadata, hit helpers.
+
+Runs in: the scheduler process (the hit helpers also on the rank-0 worker). Pure: no I/O.
+
+Spec kv-store.md §8.2 (matched tokens), §8.4.1 (ReqMeta), §9.6 (hit helpers). Deliberate
+differences from upstream (its defects list, §19):
+
+* a running request is re-examined every step, not only when it got new blocks, so the chunk
+  completed by a step that allocated no block (the prompt tail) is still saved (§19.18);
+* partial chunks are saved under their own ``@partial:N`` key (§19.7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_store.sizes import cdiv, floor_to
+
+__all__ = [
+    "LoadSpec",
+    "PoolStepMeta",
+    "ReqMeta",
+    "RequestTracker",
+    "build_req_meta",
+    "common_hit",
+    "continuous_hits",
+    "discontinuous_hits",
+    "matched_tokens",
+]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What a request loads from the pool (spec §8.1).
+
+    ``vllm_cached_tokens``: already in HBM; ``pool_cached_tokens``: valid after the load;
+    ``store_skip_tokens``: the raw pool hit (not re-stored); ``can_load``: load this step.
+    """
+
+    vllm_cached_tokens: int
+    pool_cached_tokens: int
+    store_skip_tokens: int = 0
+    can_load: bool = False
+
+    def load_token_len(self, granularity: int, token_len_chunk: int) -> int:
+        """Tokens the worker loads: the hit, or the whole last chunk when the hit was cut by one.
+
+        Spec §9.4 step 2: when the scheduler reported ``hit - 1`` (a full hit must leave one token
+        to compute) the worker still loads the whole chunk; the recomputed token overwrites it.
+        """
+        cached = self.pool_cached_tokens
+        if cached % granularity and cached == token_len_chunk - 1:
+            return cached + 1
+        return cached
+
+
+def matched_tokens(
+    hit: int, num_computed: int, num_tokens: int, *, load_async: bool
+) -> tuple[int, bool, LoadSpec | None]:
+    """Turn a pool hit into vLLM's ``(tokens_to_load, is_async)`` (spec §8.2 steps 4-8).
+
+    Examples (64-token prompt): hit 48, computed 16 -> ``(32, False)``; hit 64, computed 0 ->
+    ``(63, False)`` with ``store_skip=64``; hit 16, computed 32 -> ``(0, False)``, no spec.
+
+    Returns:
+        ``(need, is_async, load_spec)``; the spec is None when nothing is loaded.
+    """
+    if hit <= 0:
+        return 0, False, None
+    store_skip = hit
+    if hit == num_tokens:
+        hit -= 1
+    need = max(hit - num_computed, 0)
+    if need <= 0:
+        return 0, False, None
+    return need, load_async, LoadSpec(num_computed, hit, store_skip, False)
+
+
+@dataclass
+class RequestTracker:
+    """Scheduler-side progress of one request across steps."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[list[int]]
+    hashes: list[bytes] = field(default_factory=list)
+    num_saved_tokens: int = 0
+
+    @property
+    def token_len(self) -> int:
+        """Tokens computed once this step's forward ran."""
+        return len(self.token_ids)
+
+    def update(self, new_token_ids: Sequence[int], new_block_ids: Sequence[Sequence[int]] | None) -> None:
+        """Append this step's tokens and blocks (per group).
+
+        Raises:
+            ConfigError: ``new_block_ids`` is not a per-group sequence.
+        """
+        self.token_ids.extend(new_token_ids)
+        if new_block_ids is None:
+            return
+        if not isinstance(new_block_ids, list | tuple):
+            raise ConfigError("new_block_ids", type(new_block_ids).__name__, "a list or tuple of per-group lists")
+        while len(self.block_ids) < len(new_block_ids):
+            self.block_ids.append([])
+        for g, ids in enumerate(new_block_ids):
+            self.block_ids[g].extend(ids)
+
+
+@dataclass(frozen=True)
+class ReqMeta:
+    """What one worker does for one request this step (spec §8.4.1)."""
+
+    req_id: str
+    save_start_token: int
+    save_end_token: int
+    target_token_len: int
+    block_ids: tuple[tuple[int, ...], ...]
+    block_hashes: tuple[bytes, ...]
+    can_save: bool
+    load_spec: LoadSpec | None
+    is_last_chunk: bool
+    num_prompt_tokens: int
+    token_ids: tuple[int, ...] = ()  # only with KV events: the tokens of the saved range
+
+
+def build_req_meta(
+    tracker: RequestTracker,
+    granularity: int,
+    *,
+    hash_block_size: int,
+    load_spec: LoadSpec | None = None,
+    skip_save: bool = False,
+    discard_partial: bool = True,
+    is_last_chunk: bool = False,
+    with_token_ids: bool = False,
+) -> ReqMeta | None:
+    """Decide what to save (and load) for ``tracker`` this step; None when there is nothing to do.
+
+    Examples (G=16): T=32, S0=0, 2 hashes -> save ``[0, 32)``; T=20 discarding -> save to 16;
+    T=20 not discarding -> to 20; T=32, S0=32 -> None.
+
+    Raises:
+        ConfigError: ``granularity`` is not a multiple of ``hash_block_size``.
+    """
+    if granularity % hash_block_size:
+        raise ConfigError("granularity", granularity, f"a multiple of hash_block_size={hash_block_size}")
+    total, saved = tracker.token_len, tracker.num_saved_tokens
+    if discard_partial:
+        boundary = cdiv(saved + 1, granularity) * granularity
+        to_save = floor_to(total, granularity)
+    else:
+        boundary, to_save = saved + 1, total
+    # Never save past the hashes we have: a chunk without its hash cannot be keyed (spec §8.4.1 step 2).
+    to_save = min(to_save, floor_to(len(tracker.hashes) * hash_block_size, granularity) if discard_partial else to_save)
+    skip = skip_save or to_save < boundary
+    if skip and load_spec is None:
+        return None
+    if not skip:
+        tracker.num_saved_tokens = max(saved, to_save)
+    return ReqMeta(
+        req_id=tracker.req_id,
+        save_start_token=saved,
+        save_end_token=to_save,
+        target_token_len=total,
+        block_ids=tuple(tuple(ids) for ids in tracker.block_ids),
+        block_hashes=tuple(tracker.hashes),
+        can_save=not skip,
+        load_spec=load_spec if load_spec is not None and load_spec.can_load else None,
+        is_last_chunk=is_last_chunk,
+        num_prompt_tokens=tracker.num_prompt_tokens or total,
+        token_ids=tuple(tracker.token_ids[:to_save]) if with_token_ids and not skip else (),
+    )
+
+
+def continuous_hits(ends: Sequence[int], present: Sequence[Sequence[int]], granularity: int, max_hit: int) -> list[int]:
+    """Hit end positions of a regular group: stop at the first chunk missing on any rank (§9.6).
+
+    Example (G=16, ends 16/32/48): ranks ``[1,1,0]`` and ``[1,0,1]`` -> ``[16]``.
+    """
+    out: list[int] = []
+    for i, end in enumerate(ends):
+        if end > max_hit or not all(row[i] == 1 for row in present):
+            break
+        if end % granularity == 0:
+            out.append(end)
+    return out
+
+
+def discontinuous_hits(
+    ends: Sequence[int], present: Sequence[Sequence[int]], granularity: int, max_hit: int
+) -> list[int]:
+    """Hit end positions of an align-state (Mamba) group: missing chunks do not stop the walk.
+
+    Example: ends 16..96, both ranks ``[0,0,1,0,0,1]`` -> ``[48, 96]`` (max 64 -> ``[48]``).
+    """
+    out: list[int] = []
+    for i, end in enumerate(ends):
+        if end > max_hit:
+            break
+        if all(row[i] == 1 for row in present) and end % granularity == 0:
+            out.append(end)
+    return out
+
+
+def common_hit(groups: Sequence[Sequence[int]]) -> int:
+    """The largest position every group can serve; 0 if none (``[[16,32,48],[32,48],[16,32]]`` -> 32)."""
+    if not groups or any(not g for g in groups):
+        return 0
+    common = set(groups[0]).intersection(*map(set, groups[1:]))
+    return max(common, default=0)
+
+
+@dataclass(frozen=True)
+class PoolStepMeta:
+    """Everything the workers need for one step, built once by the scheduler and never mutated."""
+
+    requests: tuple[ReqMeta, ...] = ()
+    preempted_req_ids: frozenset[str] = frozenset()
+    delayed_free_req_ids: frozenset[str] = frozenset()

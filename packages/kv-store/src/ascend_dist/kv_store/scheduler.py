@@ -1,0 +1,250 @@
+"""KVPoolScheduler: prefix lookup, load specs, request trackers and per-step metadata.
+
+Runs in: the scheduler process. Order of calls, as vLLM makes them:
+``get_num_new_matched_tokens`` when a request is considered (asks the rank-0 worker over the lookup
+RPC), ``update_state_after_alloc`` once its blocks are allocated, ``build_meta`` once per step,
+``request_finished`` when a request ends (True = hold its blocks until the workers' saves finished),
+``mark_sent`` with the ids the workers reported in ``finished_sending``.
+
+Differences from upstream (spec §19): the delayed-free set shrinks (ids are sent to the workers once
+and forgotten, §19.4); a running request is re-examined every step, so the chunk a step completes
+without allocating a block is saved (§19.18); hashes are our own deterministic prefix hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ascend_dist.kv_store.config import PoolConfig
+from ascend_dist.kv_store.plan import LoadSpec, PoolStepMeta, ReqMeta, RequestTracker, build_req_meta, matched_tokens
+from ascend_dist.kv_store.sizes import DerivedSizes, floor_to
+from ascend_dist.kv_store.token_db import hash_root, prefix_hashes
+
+__all__ = ["KVPoolScheduler", "LookupFn", "NewRequest", "RunningRequest", "StepInput"]
+
+logger = logging.getLogger(__name__)
+
+LookupFn = Callable[[int, tuple[bytes, ...], tuple[int, ...], int], int]
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request scheduled for the first time (or resumed after preemption) this step."""
+
+    req_id: str
+    prompt_token_ids: Sequence[int]
+    block_ids: Sequence[Sequence[int]]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    all_token_ids: Sequence[int] | None = None
+    salt: str = ""
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A request that was already running: this step's new tokens and blocks."""
+
+    req_id: str
+    new_token_ids: Sequence[int]
+    new_block_ids: Sequence[Sequence[int]] | None
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """The parts of vLLM's ``SchedulerOutput`` the pool reads."""
+
+    new: Sequence[NewRequest] = ()
+    running: Sequence[RunningRequest] = ()
+    finished_req_ids: frozenset[str] = frozenset()
+    preempted_req_ids: frozenset[str] = frozenset()
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    root: bytes
+    hashes: list[bytes]
+    load: LoadSpec | None = None
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
+class KVPoolScheduler:
+    """The scheduler side of the pool."""
+
+    def __init__(
+        self, config: PoolConfig, sizes: DerivedSizes, namespace: tuple[str | int, ...], lookup: LookupFn
+    ) -> None:
+        """Create the scheduler side.
+
+        Args:
+            config: Pool settings.
+            sizes: Derived block sizes (same as the workers').
+            namespace: What makes two instances' hashes comparable (model name, layout); part of
+                every hash chain's root.
+            lookup: Asks the pool (normally `LookupClient.lookup`); must not raise.
+        """
+        self._cfg = config
+        self._sizes = sizes
+        self._g = sizes.granularity
+        self._hb = sizes.hash_block_size
+        self._namespace = namespace
+        self._lookup = lookup
+        self._num_groups = len(sizes.grouped_block_sizes)
+        self._pending: dict[str, _Pending] = {}
+        self._trackers: dict[str, RequestTracker] = {}
+        self._roots: dict[str, bytes] = {}
+        self._saved_any: set[str] = set()
+        self._async_loads: set[str] = set()
+        self._new_delayed: set[str] = set()
+        self._held: set[str] = set()
+        self.lookups = 0
+
+    @property
+    def held_req_ids(self) -> frozenset[str]:
+        """Finished requests whose blocks are held until their saves complete."""
+        return frozenset(self._held)
+
+    def hashes_for(self, prompt: Sequence[int], salt: str = "") -> tuple[bytes, list[bytes]]:
+        """The chain root and prefix hashes of ``prompt``."""
+        root = hash_root(*self._namespace, self._hb, salt)
+        return root, prefix_hashes(prompt, self._hb, root)
+
+    def get_num_new_matched_tokens(
+        self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed: int, *, salt: str = ""
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed`` vLLM can load from the pool, and whether asynchronously."""
+        if not self._cfg.can_load:
+            return 0, False
+        token_len = floor_to(len(prompt), self._g)
+        if token_len < self._g or num_computed >= token_len:
+            return 0, False
+        root, hashes = self.hashes_for(prompt, salt)
+        self._pending[req_id] = _Pending(list(prompt), root, hashes)
+        self.lookups += 1
+        hit = self._lookup(token_len, tuple(hashes), tuple(range(self._num_groups)), num_computed)
+        need, is_async, spec = matched_tokens(
+            min(hit, token_len), num_computed, num_tokens, load_async=self._cfg.load_async
+        )
+        self._pending[req_id].load = spec
+        return need, is_async
+
+    def update_state_after_alloc(
+        self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """Arm the load of ``req_id`` once vLLM allocated its blocks."""
+        pending = self._pending.get(req_id)
+        if pending is None or pending.load is None:
+            return
+        if num_external_tokens == 0:
+            pending.load = None
+            return
+        spec = pending.load
+        pending.load = LoadSpec(spec.vllm_cached_tokens, spec.pool_cached_tokens, spec.store_skip_tokens, True)
+        pending.block_ids = [list(ids) for ids in block_ids]
+        if self._cfg.load_async:
+            self._async_loads.add(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        for table in (self._pending, self._trackers, self._roots):
+            table.pop(req_id, None)
+        self._async_loads.discard(req_id)
+
+    def _new_tracker(self, req: NewRequest, pending: _Pending | None) -> tuple[RequestTracker, LoadSpec | None]:
+        tokens = list(req.all_token_ids if req.all_token_ids is not None else req.prompt_token_ids)
+        token_len = req.num_computed_tokens + req.num_scheduled_tokens
+        if pending is None:
+            root, hashes = self.hashes_for(req.prompt_token_ids, req.salt)
+            load = None
+        else:
+            root, hashes, load = pending.root, pending.hashes, pending.load
+        tracker = RequestTracker(
+            req.req_id, tokens[:token_len], len(req.prompt_token_ids), [list(ids) for ids in req.block_ids], hashes
+        )
+        if load is not None:
+            tracker.num_saved_tokens = floor_to(load.store_skip_tokens, self._g)
+        self._roots[req.req_id] = root
+        return tracker, load
+
+    def _meta(self, tracker: RequestTracker, load: LoadSpec | None, *, skip_save: bool) -> ReqMeta | None:
+        last = floor_to(tracker.num_prompt_tokens, self._g)
+        meta = build_req_meta(
+            tracker,
+            self._g,
+            hash_block_size=self._hb,
+            load_spec=load,
+            skip_save=skip_save,
+            is_last_chunk=tracker.token_len >= last,
+            with_token_ids=self._cfg.kv_events,
+        )
+        if meta is not None and meta.can_save:
+            self._saved_any.add(tracker.req_id)
+        return meta
+
+    def build_meta(self, step: StepInput) -> PoolStepMeta:
+        """Build this step's worker metadata (spec §8.4)."""
+        for req_id in step.finished_req_ids | step.preempted_req_ids:
+            self._forget(req_id)
+        skip_save = not self._cfg.can_save
+        metas: list[ReqMeta] = []
+        scheduled: set[str] = set()
+        for req in step.new:
+            scheduled.add(req.req_id)
+            pending = self._pending.pop(req.req_id, None)
+            self._async_loads.discard(req.req_id)
+            tracker, load = self._new_tracker(req, pending)
+            self._trackers[req.req_id] = tracker
+            meta = self._meta(tracker, load, skip_save=skip_save)
+            if meta is not None:
+                metas.append(meta)
+        for run in step.running:
+            scheduled.add(run.req_id)
+            tracker = self._trackers.get(run.req_id)
+            if tracker is None or skip_save:
+                continue
+            tracker.update(run.new_token_ids, run.new_block_ids)
+            decoding = run.num_computed_tokens >= tracker.num_prompt_tokens
+            if decoding and not self._cfg.save_decode_cache:
+                continue
+            if decoding:
+                tracker.hashes = prefix_hashes(tracker.token_ids, self._hb, self._roots[run.req_id])
+            meta = self._meta(tracker, None, skip_save=False)
+            if meta is not None:
+                metas.append(meta)
+        metas.extend(self._async_metas(scheduled))
+        delayed, self._new_delayed = frozenset(self._new_delayed), set()
+        return PoolStepMeta(tuple(metas), frozenset(step.preempted_req_ids), delayed)
+
+    def _async_metas(self, scheduled: set[str]) -> list[ReqMeta]:
+        out: list[ReqMeta] = []
+        for req_id in sorted(self._async_loads - scheduled):
+            pending = self._pending.get(req_id)
+            if pending is None or pending.load is None:
+                continue
+            load = pending.load
+            pending.load = LoadSpec(load.vllm_cached_tokens, load.pool_cached_tokens, load.store_skip_tokens, False)
+            token_len = load.load_token_len(self._g, floor_to(len(pending.prompt), self._g))
+            tracker = RequestTracker(
+                req_id, pending.prompt[:token_len], len(pending.prompt), pending.block_ids, pending.hashes
+            )
+            meta = self._meta(tracker, load, skip_save=True)
+            if meta is not None:
+                out.append(meta)
+        self._async_loads -= {m.req_id for m in out}
+        return out
+
+    def request_finished(self, req_id: str) -> bool:
+        """Whether vLLM must hold the request's blocks until the workers report its saves done."""
+        self._pending.pop(req_id, None)
+        if not self._cfg.can_save or req_id not in self._saved_any:
+            return False
+        self._saved_any.discard(req_id)
+        self._new_delayed.add(req_id)
+        self._held.add(req_id)
+        return True
+
+    def mark_sent(self, req_ids: Sequence[str] | set[str] | frozenset[str]) -> None:
+        """The workers reported these held requests' saves complete."""
+        self._held -= set(req_ids)

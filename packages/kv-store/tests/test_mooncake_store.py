@@ -1,0 +1,198 @@
+"""The Mooncake Store backend and the whole pool against a real ``mooncake_master`` on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ascend_dist.common.errors import StoreError
+from ascend_dist.kv_store import (
+    LookupClient,
+    LookupServer,
+    NewRequest,
+    PoolConfig,
+    PoolSpec,
+    StepInput,
+    build_scheduler,
+    build_worker,
+)
+from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
+from ascend_dist.kv_store.config import MooncakeStoreConfig
+
+pytestmark = pytest.mark.mooncake
+SPEC = PoolSpec(model="tiny", block_sizes=(16,), num_kv_heads=2)
+CHILD = Path(__file__).with_name("pool_child.py")
+
+
+def backend_for(master, **kw) -> MooncakeBackend:
+    return MooncakeBackend(MooncakeStoreConfig.load(master.config(), env={}), **kw)
+
+
+def test_backend_multi_buffer_round_trip(mooncake_master) -> None:
+    be = backend_for(mooncake_master)
+    try:
+        src = np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8)
+        dst = np.zeros(8192, dtype=np.uint8)
+        be.register_buffer([src.ctypes.data, dst.ctypes.data], [src.nbytes, dst.nbytes])
+        base, out = src.ctypes.data, dst.ctypes.data
+        keys = ["rt-a", "rt-b"]
+        assert be.put(keys, [[base, base + 4096], [base + 1024]], [[1024, 1024], [512]]) == [0, 0]
+        assert be.put(keys[:1], [[base]], [[2048]]) == [0]  # re-put of an existing key counts as stored
+        assert be.exists([*keys, "rt-missing"]) == [1, 1, 0]
+        # destination split differs from the source split; totals match
+        codes = be.get(
+            [*keys, "rt-missing"], [[out], [out + 2048, out + 2304], [out + 4096]], [[2048], [256, 256], [64]]
+        )
+        assert codes == [0, 0, -704]
+        assert bytes(dst[:1024]) == bytes(src[:1024]) and bytes(dst[1024:2048]) == bytes(src[4096:5120])
+        assert bytes(dst[2048:2560]) == bytes(src[1024:1536])
+        assert be.get(keys[:1], [[out]], [[1024]]) == [-600]  # destination too small
+    finally:
+        be.close()
+
+
+def test_unreachable_store_at_start_gives_misses_and_one_warning(caplog, kvtools) -> None:
+    cfg = MooncakeStoreConfig.load({"master_server_address": f"127.0.0.1:{kvtools.free_port()}"}, env={})
+    t0 = time.monotonic()
+    be = MooncakeBackend(cfg, retry_interval_s=60)
+    assert time.monotonic() - t0 < 5 and not be.connected
+    worker = build_worker(SPEC, PoolConfig.from_extra({}), be)
+    try:
+        caches = kvtools.make(num_blocks=8)
+        worker.register_kv_caches(caches, 8)
+        scheduler = build_scheduler(SPEC, PoolConfig.from_extra({}), worker.safe_lookup)
+        with caplog.at_level(logging.WARNING, logger="ascend_dist.kv_store"):
+            for i in range(3):
+                assert scheduler.get_num_new_matched_tokens(f"r{i}", list(range(64)), 64, 0) == (0, False)
+        assert len([r for r in caplog.records if "lookup failed" in r.getMessage()]) == 1
+        with pytest.raises(StoreError, match="not connected"):
+            be.exists(["k"])
+    finally:
+        worker.close()
+
+
+def test_two_processes_share_the_pool_over_tcp(mooncake_master, kvtools) -> None:
+    """A child instance saves a prompt; this instance looks it up over the ZMQ RPC and loads it byte-exact."""
+    child = subprocess.Popen(
+        [sys.executable, str(CHILD), mooncake_master.address, "7", "70"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    worker = server = client = None
+    try:
+        line = child.stdout.readline() if child.stdout else ""
+        assert line.startswith("READY"), line
+        digests = line.split()[1].split(",")
+        cfg = PoolConfig.from_extra({})
+        worker = build_worker(SPEC, cfg, backend_for(mooncake_master, contribute_memory=False))
+        caches = kvtools.make(num_blocks=16, seed=3)
+        worker.register_kv_caches(caches, 16)
+        server = LookupServer(
+            lambda r: worker.lookup(r.token_len, r.block_hashes, r.group_ids, r.hbm_hit_tokens),
+            SPEC.compat_hash(),
+            port=kvtools.free_port(),
+        )
+        client = LookupClient(SPEC.compat_hash(), port=int(server.endpoint.rsplit(":", 1)[1]), timeout_s=5)
+        scheduler = build_scheduler(SPEC, cfg, client.lookup)
+        prompt = list(range(1000, 1070))
+        need, _ = scheduler.get_num_new_matched_tokens("rb", prompt, 70, 0)
+        assert need == 64
+        blocks = [9, 10, 11, 12, 13]
+        scheduler.update_state_after_alloc("rb", [blocks], need)
+        meta = scheduler.build_meta(StepInput(new=[NewRequest("rb", prompt, [blocks], 64, 6)]))
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set()
+        got = [hashlib.sha256(kvtools.block_bytes(caches, b)).hexdigest() for b in blocks[:4]]
+        assert got == digests
+        # a scheduler with another key scheme is refused: zero hits, never a false hit
+        other = LookupClient("0" * 64, port=int(server.endpoint.rsplit(":", 1)[1]), timeout_s=5)
+        assert other.lookup(64, tuple(scheduler.hashes_for(prompt)[1])) == 0
+        other.close()
+    finally:
+        for closer in (client, server, worker):
+            if closer is not None:
+                closer.close()
+        if child.stdin:
+            try:
+                child.stdin.write("quit\n")
+                child.stdin.flush()
+            except BrokenPipeError:
+                pass
+        try:
+            child.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(5)
+        for stream in (child.stdin, child.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def test_evicted_key_between_lookup_and_load(mooncake_master, kvtools) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    cfg = PoolConfig.from_extra({})
+    worker = build_worker(SPEC, cfg, backend_for(mooncake_master))
+    admin = MooncakeDistributedStore()
+    assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_master.address) == 0
+    try:
+        caches = kvtools.make(num_blocks=16, seed=5)
+        worker.register_kv_caches(caches, 16)
+        scheduler = build_scheduler(SPEC, cfg, worker.safe_lookup)
+        prompt = list(range(5000, 5064))
+        scheduler.get_num_new_matched_tokens("a", prompt, 64, 0)
+        meta = scheduler.build_meta(StepInput(new=[NewRequest("a", prompt, [[1, 2, 3, 4]], 0, 64)]))
+        worker.wait_for_save(meta)
+        worker.drain(10)
+        need, _ = scheduler.get_num_new_matched_tokens("b", prompt, 64, 0)
+        assert need == 63
+        victim = SPEC.key_metadata()[0].pool_key(scheduler.hashes_for(prompt)[1][1])
+        assert admin.remove(victim, True) == 0  # force: the lookup's lease would refuse it (-706)
+        scheduler.update_state_after_alloc("b", [[5, 6, 7, 8]], need)
+        meta = scheduler.build_meta(StepInput(new=[NewRequest("b", prompt, [[5, 6, 7, 8]], 63, 1)]))
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == {6}
+        assert kvtools.block_bytes(caches, 5) == kvtools.block_bytes(caches, 1)
+    finally:
+        admin.close()
+        worker.close()
+
+
+def test_master_restart_hits_again(fresh_master, kvtools) -> None:
+    cfg = PoolConfig.from_extra({})
+    worker = build_worker(SPEC, cfg, backend_for(fresh_master, retry_interval_s=0.5))
+    try:
+        caches = kvtools.make(num_blocks=16, seed=6)
+        worker.register_kv_caches(caches, 16)
+        scheduler = build_scheduler(SPEC, cfg, worker.safe_lookup)
+        prompt = list(range(64))
+
+        def save(req: str) -> None:
+            scheduler.get_num_new_matched_tokens(req, prompt, 64, 0)
+            meta = scheduler.build_meta(StepInput(new=[NewRequest(req, prompt, [[1, 2, 3, 4]], 0, 64)]))
+            worker.wait_for_save(meta)
+            worker.drain(20)
+
+        save("a")
+        assert scheduler.get_num_new_matched_tokens("b", prompt, 64, 0)[0] == 63
+        fresh_master.stop()
+        assert scheduler.get_num_new_matched_tokens("c", prompt, 64, 0) == (0, False)  # RPC_FAIL -> miss
+        assert scheduler.get_num_new_matched_tokens("d", prompt, 64, 0) == (0, False)  # circuit open: fast
+        fresh_master.start()
+        deadline = time.monotonic() + 15
+        hit = 0
+        while time.monotonic() < deadline and hit == 0:
+            time.sleep(0.5)
+            save("e")  # the restarted master lost its metadata: the next save repopulates it
+            hit = scheduler.get_num_new_matched_tokens("f", prompt, 64, 0)[0]
+        assert hit == 63
+    finally:
+        worker.close()

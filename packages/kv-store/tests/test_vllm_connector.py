@@ -1,0 +1,253 @@
+"""AscendStoreConnector against the real vLLM 0.33.0 classes (scheduler, requests, configs, factory).
+
+Two "instances" share one real Mooncake Store: each has its own vLLM ``Scheduler`` (which creates the
+SCHEDULER-role connector through vLLM's factory) and a WORKER-role connector over CPU caches. The
+first instance computes and saves a prompt; the second one's scheduler finds it in the pool through
+the lookup RPC, and its worker loads it byte-exact into the blocks vLLM allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(300)]
+vllm = pytest.importorskip("vllm")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from ascend_dist.common.errors import ConfigError  # noqa: E402
+from ascend_dist.kv_store.vllm_connector import (  # noqa: E402
+    AscendStoreConnector,
+    AscendStoreConnectorMetadata,
+    MooncakeConnectorStoreV1,
+)
+
+MODULE = "ascend_dist.kv_store.vllm_connector"
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+NUM_BLOCKS = 32
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 1000,
+                "max_position_embeddings": 1024,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    return d
+
+
+def make_config(
+    model_dir: Path, master: str, port: int, name: str = "AscendStoreConnector", **extra: Any
+) -> VllmConfig:
+    store = {
+        "master_server_address": master,
+        "protocol": "tcp",
+        "global_segment_size": "32MB",
+        "local_buffer_size": "8MB",
+    }
+    ktc = KVTransferConfig(
+        kv_connector=name,
+        kv_role="kv_both",
+        kv_connector_module_path=MODULE,
+        kv_connector_extra_config={"backend": "mooncake", "store_config": store, "lookup_rpc_port": port, **extra},
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    page = spec.page_size_bytes
+    tensors = [
+        KVCacheTensor(size=page * NUM_BLOCKS, layers=[name], layer_stride=0, block_stride=page) for name in LAYERS
+    ]
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
+    )
+
+
+class Instance:
+    """A vLLM scheduler plus a worker-role connector over CPU caches."""
+
+    def __init__(self, config: VllmConfig, seed: int) -> None:
+        self.kcc = kv_cache_config()
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
+        gen = torch.Generator().manual_seed(seed)
+        self.caches = {
+            name: torch.randn(2, NUM_BLOCKS, BLOCK, 2, 16, generator=gen).to(torch.float16) for name in LAYERS
+        }
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=self.kcc,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+            log_stats=False,
+        )
+
+    def block(self, block_id: int) -> bytes:
+        return b"".join(self.caches[n][kv, block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
+
+    def step(self) -> Any:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, AscendStoreConnectorMetadata)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        return out
+
+    def close(self) -> None:
+        self.scheduler.connector.shutdown()  # type: ignore[union-attr]
+        self.worker.shutdown()
+
+
+def request(req_id: str, prompt: list[int]) -> Request:
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), None)
+
+
+def test_second_instance_loads_first_instances_prefix(model_dir, mooncake_master, kvtools) -> None:
+    a = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=1)
+    b = Instance(
+        make_config(model_dir, mooncake_master.address, kvtools.free_port(), name="MooncakeConnectorStoreV1"), seed=2
+    )
+    try:
+        assert type(a.scheduler.connector) is AscendStoreConnector
+        assert isinstance(b.worker, MooncakeConnectorStoreV1)
+        prompt = list(range(100, 170))  # 4 full chunks + 6 tokens
+        a.scheduler.add_request(request("ra", prompt))
+        out = a.step()
+        blocks_a = out.scheduled_new_reqs[0].block_ids[0]
+        a.worker._worker.drain(20)
+        assert a.worker._worker.stats.saved_keys == 4
+
+        b.scheduler.add_request(request("rb", prompt))
+        out = b.step()
+        new = out.scheduled_new_reqs[0]
+        assert new.num_computed_tokens == 64  # the pool hit, floored to whole chunks
+        assert out.num_scheduled_tokens["rb"] == 6
+        assert b.worker.get_block_ids_with_load_errors() == set()
+        blocks_b = new.block_ids[0]
+        assert [b.block(x) for x in blocks_b[:4]] == [a.block(x) for x in blocks_a[:4]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bad_extra_config_names_the_key(model_dir, kvtools) -> None:
+    config = make_config(model_dir, "127.0.0.1:1", kvtools.free_port(), backend="redis")
+    with pytest.raises(ConfigError, match="backend"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+    config = make_config(model_dir, "127.0.0.1:1", kvtools.free_port())
+    config.kv_transfer_config.kv_connector_extra_config["store_config"]["global_segment_size"] = "12 parsecs"
+    with pytest.raises(ConfigError, match="global_segment_size"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+
+
+def test_unreachable_store_runs_with_zero_hits(model_dir, kvtools, caplog) -> None:
+    dead = f"127.0.0.1:{kvtools.free_port()}"
+    inst = Instance(make_config(model_dir, dead, kvtools.free_port()), seed=3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ascend_dist"):
+            for i in range(2):
+                inst.scheduler.add_request(request(f"r{i}", list(range(200 + i, 264 + i))))
+            out = inst.step()
+        assert all(r.num_computed_tokens == 0 for r in out.scheduled_new_reqs)
+        assert inst.worker.get_block_ids_with_load_errors() == set()
+        assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        inst.close()
+
+
+def test_finished_request_blocks_held_until_saves_complete(model_dir, mooncake_master, kvtools) -> None:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    inst = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=4)
+    try:
+        req = Request("done", list(range(300, 364)), SamplingParams(max_tokens=1), None)
+        inst.scheduler.add_request(req)
+        free_before = inst.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        out = inst.step()
+        runner_out = ModelRunnerOutput(req_ids=["done"], req_id_to_index={"done": 0}, sampled_token_ids=[[7]])
+        inst.scheduler.update_from_output(out, runner_out)  # max_tokens=1: the request finishes
+        assert "done" in inst.scheduler.requests  # blocks held: saves may still run
+        held = inst.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert held < free_before
+        out = inst.step()  # carries the delayed-free id to the worker
+        inst.worker._worker.drain(20)
+        sending, _ = inst.worker.get_finished(set())
+        assert sending == {"done"}
+        done_out = ModelRunnerOutput(
+            req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(finished_sending=sending)
+        )
+        inst.scheduler.update_from_output(out, done_out)
+        assert "done" not in inst.scheduler.requests
+        assert inst.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > held
+    finally:
+        inst.close()
+
+
+def test_kv_events_reach_the_scheduler(model_dir, mooncake_master, kvtools) -> None:
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.outputs import KVConnectorOutput
+
+    config = make_config(model_dir, mooncake_master.address, kvtools.free_port())
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    inst = Instance(config, seed=5)
+    try:
+        prompt = list(range(700, 748))
+        inst.scheduler.add_request(request("ev", prompt))
+        inst.step()
+        inst.worker._worker.drain(20)
+        reported = inst.worker.get_kv_connector_kv_cache_events()
+        assert reported is not None and inst.worker.get_kv_connector_kv_cache_events() is None
+        connector = inst.scheduler.connector
+        connector.update_connector_output(KVConnectorOutput(kv_cache_events=reported))
+        connector.update_connector_output(KVConnectorOutput(kv_cache_events=reported))  # a second rank, same chunks
+        events = list(connector.take_events())
+        assert [type(e) for e in events] == [BlockStored] * 3
+        assert [e.token_ids for e in events] == [prompt[0:16], prompt[16:32], prompt[32:48]]
+        assert events[1].parent_block_hash == events[0].block_hashes[0]
+        assert list(connector.take_events()) == []
+    finally:
+        inst.close()
