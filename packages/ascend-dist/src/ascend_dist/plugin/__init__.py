@@ -48,7 +48,7 @@ COMPONENTS: tuple[Component, ...] = (
     Component("kv_connector", "MooncakeConnectorV1", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeConnectorV1"),
     Component("kv_connector", "AscendStoreConnector", "ascend_dist.kv_store.vllm_connector", "AscendStoreConnector"),
     Component(
-        "kv_connector", "MooncakeConnectorStoreV1", "ascend_dist.kv_store.vllm_connector", "AscendStoreConnector"
+        "kv_connector", "MooncakeConnectorStoreV1", "ascend_dist.kv_store.vllm_connector", "MooncakeConnectorStoreV1"
     ),
     Component(
         "kv_connector",
