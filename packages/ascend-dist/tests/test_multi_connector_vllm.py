@@ -1,0 +1,278 @@
+"""AscendMultiConnector against the pinned vLLM 0.33.0's real classes (nox session vllm).
+
+Real children built by vLLM's factory from ``kv_connector_extra_config.connectors``: the Mooncake
+pull connector (P and D over one real Mooncake engine, TCP on loopback) and the recompute-offload
+connector. The multi-connector on D chooses the loader, hands the pull the real blocks, and reports
+the pull through the merged finished set; the preempted-request holder wins the next lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("ascend_dist.kv_mooncake.vllm_connector")
+pytest.importorskip("ascend_dist.kv_offload.vllm_recompute")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorMetadata  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1  # noqa: E402
+from ascend_dist.kv_offload.vllm_recompute import RecomputeCPUOffloadConnector  # noqa: E402
+from ascend_dist.plugin.multi_connector import AscendMultiConnector  # noqa: E402
+
+MULTI = "ascend_dist.plugin.multi_connector"
+PULL = "ascend_dist.kv_mooncake.vllm_connector"
+RECOMPUTE = "ascend_dist.kv_offload.vllm_recompute"
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+NUM_BLOCKS = 32
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1024, "torch_dtype": "float16",
+    }  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def make_config(
+    model_dir: Path, role: str, engine_id: str, kv_port: int, *, two_pulls: bool = False, non_loader: str = "real"
+) -> VllmConfig:
+    pull = {
+        "kv_connector": "MooncakeConnectorV1", "kv_connector_module_path": PULL, "kv_role": role,
+        "kv_port": kv_port, "kv_connector_extra_config": {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}},
+    }  # fmt: skip
+    recompute = {
+        "kv_connector": "RecomputeCPUOffloadConnector", "kv_connector_module_path": RECOMPUTE,
+        "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": "64 KiB"},
+    }  # fmt: skip
+    ktc = KVTransferConfig(
+        kv_connector="AscendMultiConnector",
+        kv_connector_module_path=MULTI,
+        kv_role=role,
+        engine_id=engine_id,
+        kv_port=kv_port,
+        kv_connector_extra_config={
+            "connectors": [pull, pull] if two_pulls else [pull, recompute],
+            "non_loader_blocks": non_loader,
+        },
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    page = spec.page_size_bytes
+    tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
+    )
+
+
+class Side:
+    """One instance: scheduler- and worker-role AscendMultiConnectors from vLLM's factory, CPU caches."""
+
+    def __init__(self, config: VllmConfig, seed: int) -> None:
+        kcc = kv_cache_config()
+        sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
+        worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+        assert isinstance(sched, AscendMultiConnector) and isinstance(worker, AscendMultiConnector)
+        self.sched, self.worker = sched, worker
+        self.pool = BlockPool(NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK)
+        self.sched.bind_gpu_block_pool(self.pool)
+        gen = torch.Generator().manual_seed(seed)
+        shape = (NUM_BLOCKS, BLOCK, 2, 16)  # split K/V: the layout both children accept
+        self.caches = {
+            n: (torch.randn(shape, generator=gen).half(), torch.randn(shape, generator=gen).half()) for n in LAYERS
+        }
+        self.worker.register_kv_caches(self.caches)  # type: ignore[arg-type]
+
+    def step(self) -> MultiKVConnectorMetadata:
+        meta = self.sched.build_connector_meta(SchedulerOutput.make_empty())
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        for name in LAYERS:  # the forward's per-layer hooks reach both children
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name, self.caches[name][0], None)  # type: ignore[arg-type]
+            self.worker.on_kv_cache_written(name)
+        self.worker.wait_for_save()
+        assert self.worker.prepare_mamba_state_copy() == self.worker.finish_mamba_state_copy() == []
+        self.worker.clear_connector_metadata()
+        return meta
+
+    def block(self, block_id: int) -> bytes:
+        return b"".join(self.caches[n][kv][block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def blocks(pool: BlockPool, n: int) -> KVCacheBlocks:
+    return KVCacheBlocks((pool.get_new_blocks(n),))
+
+
+def request(rid: str, n: int, params: dict[str, Any]) -> Request:
+    return Request(
+        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
+    )
+
+
+def wait_for(fn: Any, want: str, timeout_s: float = 20.0) -> set[str]:
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while want not in seen and time.monotonic() < deadline:
+        seen |= fn() or set()
+        time.sleep(0.005)
+    return seen
+
+
+def test_pull_through_the_multi_connector_with_an_offload_child(model_dir: Path) -> None:
+    port = free_port_range(1)
+    p = Side(make_config(model_dir, "kv_producer", "P-multi", port), seed=1)
+    d = Side(make_config(model_dir, "kv_consumer", "D-multi", port), seed=2)
+    try:
+        kids = d.sched.sub_connectors
+        assert isinstance(kids[0], MooncakeConnectorV1) and isinstance(kids[1], RecomputeCPUOffloadConnector)
+        assert d.worker.composition.providers == [] and not d.worker.composition.sink_configured
+        # P: prefill finishes; the pull child alone returns kv_transfer_params and delays the free.
+        req_p = request("p-req", 40, {"do_remote_decode": True})
+        assert p.sched.get_num_new_matched_tokens(req_p, 0) == (0, False)
+        p_blocks = blocks(p.pool, 3)
+        p.sched.update_state_after_alloc(req_p, p_blocks, 0)
+        p.step()
+        req_p.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        p_ids = p_blocks.get_block_ids()[0]
+        delay, params = p.sched.request_finished_all_groups(req_p, (p_ids,))
+        assert delay is True and params is not None and params["remote_block_ids"] == [p_ids]
+        meta = p.step()
+        assert meta.extra_async_saves is None  # one delaying child: nothing extra to count
+        # D: the pull child (first in config order) is chosen; it gets the real blocks.
+        req_d = request("d-req", 40, params)
+        assert d.sched.get_num_new_matched_tokens(req_d, 0) == (40, True)
+        assert d.sched.composition.chosen == {"d-req": 0}
+        d_blocks = blocks(d.pool, 3)
+        d.sched.update_state_after_alloc(req_d, d_blocks, 40)
+        d.step()
+        recving = wait_for(lambda: d.worker.get_finished(set())[1], "d-req")
+        assert "d-req" in recving and d.worker.get_block_ids_with_load_errors() == set()
+        d_ids = d_blocks.get_block_ids()[0]
+        assert [d.block(b) for b in d_ids] == [p.block(b) for b in p_ids]
+        sent = wait_for(lambda: p.worker.get_finished(set())[0], "p-req")
+        assert sent == {"p-req"}
+        req_d.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        assert d.sched.request_finished_all_groups(req_d, (d_ids,)) == (False, None)
+        assert d.sched.composition.chosen == {}
+    finally:
+        d.close()
+        p.close()
+
+
+def test_preempted_request_is_restored_by_the_offload_child(model_dir: Path) -> None:
+    port = free_port_range(1)
+    d = Side(make_config(model_dir, "kv_consumer", "D-preempt", port, non_loader="empty"), seed=3)
+    try:
+        req = request("r", 40, {})
+        first = blocks(d.pool, 3)
+        ids = first.get_block_ids()[0]
+        saved = d.block(ids[0]) + d.block(ids[1])
+        assert d.sched.update_state_before_preempt(req, [ids], 40)
+        d.pool.free_blocks(first.blocks[0])
+        meta = d.sched.build_connector_meta(SchedulerOutput.make_empty())
+        d.worker.bind_connector_metadata(meta)
+        d.worker.handle_preemptions(meta)  # the recompute child stores synchronously here
+        for k, v in d.caches.values():
+            k.fill_(0)
+            v.fill_(0)  # another request overwrites every block
+        out = vllm.v1.outputs.KVConnectorOutput(kv_connector_worker_meta=d.worker.build_connector_worker_meta())
+        d.worker.clear_connector_metadata()
+        d.sched.update_connector_output(out)
+        # The holder answers first although the pull child comes first in config order.
+        assert d.sched.get_num_new_matched_tokens(req, 0) == (40, True)
+        assert d.sched.composition.chosen == {"r": 1}
+        again = blocks(d.pool, 3)
+        d.sched.update_state_after_alloc(req, again, 40)
+        d.step()
+        recving = wait_for(lambda: d.worker.get_finished(set())[1], "r")
+        assert recving == {"r"} and d.worker.get_block_ids_with_load_errors() == set()
+        new_ids = again.get_block_ids()[0]
+        assert d.block(new_ids[0]) + d.block(new_ids[1]) == saved
+    finally:
+        d.close()
+
+
+def test_two_children_returning_kv_transfer_params_is_an_error(model_dir: Path) -> None:
+    config = make_config(model_dir, "kv_producer", "P-two", free_port_range(1), two_pulls=True)
+    kcc = kv_cache_config()
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
+    assert isinstance(sched, AscendMultiConnector)
+    pool = BlockPool(NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK)
+    req = request("p-req", 40, {"do_remote_decode": True})
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    got = blocks(pool, 3)
+    sched.update_state_after_alloc(req, got, 0)
+    sched.build_connector_meta(SchedulerOutput.make_empty())
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    with pytest.raises(RuntimeError, match=r"children \[0, 1\]"):
+        sched.request_finished_all_groups(req, (got.get_block_ids()[0],))
+    with pytest.raises(TypeError, match="MultiKVConnectorMetadata"):
+        sched.bind_connector_metadata(sched.sub_connectors[0].build_connector_meta(SchedulerOutput.make_empty()))
+    sched.shutdown()
+
+
+def test_invalid_children_and_hma_mismatch_are_typed_errors(model_dir: Path) -> None:
+    from ascend_dist.common.errors import ConfigError
+
+    config = make_config(model_dir, "kv_consumer", "D-bad", free_port_range(1))
+    assert config.kv_transfer_config is not None
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    good = list(extra["connectors"])
+    for bad, field in (([], "connectors"), ([{"kv_role": "kv_both"}], r"connectors\[0\]")):
+        extra["connectors"] = bad
+        with pytest.raises(ConfigError, match=field):
+            AscendMultiConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    extra["connectors"] = good
+    extra["non_loader_blocks"] = "none"
+    with pytest.raises(ConfigError, match="non_loader_blocks"):
+        AscendMultiConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    del extra["non_loader_blocks"]
+    # vLLM's ExampleConnector does not support HMA: with HMA on the composition is refused up front.
+    extra["connectors"] = [good[0], {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    with pytest.raises(ConfigError, match=r"disable_hybrid_kv_cache_manager.*ExampleConnector"):
+        AscendMultiConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
