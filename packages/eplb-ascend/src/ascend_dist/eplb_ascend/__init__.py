@@ -1,3 +1,12 @@
-"""ascend_dist.eplb_ascend: not implemented yet; see this package's README for what it will hold."""
+"""ascend_dist.eplb_ascend: dynamic expert load balancing (EPLB) state and expert-weight transport.
+
+Importing the package imports nothing heavy. Modules by role:
+
+- planning (numpy only): `placement`, `routing`, `transfer_plan`, `policy`;
+- worker (torch): `tables` (routing tables refreshed in place), `transport` (`P2PTransport`, gloo,
+  the device seam), `communicator`, `mover`, `controller`, `state`;
+- vLLM adapter: `vllm_eplb` (the only module importing vllm);
+- demo/bench: `scenario`, `demo_worker`, `launch`.
+"""
 
 __all__: list[str] = []
