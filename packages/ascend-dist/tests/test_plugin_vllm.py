@@ -9,7 +9,8 @@ import pytest
 
 from ascend_dist import plugin
 
-pytestmark = pytest.mark.vllm
+# Fresh processes each import vLLM (~15 s alone, far more on a loaded 2-core machine).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 PROBE = Path(__file__).with_name("plugin_vllm_probe.py")
 
 

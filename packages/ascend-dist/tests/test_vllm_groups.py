@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+# Fresh processes each import vLLM (~15 s alone, far more on a loaded 2-core machine).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 WORKER = Path(__file__).with_name("vllm_groups_worker.py")
 
 
