@@ -61,7 +61,10 @@ def p_server() -> Iterator[PeerProcess]:
 
 @pytest.fixture
 def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
-    """Build P/D pairs; pass ``own_process=True`` for a P that the test may kill."""
+    """Build P/D pairs; pass ``own_process=True`` for a P that the test may kill.
+
+    ``p_cp`` / ``d_cp`` are ``(pcp_size, dcp_size)`` of P and D.
+    """
     made: list[tuple[Pair, PeerProcess | None]] = []
 
     def build(
@@ -72,15 +75,17 @@ def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
         d_extra: dict[str, Any] | None = None,
         own_process: bool = False,
         d_engine: Any = None,
+        p_cp: tuple[int, int] = (1, 1),
+        d_cp: tuple[int, int] = (1, 1),
         **model: Any,
     ) -> Pair:
         n = next(_IDS)
-        kv_port = free_port_range(p_tp * p_pp)
+        kv_port = free_port_range(p_tp * p_pp * p_cp[0])
         extra = {
             "engine_id": f"P{n}",
             "kv_port": kv_port,
-            "prefill": {"tp_size": p_tp, "pp_size": p_pp},
-            "decode": {"tp_size": d_tp},
+            "prefill": {"tp_size": p_tp, "pp_size": p_pp, "pcp_size": p_cp[0], "dcp_size": p_cp[1]},
+            "decode": {"tp_size": d_tp, "pcp_size": d_cp[0], "dcp_size": d_cp[1]},
             "rpc_timeout_s": 0.5,
             "lease_s": float(model.pop("lease_s", 30.0)),
             **{k: model.pop(k) for k in ("pull_timeout_s", "max_message_bytes") if k in model},

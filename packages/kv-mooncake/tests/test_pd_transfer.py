@@ -46,3 +46,43 @@ def test_fragmented_blocks_above_the_engine_piece_limit(make_pair: Callable[...,
     pair.wait_p_idle()
     assert pair.transfer("big", 4 * 60, seed=99) == set()
     assert pair.d.verify("big", 99) > 0
+
+
+@pytest.mark.timeout(60)
+def test_swa_group_with_d_prefix_hit_is_tail_aligned(make_pair: Callable[..., Any]) -> None:
+    """Group 1 is a sliding window of 3 blocks: P sends its last 3 prompt blocks; D has a prefix hit."""
+    pair = make_pair(p_tp=1, d_tp=1, groups=2, windows=[0, 3])
+    # 7 prompt blocks, D holds 2: group 0 pulls blocks 2..6, group 1 only the window (blocks 4..6).
+    assert pair.transfer("s0", 16 * 7 - 5, seed=5, computed=32) == set()
+    assert pair.d.verify("s0", 5, computed_tokens=32) > 0
+    pair.d.finish_decode("s0")
+    # Prefix hit inside the window: D pulls only blocks 5..6 of the SWA group.
+    assert pair.transfer("s1", 16 * 7, seed=6, computed=80) == set()
+    assert pair.d.verify("s1", 6, computed_tokens=80) > 0
+    pair.d.finish_decode("s1")
+    assert pair.wait_p_idle()["blocks_lent"] == 0
+
+
+CP_TOPOLOGIES = [
+    pytest.param({"p_tp": 1, "d_tp": 1, "p_cp": (2, 1)}, id="p-pcp2-tp1-1"),
+    pytest.param({"p_tp": 2, "d_tp": 1, "p_cp": (2, 1)}, id="p-pcp2-tp2-1-stacked"),
+    pytest.param({"p_tp": 2, "d_tp": 1, "p_cp": (2, 2), "mla": True}, id="mla-p-pcp2-dcp2"),
+    pytest.param({"p_tp": 2, "d_tp": 2, "p_cp": (2, 1), "d_cp": (1, 2), "mla": True}, id="mla-p-pcp2-d-dcp2"),
+    pytest.param({"p_tp": 1, "d_tp": 1, "p_cp": (2, 1), "d_cp": (2, 1)}, id="pcp2-both-sides"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("topo", CP_TOPOLOGIES)
+def test_cp_pull_is_byte_exact(make_pair: Callable[..., Any], topo: dict[str, Any]) -> None:
+    """Context parallelism: each D rank pulls its blocks from the P CP ranks that hold them (spec §5.11)."""
+    pair = make_pair(**topo)
+    assert pair.transfer("c0", 16 * 7 - 3, seed=3) == set()  # 7 blocks: the final block on a CP rank != 0
+    assert pair.d.verify("c0", 3) > 0
+    pair.d.finish_decode("c0")
+    hit = 48 if pair.d.cp == 1 else 64  # a prefix hit (whole CP rounds when D has CP)
+    assert pair.transfer("c1", 16 * 9, seed=4, computed=hit) == set()
+    assert pair.d.verify("c1", 4, computed_tokens=hit) > 0
+    pair.d.finish_decode("c1")
+    p_state = pair.wait_p_idle()
+    assert p_state["blocks_lent"] == 0 and p_state["tracked"] == 0 and p_state["expired"] == 0

@@ -42,6 +42,12 @@ def _float(name: str, value: object, low: float) -> float:
     return float(value)
 
 
+def _nonneg(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(name, value, "a number of seconds >= 0")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Topology:
     """Parallel sizes of one instance (``prefill`` or ``decode`` in the extra config).
@@ -51,12 +57,21 @@ class Topology:
         dp_size: Data-parallel size.
         pp_size: Pipeline-parallel size (D must be 1).
         pp_layer_partition: Layers per PP stage, or empty for vLLM's default split.
+        pcp_size: Prefill context-parallel size (whole TP groups, each with a share of the blocks).
+        dcp_size: Decode context-parallel size (divides ``tp_size``).
     """
 
     tp_size: int
     dp_size: int = 1
     pp_size: int = 1
     pp_layer_partition: tuple[int, ...] = ()
+    pcp_size: int = 1
+    dcp_size: int = 1
+
+    @property
+    def cp_size(self) -> int:
+        """``pcp_size * dcp_size``: the block interleaving period."""
+        return self.pcp_size * self.dcp_size
 
     @classmethod
     def parse(cls, name: str, raw: object) -> Topology:
@@ -84,7 +99,13 @@ class Topology:
             raise ConfigError(f"{name}.pp_layer_partition", part_raw, "a list of ints or 'a,b,...'")
         if part and len(part) != pp:
             raise ConfigError(f"{name}.pp_layer_partition", part_raw, f"{pp} entries (one per PP stage)")
-        return cls(tp, dp, pp, part)
+        pcp = _int(f"{name}.pcp_size", raw.get("pcp_size", 1), 1)
+        dcp = _int(f"{name}.dcp_size", raw.get("dcp_size", 1), 1)
+        if tp % dcp:
+            raise ConfigError(f"{name}.dcp_size", dcp, f"a divisor of {name}.tp_size={tp}")
+        if (pcp > 1 or dcp > 1) and pp > 1:
+            raise ConfigError(f"{name}.pp_size", pp, "1 with context parallelism")
+        return cls(tp, dp, pp, part, pcp, dcp)
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,8 @@ class PullConfig:
         dp_rank: This instance's data-parallel rank.
         lease_s: How long P keeps a finished request's blocks without hearing from D.
         pull_timeout_s: How long D waits for a request's pulls before reporting its blocks failed.
+        quarantine_s: After a failed read, how long D still holds the request's blocks (not
+            reported finished) because the engine may write into them late (Mooncake #4247).
         rpc_timeout_s: Deadline of one side-channel attempt.
         rpc_retries: Attempts per side-channel request.
         recv_workers: Threads of D's receiving pool.
@@ -120,6 +143,7 @@ class PullConfig:
     dp_rank: int = 0
     lease_s: float = 60.0
     pull_timeout_s: float = 60.0
+    quarantine_s: float = 1.0
     rpc_timeout_s: float = 1.0
     rpc_retries: int = 2
     recv_workers: int = 4
@@ -136,9 +160,15 @@ class PullConfig:
         tcp_endpoint(self.host, 0)  # refuses wildcards and malformed hosts
         if self.decode.pp_size != 1:
             raise ConfigError("decode.pp_size", self.decode.pp_size, "1 (D does not support pipeline parallelism)")
-        top = self.kv_port + self.prefill.dp_size * self.prefill.tp_size * self.prefill.pp_size
+        p = self.prefill
+        top = self.kv_port + p.dp_size * p.tp_size * p.pp_size * p.pcp_size
         if top > 65536:
             raise ConfigError("kv_port", self.kv_port, "a base leaving room for every P worker's port (<= 65535)")
+
+    @property
+    def uses_cp(self) -> bool:
+        """Whether either side uses context parallelism (the pull is planned by `cp_plan`)."""
+        return self.prefill.cp_size * self.decode.cp_size > 1
 
     @property
     def is_producer(self) -> bool:
@@ -159,7 +189,8 @@ class PullConfig:
         """Parse the fields of vLLM's ``KVTransferConfig`` (passed as plain values).
 
         Extra-config keys: ``prefill``, ``decode`` (required), ``mooncake_protocol`` (``tcp``),
-        ``host`` (``127.0.0.1``), ``dp_rank`` (0), ``lease_s`` (60), ``pull_timeout_s`` (60), ``rpc_timeout_s`` (1.0),
+        ``host`` (``127.0.0.1``), ``dp_rank`` (0), ``lease_s`` (60), ``pull_timeout_s`` (60), ``quarantine_s`` (1.0),
+        ``rpc_timeout_s`` (1.0),
         ``rpc_retries`` (2), ``recv_workers`` (4), ``max_message_bytes`` (4 MiB).
 
         Raises:
@@ -183,6 +214,7 @@ class PullConfig:
             dp_rank=_int("dp_rank", extra.get("dp_rank", 0), 0),
             lease_s=_float("lease_s", extra.get("lease_s", 60.0), 0.0),
             pull_timeout_s=_float("pull_timeout_s", extra.get("pull_timeout_s", 60.0), 0.0),
+            quarantine_s=_nonneg("quarantine_s", extra.get("quarantine_s", 1.0)),
             rpc_timeout_s=_float("rpc_timeout_s", extra.get("rpc_timeout_s", 1.0), 0.0),
             rpc_retries=_int("rpc_retries", extra.get("rpc_retries", 2), 1, 10),
             recv_workers=_int("recv_workers", extra.get("recv_workers", 4), 1, 64),

@@ -59,6 +59,8 @@ class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
     remote_port: int
     remote_ptp_size: int
     do_virtual: bool = False
+    prompt_len: int = 0
+    window_blocks: list[int] = []
 
 
 class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +103,8 @@ class PullScheduler:
         windows = list(window_blocks) or [0] * len(block_sizes)
         if len(windows) != len(block_sizes):
             raise ConfigError("window_blocks", windows, f"{len(block_sizes)} entries (one per group)")
+        if config.uses_cp and any(windows):
+            raise ConfigError("window_blocks", windows, "all 0 with context parallelism (SWA + CP is not supported)")
         self._config = config
         self._block_sizes = list(block_sizes)
         self._windows = windows
@@ -108,8 +112,11 @@ class PullScheduler:
             kv_port=config.kv_port,
             tp_size=config.prefill.tp_size,
             pp_size=config.prefill.pp_size,
+            pcp_size=config.prefill.pcp_size,
             dp_size=config.prefill.dp_size,
         )
+        # With CP on P each scheduler block id covers cp blocks' worth of prompt (spec §5.3.3).
+        self._p_cp = config.prefill.cp_size if config.is_producer else 1
         self._remote_port = layout.dp_base(config.dp_rank) if config.is_producer else 0
         self._recv: StateTable[RecvState] = StateTable(RECV_TRANSITIONS, name="recv")
         self._pending: dict[str, ReqMeta] = {}
@@ -162,12 +169,16 @@ class PullScheduler:
         local = [list(ids) for ids in local_block_ids] if num_external_tokens > 0 else [[] for _ in range(groups)]
         if len(local) != groups:
             raise ConfigError("local_block_ids", f"<{len(local)} groups>", f"{groups} lists (one per KV-cache group)")
-        self._pending[request.request_id] = self._req_meta(request.request_id, params, local, raw)
+        self._pending[request.request_id] = self._req_meta(
+            request.request_id, params, local, raw, prompt_len=request.prompt_len
+        )
         if request.request_id in self._recv:
             self._recv.advance(request.request_id, RecvState.ALLOCATED)
         raw["do_remote_prefill"] = False
 
-    def _req_meta(self, request_id: str, params: Any, local: list[list[int]], raw: dict[str, Any]) -> ReqMeta:
+    def _req_meta(
+        self, request_id: str, params: Any, local: list[list[int]], raw: dict[str, Any], *, prompt_len: int
+    ) -> ReqMeta:
         remote = [list(ids) for ids in params.remote_block_ids or []]
         if len(remote) != len(local):
             raise ConfigError(
@@ -186,6 +197,8 @@ class PullScheduler:
             remote_port=params.remote_port or 0,
             remote_ptp_size=params.remote_ptp_size or self._config.prefill.tp_size,
             do_virtual=params.do_virtual,
+            prompt_len=prompt_len,
+            window_blocks=list(self._windows),
         )
 
     def build_connector_meta(self) -> PullMetadata:
@@ -214,13 +227,15 @@ class PullScheduler:
         if params.do_remote_prefill:
             # D request rejected before allocation: an empty receive still tells P to free.
             empty = [[] for _ in self._block_sizes]
-            self._pending[request.request_id] = self._req_meta(request.request_id, params, empty, raw)
+            self._pending[request.request_id] = self._req_meta(
+                request.request_id, params, empty, raw, prompt_len=request.prompt_len
+            )
             raw["do_remote_prefill"] = False
             return False, None
         if not params.do_remote_decode or not request.length_capped:
             return False, None
         trimmed = [
-            trim_block_ids(ids, request.prompt_len, bs, win)
+            trim_block_ids(ids, request.prompt_len, bs * self._p_cp, win)
             for ids, bs, win in zip(block_ids, self._block_sizes, self._windows, strict=True)
         ]
         delay = any(trimmed)

@@ -37,6 +37,8 @@ class Model:
         num_blocks: Blocks per tensor on each rank.
         mla: One replicated latent cache with two parts (``head_dim`` and ``head_dim // 8``).
         groups: KV-cache groups (layer i belongs to group ``i % groups``).
+        windows: Per group, ``ceil(window / block) + 1`` for a sliding-window group, else 0
+            (empty: no sliding window).
     """
 
     layers: int = 4
@@ -46,6 +48,7 @@ class Model:
     num_blocks: int = 64
     mla: bool = False
     groups: int = 1
+    windows: tuple[int, ...] = ()
 
     def layer_name(self, i: int) -> str:
         """vLLM-style layer name."""
@@ -76,6 +79,7 @@ def pattern(
 class _Rank:
     tp: int
     pp: int
+    cp_index: int
     layers: list[int]
     caches: dict[str, tuple[torch.Tensor, ...]]
     worker: PullWorker
@@ -93,19 +97,24 @@ class SyntheticInstance:
     def __post_init__(self) -> None:
         topo = self.config.prefill if self.config.is_producer else self.config.decode
         self.tp, self.pp = topo.tp_size, topo.pp_size
-        self.scheduler = PullScheduler(self.config, [self.model.block_size] * self.model.groups)
+        self.pcp, self.dcp = topo.pcp_size, topo.dcp_size
+        self.cp = self.pcp * self.dcp  # block i of a request's list on CP index q is block i*cp + q
+        self.scheduler = PullScheduler(
+            self.config, [self.model.block_size] * self.model.groups, list(self.model.windows)
+        )
         self.free: list[list[int]] = [list(range(1, self.model.num_blocks)) for _ in range(self.model.groups)]
         self.blocks: dict[str, list[list[int]]] = {}
         self.requests: dict[str, SchedRequest] = {}
         stages = pp_layer_ranges(self.model.layers, self.pp, topo.pp_layer_partition)
         for pp in range(self.pp):
-            for tp in range(self.tp):
-                self.ranks.append(self._make_rank(tp, pp, list(range(*stages[pp]))))
+            for pcp in range(self.pcp):
+                for tp in range(self.tp):
+                    self.ranks.append(self._make_rank(tp, pp, list(range(*stages[pp])), pcp))
 
     def _heads(self, tp: int) -> tuple[int, int]:
         return (0, 1) if self.model.mla else head_range(tp, self.tp, self.model.heads)
 
-    def _make_rank(self, tp: int, pp: int, layers: list[int]) -> _Rank:
+    def _make_rank(self, tp: int, pp: int, layers: list[int], pcp: int = 0) -> _Rank:
         m = self.model
         _, count = self._heads(tp)
         dims = m.part_dims()
@@ -121,14 +130,14 @@ class SyntheticInstance:
                 offset += n
             caches[m.layer_name(i)] = tuple(parts)
         worker = PullWorker(
-            self.config, tp_rank=tp, pp_rank=pp, num_kv_heads=m.heads, use_mla=m.mla, engine=self.engine
+            self.config, tp_rank=tp, pp_rank=pp, pcp_rank=pcp, num_kv_heads=m.heads, use_mla=m.mla, engine=self.engine
         )
         groups = [[m.layer_name(i) for i in layers if i % m.groups == g] for g in range(m.groups)]
         worker.register_kv_caches(caches, groups=groups, num_blocks=m.num_blocks, block_size=m.block_size)
-        return _Rank(tp, pp, layers, caches, worker)
+        return _Rank(tp, pp, pcp * self.dcp + tp % self.dcp, layers, caches, worker)
 
     def _alloc(self, rid: str, tokens: int) -> list[list[int]]:
-        n = -(-tokens // self.model.block_size)
+        n = -(-tokens // (self.model.block_size * self.cp))
         if any(len(f) < n for f in self.free):
             raise ConfigError("num_blocks", self.model.num_blocks, f"enough free blocks for {n} more")
         ids = [[f.pop(0) for _ in range(n)] for f in self.free]
@@ -170,7 +179,7 @@ class SyntheticInstance:
             heads = torch.arange(first, first + count)
             for i in r.layers:
                 ids = self.blocks[rid][i % m.groups]
-                pos = first_position + torch.arange(len(ids) * m.block_size).view(len(ids), m.block_size)
+                pos = self._positions(first_position // m.block_size, r.cp_index, len(ids))
                 for part, t in enumerate(r.caches[m.layer_name(i)]):
                     t[torch.tensor(ids)] = pattern(seed, i, part, heads, pos, dim=t.shape[3])
 
@@ -225,6 +234,12 @@ class SyntheticInstance:
                 time.sleep(0.001)
         return errors
 
+    def _positions(self, first_block: int, cp_index: int, n: int) -> torch.Tensor:
+        """Token positions ``[n, block]`` of a CP rank's list entries from global block ``first_block`` on."""
+        first = first_block + (cp_index - first_block) % self.cp
+        blocks = first + torch.arange(n) * self.cp
+        return blocks[:, None] * self.model.block_size + torch.arange(self.model.block_size)[None, :]
+
     def verify(self, rid: str, seed: int, computed_tokens: int = 0) -> int:
         """D: compare every pulled byte of a request with the pattern; return bytes checked."""
         m = self.model
@@ -235,9 +250,15 @@ class SyntheticInstance:
             heads = torch.arange(first, first + count)
             for i in r.layers:
                 ids = self.blocks[rid][i % m.groups]
-                pos = (first_block + torch.arange(len(ids)))[:, None] * m.block_size + torch.arange(m.block_size)[
-                    None, :
-                ]
+                window = m.windows[i % m.groups] if m.windows else 0
+                skip = max(0, len(ids) - window) if window else 0  # a SWA group: only its window's tail
+                ids = ids[skip:]
+                pos = self._positions(first_block + skip, r.cp_index, len(ids))
+                prompt_blocks = -(-self.requests[rid].prompt_len // m.block_size) if rid in self.requests else 1 << 30
+                keep = int((pos[:, 0] < prompt_blocks * m.block_size).sum())  # CP: a rank's last entry may be past it
+                ids, pos = ids[:keep], pos[:keep]
+                if not ids:
+                    continue
                 for part, t in enumerate(r.caches[m.layer_name(i)]):
                     got = t[torch.tensor(ids)]
                     if not torch.equal(got, pattern(seed, i, part, heads, pos, dim=t.shape[3])):

@@ -8,6 +8,12 @@ blocks (after the request is reported, so DONE's round trip is not on D's critic
 failed task records the logical block ids it was to fill, in every KV group, *before* its request
 is reported finished. A request still pulling after ``pull_timeout_s`` is reported
 failed (its late results are ignored).
+
+Quarantine (spec §15 item 14): a failed or timed-out read may still write into D's blocks later
+(Mooncake #4247), so its request's blocks are reported as load errors at once but the request
+reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of its reads runs and
+``quarantine_s`` has passed since the last failed read; a read that never returns is given up one
+more ``pull_timeout_s`` after the deadline (logged).
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ascend_dist.common.descriptors import Descriptors
-from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
+from ascend_dist.common.errors import ConfigError, IncompatiblePeer, ProtocolError
+from ascend_dist.common.mappings import context_parallel_parameters_check
 from ascend_dist.common.wire import Codec, Handshake, check_compatible
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.cp_plan import CpShard, cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.engine import TransferBackend
 from ascend_dist.kv_mooncake.messages import (
     Ack,
@@ -44,10 +52,10 @@ from ascend_dist.kv_mooncake.plan import (
     PullMode,
     TensorGeom,
     build_pull_descriptors,
-    plan_block_pairs,
     pull_mode,
     select_sources,
 )
+from ascend_dist.kv_mooncake.plan_groups import pair_group_blocks
 from ascend_dist.kv_mooncake.scheduler import ReqMeta
 
 __all__ = ["LocalCache", "Receiver"]
@@ -86,6 +94,8 @@ class _Pull:
     submitted: float
     failed: bool = False
     pulled_layers: set[str] = field(default_factory=set)
+    hold_until: float = 0.0
+    shards: list[CpShard] = field(default_factory=list)
 
 
 class Receiver:
@@ -101,9 +111,19 @@ class Receiver:
         handshake: Handshake,
         reformat: Reformat,
         clock: Callable[[], float] = time.monotonic,
+        pcp_rank: int = 0,
+        use_mla: bool = False,
     ) -> None:
         """Start the pool (threads are created on demand)."""
         self._config = config
+        self._pcp_rank = pcp_rank
+        self._use_mla = use_mla
+        if config.uses_cp:  # refuse a bad CP layout at registration, not per request
+            if len(cache.groups) != 1:
+                raise ConfigError("kv_cache_groups", len(cache.groups), "1 (one full-attention group) with CP")
+            p_info, d_info = cp_layouts(config, use_mla)
+            context_parallel_parameters_check(p_info, d_info, cache.heads)
+            cp_sources(tp_rank, p_info, d_info, cache.heads)
         self._tp_rank = tp_rank
         self._cache = cache
         self._engine = engine
@@ -119,6 +139,7 @@ class Receiver:
         self._lock = threading.Lock()
         self._pulls: dict[str, _Pull] = {}
         self._finished: set[str] = set()
+        self._quarantined: dict[str, _Pull] = {}
         self._errors: set[int] = set()
         self._meta_cache: dict[tuple[str, str, int], AgentMetadata] = {}
 
@@ -127,6 +148,12 @@ class Receiver:
         """Requests still pulling."""
         with self._lock:
             return len(self._pulls)
+
+    @property
+    def quarantined(self) -> int:
+        """Failed requests whose blocks are held because a late write could still land."""
+        with self._lock:
+            return len(self._quarantined)
 
     @property
     def cached_peers(self) -> int:
@@ -145,6 +172,9 @@ class Receiver:
             with self._lock:
                 self._finished.add(meta.request_id)
             return
+        if self._config.uses_cp:
+            self._submit_cp(meta)
+            return
         p_tp, p_pp = meta.remote_ptp_size, self._config.prefill.pp_size
         slices = select_sources(
             self._tp_rank, p_tp, self._config.decode.tp_size, self._cache.heads, meta.remote_request_id
@@ -157,7 +187,34 @@ class Receiver:
         for global_rank in tasks:
             self._pool.submit(self._run_task, meta.request_id, global_rank)
 
-    def _run_task(self, request_id: str, global_rank: int) -> None:
+    def _submit_cp(self, meta: ReqMeta) -> None:
+        """Plan with context parallelism (spec §5.11): one task per (P CP rank, P rank) of each shard."""
+        p_info, d_info = cp_layouts(self._config, self._use_mla)
+        bs = self._cache.block_size
+        shards = plan_cp_pull(
+            p=p_info,
+            d=d_info,
+            heads=self._cache.heads,
+            d_tp_rank=self._tp_rank,
+            d_pcp_rank=self._pcp_rank,
+            remote_block_ids=meta.remote_block_ids[0],
+            local_block_ids=meta.local_block_ids[0],
+            prompt_len=meta.prompt_len,
+            num_external_tokens=max(0, meta.prompt_len - meta.num_computed_tokens) if any(meta.local_block_ids) else 0,
+            p_block_size=bs,
+            d_block_size=bs,
+        )
+        tasks = [(i, w) for i, s in enumerate(shards) for w in s.p_world_ranks]
+        now = self._clock()
+        slices = list(shards[0].slices) if shards else []
+        with self._lock:
+            self._pulls[meta.request_id] = _Pull(
+                meta, slices, len(tasks), now + self._config.pull_timeout_s, now, shards=shards
+            )
+        for shard, world in tasks:
+            self._pool.submit(self._run_task, meta.request_id, world, shard)
+
+    def _run_task(self, request_id: str, global_rank: int, shard: int = -1) -> None:
         with self._lock:
             pull = self._pulls.get(request_id)
         if pull is None:
@@ -166,7 +223,10 @@ class Receiver:
         port = meta.remote_port + global_rank
         ok = True
         try:
-            if any(meta.local_block_ids):
+            if shard >= 0:
+                if pull.shards[shard].local_ids:
+                    self._pull(pull, port, global_rank % meta.remote_ptp_size, pull.shards[shard])
+            elif any(meta.local_block_ids):
                 self._pull(pull, port, global_rank % meta.remote_ptp_size)
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
@@ -179,7 +239,7 @@ class Receiver:
             self._task_done(pull)
             self._send_done(meta, port, ok)
 
-    def _pull(self, pull: _Pull, port: int, p_rank: int) -> None:
+    def _pull(self, pull: _Pull, port: int, p_rank: int, shard: CpShard | None = None) -> None:
         meta = pull.meta
         agent = self._metadata(meta.remote_engine_id, meta.remote_host, port)
         if self._clock() - pull.submitted > self._config.lease_s / 3:
@@ -187,9 +247,11 @@ class Receiver:
         batches: list[Descriptors] = []
         layers: list[str] = []
         for g, names in enumerate(self._cache.groups):
-            local_ids, remote_ids = plan_block_pairs(
-                meta.local_block_ids[g], meta.remote_block_ids[g], meta.num_computed_tokens, self._cache.block_size
-            )
+            if shard is None:
+                local_ids, remote_ids = pair_group_blocks(meta, g, self._cache.block_size)
+                slices = pull.slices
+            else:
+                local_ids, remote_ids, slices = list(shard.local_ids), list(shard.remote_ids), list(shard.slices)
             if remote_ids and max(remote_ids) >= agent.num_blocks:
                 raise ProtocolError(f"remote block id {max(remote_ids)} >= P's {agent.num_blocks} blocks")
             here = [n for n in names if n in agent.layers]
@@ -199,13 +261,16 @@ class Receiver:
                 for n in here
                 for t in agent.layers[n]
             ]
-            batches.append(
-                build_pull_descriptors(local, remote, local_ids, remote_ids, slices=pull.slices, p_rank=p_rank)
-            )
+            batches.append(build_pull_descriptors(local, remote, local_ids, remote_ids, slices=slices, p_rank=p_rank))
             layers.extend(here)
-        self._engine.read(
-            agent.te_session, Descriptors.concat(batches), timeout_s=max(0.1, pull.deadline - self._clock())
-        )
+        try:
+            self._engine.read(
+                agent.te_session, Descriptors.concat(batches), timeout_s=max(0.1, pull.deadline - self._clock())
+            )
+        except BaseException:
+            with self._lock:  # the engine may still write into these blocks: quarantine them
+                pull.hold_until = max(pull.hold_until, self._clock() + self._config.quarantine_s)
+            raise
         with self._lock:
             pull.pulled_layers.update(layers)
 
@@ -249,6 +314,8 @@ class Receiver:
 
     def _fail(self, pull: _Pull) -> None:
         with self._lock:
+            if pull.failed:  # reported once (a timed-out request's late task fails again)
+                return
             pull.failed = True
             for ids in pull.meta.local_block_ids:
                 self._errors.update(ids)
@@ -257,7 +324,7 @@ class Receiver:
         with self._lock:
             pull.pending -= 1
             if pull.pending > 0 or self._pulls.get(pull.meta.request_id) is not pull:
-                return
+                return  # a timed-out request waits in quarantine for pending == 0
             wanted = {n for g, names in enumerate(self._cache.groups) if pull.meta.local_block_ids[g] for n in names}
         if not pull.failed and wanted - pull.pulled_layers:
             logger.error(
@@ -274,7 +341,10 @@ class Receiver:
                 self._fail(pull)
         with self._lock:
             self._pulls.pop(pull.meta.request_id, None)
-            self._finished.add(pull.meta.request_id)
+            if pull.failed and self._clock() < pull.hold_until:
+                self._quarantined[pull.meta.request_id] = pull
+            else:
+                self._finished.add(pull.meta.request_id)
 
     def _reformat_all(self, pull: _Pull) -> None:
         first = (
@@ -286,12 +356,10 @@ class Receiver:
         if pull_mode(pull.slices, p_heads, first.heads) is not PullMode.STACKED:
             return
         for g, names in enumerate(self._cache.groups):
-            ids, _ = plan_block_pairs(
-                pull.meta.local_block_ids[g],
-                pull.meta.remote_block_ids[g],
-                pull.meta.num_computed_tokens,
-                self._cache.block_size,
-            )
+            if pull.shards:
+                ids = [b for s in pull.shards for b in s.local_ids]
+            else:
+                ids, _ = pair_group_blocks(pull.meta, g, self._cache.block_size)
             for name in names:
                 if ids:
                     self._reformat(name, ids, len(pull.slices))
@@ -309,7 +377,20 @@ class Receiver:
                     for ids in pull.meta.local_block_ids:
                         self._errors.update(ids)
                     del self._pulls[rid]
+                    self._quarantined[rid] = pull  # its reads may still be running
+            for rid, pull in list(self._quarantined.items()):
+                if pull.pending <= 0 and now >= pull.hold_until:
                     self._finished.add(rid)
+                elif now >= pull.deadline + self._config.pull_timeout_s:
+                    logger.error(
+                        "request %s: a read still runs %.1f s after its deadline; releasing its blocks anyway",
+                        rid,
+                        self._config.pull_timeout_s,
+                    )
+                    self._finished.add(rid)
+                else:
+                    continue
+                del self._quarantined[rid]
             out, self._finished = self._finished, set()
             return out
 

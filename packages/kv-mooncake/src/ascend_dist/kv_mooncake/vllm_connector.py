@@ -67,13 +67,17 @@ def _config(vllm_config: VllmConfig) -> PullConfig:
     )
 
 
-def _ranks() -> tuple[int, int]:
-    """(tp_rank, pp_rank) of this worker; (0, 0) when vLLM's parallel groups are not initialised."""
+def _ranks() -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, pcp_rank) of this worker; zeros when vLLM's parallel groups are not initialised."""
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return 0, 0
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+        return 0, 0, 0
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pp_group().rank_in_group,
+        parallel_state.get_pcp_group().rank_in_group,
+    )
 
 
 def _sched_request(request: Request) -> SchedRequest:
@@ -114,11 +118,12 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = PullScheduler(self._pull_config, self._block_sizes, windows)
         else:
             model = vllm_config.model_config
-            tp_rank, pp_rank = _ranks()
+            tp_rank, pp_rank, pcp_rank = _ranks()
             self._worker = PullWorker(
                 self._pull_config,
                 tp_rank=tp_rank,
                 pp_rank=pp_rank,
+                pcp_rank=pcp_rank,
                 num_kv_heads=model.get_total_num_kv_heads(),
                 use_mla=bool(model.use_mla),
             )

@@ -19,6 +19,7 @@ from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_r
 from ascend_dist.common.wire import Codec, Handshake, check_compatible, make_handshake
 from ascend_dist.common.zmq_server import RpcServer
 from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.cp_plan import cp_layouts, cp_p_fan_in
 from ascend_dist.kv_mooncake.engine import TransferBackend, get_engine
 from ascend_dist.kv_mooncake.messages import (
     PROTOCOL,
@@ -82,6 +83,7 @@ class PullWorker:
         *,
         tp_rank: int,
         pp_rank: int = 0,
+        pcp_rank: int = 0,
         num_kv_heads: int,
         use_mla: bool = False,
         engine: TransferBackend | None = None,
@@ -92,6 +94,7 @@ class PullWorker:
             config: The connector configuration.
             tp_rank: This worker's tp rank.
             pp_rank: This worker's pp rank (D: always 0).
+            pcp_rank: This worker's prefill-context-parallel rank.
             num_kv_heads: Total KV heads of the model (ignored with ``use_mla``).
             use_mla: MLA latent cache (one replicated "head").
             engine: The transfer engine; default the process-wide Mooncake engine.
@@ -101,6 +104,10 @@ class PullWorker:
             raise ConfigError("tp_rank", tp_rank, f"an int in [0, {topo.tp_size})")
         if not 0 <= pp_rank < topo.pp_size:
             raise ConfigError("pp_rank", pp_rank, f"an int in [0, {topo.pp_size})")
+        if not 0 <= pcp_rank < topo.pcp_size:
+            raise ConfigError("pcp_rank", pcp_rank, f"an int in [0, {topo.pcp_size})")
+        self._pcp_rank = pcp_rank
+        self._use_mla = use_mla
         self._config = config
         self._tp_rank = tp_rank
         self._pp_rank = pp_rank
@@ -121,9 +128,16 @@ class PullWorker:
         """The side-channel port of this worker (P binds it)."""
         topo = self._config.prefill if self._config.is_producer else self._config.decode
         layout = PortLayout(
-            kv_port=self._config.kv_port, tp_size=topo.tp_size, pp_size=topo.pp_size, dp_size=topo.dp_size
+            kv_port=self._config.kv_port,
+            tp_size=topo.tp_size,
+            pp_size=topo.pp_size,
+            pcp_size=topo.pcp_size,
+            dp_size=topo.dp_size,
         )
-        return layout.port(RankCoord(tp_rank=self._tp_rank, pp_rank=self._pp_rank, dp_rank=self._config.dp_rank))
+        coord = RankCoord(
+            tp_rank=self._tp_rank, pp_rank=self._pp_rank, pcp_rank=self._pcp_rank, dp_rank=self._config.dp_rank
+        )
+        return layout.port(coord)
 
     @property
     def tracker(self) -> SendTracker:
@@ -150,6 +164,7 @@ class PullWorker:
             prefill_tp=c.prefill.tp_size,
             prefill_pp=c.prefill.pp_size,
             decode_tp=c.decode.tp_size,
+            cp=f"P{c.prefill.pcp_size}x{c.prefill.dcp_size}/D{c.decode.pcp_size}x{c.decode.dcp_size}",
             plan_version=PLAN_VERSION,
         )
 
@@ -203,7 +218,14 @@ class PullWorker:
         else:
             cache = LocalCache(layers, [list(g) for g in groups], block_size, self._heads)
             self._receiver = Receiver(
-                self._config, self._tp_rank, cache, engine, handshake=self._handshake, reformat=self._reformat
+                self._config,
+                self._tp_rank,
+                cache,
+                engine,
+                handshake=self._handshake,
+                reformat=self._reformat,
+                pcp_rank=self._pcp_rank,
+                use_mla=self._use_mla,
             )
 
     def _handle(self, payload: bytes) -> bytes:
@@ -241,7 +263,12 @@ class PullWorker:
                 self._tracker.add_processing(rid)
             d_tp = self._config.decode.tp_size
             for rid in meta.to_send:
-                fan_in = p_rank_fan_in(self._tp_rank, self._config.prefill.tp_size, d_tp, self._heads, rid)
+                if self._config.uses_cp:
+                    p_info, d_info = cp_layouts(self._config, self._use_mla)
+                    world = self._pcp_rank * self._config.prefill.tp_size + self._tp_rank
+                    fan_in = cp_p_fan_in(world, p=p_info, d=d_info, heads=self._heads)
+                else:
+                    fan_in = p_rank_fan_in(self._tp_rank, self._config.prefill.tp_size, d_tp, self._heads, rid)
                 self._tracker.add_delayed(rid, fan_in)
             return
         if self._receiver is None:
