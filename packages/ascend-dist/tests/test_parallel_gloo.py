@@ -1,13 +1,10 @@
 """The Ascend groups created for real over gloo in 4 processes: each group all-reduces only its members."""
 
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rank_procs import run_ranks
 
 from ascend_dist.parallel.dist_utils import all_gather_async, split_tensor_along_first_dim
 
@@ -15,31 +12,10 @@ WORLD = 4
 WORKER = Path(__file__).with_name("gloo_groups_worker.py")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_groups_over_gloo_all_reduce_within_their_members():
-    port = _free_port()
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD), str(port)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-        for r in range(WORLD)
-    ]  # fmt: skip
-    try:
-        outputs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    reports = run_ranks(WORKER, WORLD, timeout=90)
     # Layout [dp=2, tp=2]: rank = d*2 + t. mc2 = everyone; p_tp = {0,1},{2,3}; otp = DP peers {0,2},{1,3}.
-    for out, _ in outputs:
-        seen = json.loads(out.strip().splitlines()[-1])
+    for seen in reports:
         rank = seen["rank"]
         expected = {"mc2": 6.0, "p_tp": float(4 * (rank // 2) + 1), "otp": float(2 * (rank % 2) + 2)}
         assert seen["rounds"] == [expected, expected]
