@@ -42,6 +42,15 @@ def test_import_needs_neither_torch_nor_the_library() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_communicator_is_exported_lazily_from_the_package() -> None:
+    import ascend_dist.hccl_ctypes as package
+    from ascend_dist.hccl_ctypes.communicator import PyHcclCommunicator
+
+    assert package.PyHcclCommunicator is PyHcclCommunicator and "PyHcclCommunicator" in package.__all__
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        package.NoSuchThing  # noqa: B018
+
+
 def test_enum_values_are_the_abi() -> None:
     assert [(m.name, m.value) for m in HcclDataType] == [
         ("INT8", 0), ("INT16", 1), ("INT32", 2), ("FP16", 3), ("FP32", 4), ("INT64", 5), ("UINT64", 6),

@@ -66,6 +66,8 @@ def test_bad_arguments_are_typed(world1: dist.ProcessGroup, runtime: CpuSimRunti
         PyHcclCommunicator(world1, runtime=runtime, backend="mpi")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="device='cuda:0'"):
         PyHcclCommunicator(world1, "cuda:0", runtime=runtime)
+    with pytest.raises(ConfigError, match="group='object'"):
+        PyHcclCommunicator(object(), runtime=runtime)  # type: ignore[arg-type]
     comm = PyHcclCommunicator(world1, 0, runtime=runtime)
     assert comm.device == torch.device("cpu")
     with pytest.raises(ConfigError, match="in_tensor='list'"):

@@ -92,3 +92,21 @@ def test_rebuilt_communicators_are_released_and_context_managed(fake_hccl: str, 
     for res in run_ranks("context", 2, {"HCCL_SO_PATH": fake_hccl}):
         assert res["sums"] == [[2.0, 2.0]] * 3
         assert res["closed"].startswith("CommunicatorClosed")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "library"])
+def test_communicator_on_a_group_torch_distributed_never_registered(
+    fake_hccl: str, run_ranks: Any, backend: str
+) -> None:
+    """``ProcessGroupGloo(PrefixStore(TCPStore))`` with no default group: ranks and collectives from the group."""
+    env = {"COMM_BACKEND": backend, "HCCL_EXEC_TIMEOUT": "20"}
+    if backend == "library":
+        env["HCCL_SO_PATH"] = fake_hccl  # the root info travels on the unregistered group
+    results = run_ranks("unregistered", 2, env, timeout=60)
+    for rank, res in enumerate(results):
+        assert (res["registered"], res["rank"], res["world"], res["engine"]) == (False, rank, 2, backend)
+        for key, value in _expected_comm(rank, 2).items():
+            assert res[key] == value, (rank, key)
+        assert res["p2p"] == sum(range(1000))
+        assert res["bad_src"].startswith("ConfigError::src=2")
+        assert res["use_after_destroy"].startswith("CommunicatorClosed")

@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
+from ascend_dist.common.device import close_runtime
+from ascend_dist.hccl_ctypes import PyHcclCommunicator
+from ascend_dist.weight_transfer.collective import CommunicatorCollective, gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.demo_procs import (
     Spec,
     WorkerProcess,
@@ -24,7 +27,7 @@ TIMEOUT_S = 20.0
 
 def _connect(
     workers: list[WorkerProcess], *, packed: bool, buffer: int, layout: list[tuple[int, int, int]],
-    die_after: int | None = None, op_timeout_s: float = TIMEOUT_S, direct: int = 0,
+    die_after: int | None = None, op_timeout_s: float = TIMEOUT_S, direct: int = 0, collective: str = "gloo",
 ) -> BroadcastTrainer:  # fmt: skip
     """Start init on every worker, connect the trainer, return it once all joined."""
     port = free_port()
@@ -33,15 +36,17 @@ def _connect(
             "init", master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=len(workers) + 1,
             dp_index=dp, replica_size=replica, rank_in_replica=rank, packed=packed, buffer_size_bytes=buffer,
             num_buffers=2, op_timeout_s=op_timeout_s, die_after_buffers=die_after if i == 1 else None,
-            direct_threshold_bytes=direct,
+            direct_threshold_bytes=direct, collective=collective,
         )  # fmt: skip
     trainer = BroadcastTrainer.connect(
         "127.0.0.1", port, len(workers) + 1, packed=packed, buffer_size_bytes=buffer, num_buffers=2,
         op_timeout_s=op_timeout_s, direct_threshold_bytes=direct,
+        collective_factory=hccl_collective if collective == "hccl" else gloo_collective,
     )  # fmt: skip
-    for proc in workers:
+    expected = "CommunicatorCollective" if collective == "hccl" else "GlooCollective"
+    for i, proc in enumerate(workers):
         reply = proc.reply(TIMEOUT_S)
-        assert reply["ok"], reply
+        assert reply["ok"] and reply["collective"] == ("_DieAfter" if die_after and i == 1 else expected), reply
     return trainer
 
 
@@ -73,6 +78,28 @@ def test_three_updates_bit_exact_on_every_worker(spawn_workers: Callable[..., li
                 assert proc.call("digest")["digests"] == expected
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.parametrize(("packed", "buffer", "direct"), [(True, 4096, 3000), (False, 4096, 0)])
+def test_updates_through_the_real_pyhccl_communicator_are_bit_exact(
+    spawn_workers: Callable[..., list[WorkerProcess]], packed: bool, buffer: int, direct: int
+) -> None:
+    """`hccl_collective` on every rank: PyHcclCommunicator (gloo engine, CPU runtime) on a stateless group."""
+    workers = spawn_workers(2, SPECS)
+    trainer = _connect(workers, packed=packed, buffer=buffer, layout=[(0, 1, 0), (1, 1, 0)], direct=direct,
+                       collective="hccl")  # fmt: skip
+    try:
+        collective = trainer.collective
+        assert isinstance(collective, CommunicatorCollective)
+        comm = collective.communicator
+        assert isinstance(comm, PyHcclCommunicator) and comm.engine == "gloo" and comm.world_size == 3
+        for seed in (4, 5):
+            expected = _update(trainer, workers, SPECS, seed)
+            for proc in workers:
+                assert proc.call("digest")["digests"] == expected
+    finally:
+        trainer.shutdown()
+        close_runtime()  # the trainer's communicator ran on this process's runtime: stop its threads
 
 
 def test_worker_ranks_follow_dp_index_and_replica_rank(spawn_workers: Callable[..., list[WorkerProcess]]) -> None:

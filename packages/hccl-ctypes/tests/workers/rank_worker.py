@@ -186,6 +186,21 @@ def scenario_context(rank: int, world: int) -> dict[str, Any]:
         rt.close()
 
 
+def scenario_unregistered(rank: int, world: int) -> dict[str, Any]:
+    """A ProcessGroupGloo built directly on a TCPStore: torch.distributed has no default group at all."""
+    store = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), world, rank == 0,  # pyright: ignore[reportPrivateImportUsage]
+                          timeout=datetime.timedelta(seconds=30), wait_for_workers=False)  # fmt: skip
+    group = dist.ProcessGroupGloo(dist.PrefixStore("hccl-test", store), rank, world, datetime.timedelta(seconds=30))  # pyright: ignore[reportPrivateImportUsage]
+    rt = create_runtime("cpu")
+    try:
+        comm = PyHcclCommunicator(group, backend=os.environ.get("COMM_BACKEND", "auto"), runtime=rt, init_timeout_s=20)  # type: ignore[arg-type]
+        out = {"registered": dist.is_initialized(), "rank": comm.rank, "world": comm.world_size}
+        out.update(_exercise(comm, rank, world))
+        return out
+    finally:
+        rt.close()
+
+
 def scenario_cuda_comm(rank: int, world: int) -> dict[str, Any]:
     """The NCCL dialect on real GPUs (one per rank): the same communicator code as on the NPU."""
     rt = create_runtime("cuda", device_index=rank)
@@ -215,11 +230,17 @@ SCENARIOS = {
     "comm_errors": scenario_comm_errors,
     "nojoin": scenario_nojoin,
     "context": scenario_context,
+    "unregistered": scenario_unregistered,
 }
+STANDALONE = {"unregistered"}  # scenarios that build their own group: no default torch.distributed group
 
 
 def main() -> None:
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    if scenario in STANDALONE:
+        os.environ["STORE_PORT"] = str(port)
+        print("RESULT " + json.dumps(SCENARIOS[scenario](rank, world)), flush=True)
+        return
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=30),

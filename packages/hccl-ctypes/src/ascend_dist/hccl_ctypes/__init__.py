@@ -2,10 +2,13 @@
 
 Importing this package needs neither torch nor the native library: it exposes the binding
 (`CollectiveLibrary` with the `HCCL` and `NCCL` dialects, `HCCLLibrary`), the ABI enums and the
-errors. `PyHcclCommunicator` (``ascend_dist.hccl_ctypes.communicator``, imports torch) and the vLLM
-device communicator (``ascend_dist.hccl_ctypes.vllm_communicator``, imports vLLM) are imported from
-their own modules.
+errors. `PyHcclCommunicator` (defined in ``ascend_dist.hccl_ctypes.communicator``, imports torch) is
+also reachable here as ``ascend_dist.hccl_ctypes.PyHcclCommunicator``: loaded lazily on first
+access, so importing the package still imports no torch. The vLLM device communicator
+(``ascend_dist.hccl_ctypes.vllm_communicator``, imports vLLM) is imported from its own module.
 """
+
+from typing import TYPE_CHECKING
 
 from ascend_dist.hccl_ctypes._lib import CollectiveLibrary, HCCLLibrary, NCCLLibrary, resolve_library_path
 from ascend_dist.hccl_ctypes.dialects import (
@@ -38,6 +41,9 @@ from ascend_dist.hccl_ctypes.errors import (
     UnsupportedOp,
 )
 
+if TYPE_CHECKING:
+    from ascend_dist.hccl_ctypes.communicator import PyHcclCommunicator
+
 __all__ = [
     "HCCL",
     "HCCL_ROOT_INFO_BYTES",
@@ -60,6 +66,7 @@ __all__ = [
     "NcclError",
     "NcclRedOp",
     "NcclResult",
+    "PyHcclCommunicator",
     "Role",
     "SymbolNotExported",
     "UnsupportedDtype",
@@ -74,3 +81,12 @@ __all__ = [
     "ncclUniqueId",
     "resolve_library_path",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Load `PyHcclCommunicator` (and torch with it) on first access only."""
+    if name == "PyHcclCommunicator":
+        from ascend_dist.hccl_ctypes.communicator import PyHcclCommunicator
+
+        return PyHcclCommunicator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

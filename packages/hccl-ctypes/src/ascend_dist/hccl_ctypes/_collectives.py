@@ -12,17 +12,25 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ascend_dist.common.errors import DeadlineExceeded
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded
 from ascend_dist.hccl_ctypes._lib import CollectiveLibrary
 from ascend_dist.hccl_ctypes.errors import CollectiveError
 from ascend_dist.hccl_ctypes.torch_compat import dtype_code, op_code
 
-__all__ = ["Collectives", "GlooCollectives", "LibraryCollectives"]
+__all__ = [
+    "Collectives",
+    "CpuGroup",
+    "GlooCollectives",
+    "LibraryCollectives",
+    "allreduce_options",
+    "broadcast_options",
+    "group_rank_size",
+]
 
 
 class Collectives(Protocol):
@@ -110,16 +118,80 @@ class LibraryCollectives:
             self.lib.comm_destroy(comm)
 
 
+class CpuGroup(Protocol):
+    """A CPU process group: a torch ``ProcessGroup`` (registered or not) or a ``ProcessGroupGloo``."""
+
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        ...
+
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        ...
+
+
+def group_rank_size(group: object) -> tuple[int, int]:
+    """This process's rank in ``group`` and its size, asked of the group itself.
+
+    Works for a group registered with torch.distributed (the world, ``new_group``) and for one that
+    is not (a ``ProcessGroupGloo`` built directly on a store), which ``dist.get_rank`` refuses.
+
+    Raises:
+        ConfigError: ``group`` is not a process group, or it is GPU/NPU-backed (hccl/nccl).
+    """
+    rank_fn, size_fn = getattr(group, "rank", None), getattr(group, "size", None)
+    if not callable(rank_fn) or not callable(size_fn):
+        raise ConfigError("group", type(group).__name__, "a torch.distributed ProcessGroup (e.g. gloo)")
+    name_fn = getattr(group, "name", None)
+    backend = str(name_fn()).lower() if callable(name_fn) else ""
+    if backend in ("hccl", "nccl"):
+        raise ConfigError("group", backend, "a CPU process group (gloo); the id travels on it")
+    rank, size = int(rank_fn()), int(size_fn())  # pyright: ignore[reportArgumentType]
+    if not 0 <= rank < size:
+        raise ConfigError("group", f"rank {rank} of {size}", "a group this process is a member of")
+    return rank, size
+
+
+def _reduce_op(op: object) -> dist.ReduceOp:
+    """``op`` (a ``ReduceOp`` or its name) as a ``ReduceOp`` (validated by `op_code` beforehand)."""
+    if isinstance(op, dist.ReduceOp):
+        return op
+    name = op if isinstance(op, str) else getattr(op, "name", str(op).rsplit(".", 1)[-1])
+    return dist.ReduceOp(getattr(dist.ReduceOp, str(name)))
+
+
+def allreduce_options(op: object, timeout_s: float) -> dist.AllreduceOptions:
+    """Options of a group-level all-reduce with ``op`` and a deadline."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _reduce_op(op)
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    return opts
+
+
+def broadcast_options(root: int, timeout_s: float) -> dist.BroadcastOptions:
+    """Options of a group-level broadcast from group rank ``root`` with a deadline."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    return opts
+
+
 class GlooCollectives:
-    """The CPU engine: torch.distributed over the (gloo) group itself, each wait bounded."""
+    """The CPU engine: the (gloo) group's own collectives, group-local ranks, each wait bounded.
+
+    Only the group's methods are called (never ``torch.distributed.*(group=...)``), so a group that
+    torch.distributed never registered works as well as the world or a ``new_group``.
+    """
 
     name = "gloo"
 
-    def __init__(self, group: dist.ProcessGroup, op_timeout_s: float) -> None:
-        """Run collectives on ``group``; each waits at most ``op_timeout_s``."""
-        self.group = group
+    def __init__(self, group: CpuGroup, op_timeout_s: float) -> None:
+        """Run collectives on ``group`` (a ProcessGroup or a gloo Backend); each waits at most ``op_timeout_s``."""
+        self.group: Any = group  # its collectives are pybind overloads: typed loosely
+        self.op_timeout_s = op_timeout_s
         self.timeout = datetime.timedelta(seconds=op_timeout_s)
-        self._global = dist.get_process_group_ranks(group)
+        self.rank, _ = group_rank_size(group)
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
         if work is None:
@@ -137,29 +209,29 @@ class GlooCollectives:
         """See `Collectives.all_reduce`."""
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
-        self._wait(dist.all_reduce(out, op=op, group=self.group, async_op=True), "all_reduce")  # type: ignore[arg-type]
+        self._wait(self.group.allreduce([out], allreduce_options(op, self.op_timeout_s)), "all_reduce")
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: int) -> None:
         """See `Collectives.broadcast`."""
-        self._wait(dist.broadcast(tensor, self._global[src], group=self.group, async_op=True), "broadcast")
+        self._wait(self.group.broadcast([tensor], broadcast_options(src, self.op_timeout_s)), "broadcast")
 
     def send(self, tensor: torch.Tensor, dst: int, stream: int) -> None:
         """See `Collectives.send`."""
-        self._wait(dist.isend(tensor, self._global[dst], group=self.group), "send")
+        self._wait(self.group.send([tensor], dst, 0), "send")
 
     def recv(self, tensor: torch.Tensor, src: int, stream: int) -> None:
         """See `Collectives.recv`."""
-        self._wait(dist.irecv(tensor, self._global[src], group=self.group), "recv")
+        self._wait(self.group.recv([tensor], src, 0), "recv")
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, stream: int) -> None:
         """See `Collectives.all_gather`."""
-        self._wait(dist.all_gather_single(out, inp, group=self.group, async_op=True), "all_gather")
+        self._wait(self.group._allgather_base(out.view(-1), inp.view(-1)), "all_gather")
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: object, stream: int) -> None:
         """See `Collectives.reduce_scatter` (gloo lacks reduce_scatter_tensor: all-reduce, then slice)."""
         full = inp.clone()
-        self._wait(dist.all_reduce(full, op=op, group=self.group, async_op=True), "reduce_scatter")  # type: ignore[arg-type]
-        rank = dist.get_rank(self.group)
+        self._wait(self.group.allreduce([full], allreduce_options(op, self.op_timeout_s)), "reduce_scatter")
+        rank = self.rank
         out.copy_(full.view(-1)[rank * out.numel() : (rank + 1) * out.numel()].view_as(out))
 
     def close(self) -> None:

@@ -37,14 +37,15 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from ascend_dist.common.device import DeviceRuntime, Stream, get_runtime
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, format_allowed
-from ascend_dist.hccl_ctypes._collectives import Collectives, GlooCollectives, LibraryCollectives
+from ascend_dist.hccl_ctypes import _collectives
+from ascend_dist.hccl_ctypes._collectives import Collectives, CpuGroup, GlooCollectives, LibraryCollectives
 from ascend_dist.hccl_ctypes._lib import CollectiveLibrary
 from ascend_dist.hccl_ctypes._validate import check_peer, check_same, check_tensor
 from ascend_dist.hccl_ctypes.dialects import HCCL, NCCL, Dialect
@@ -93,7 +94,7 @@ class PyHcclCommunicator:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: CpuGroup,
         device: int | str | torch.device | None = None,
         library_path: str | None = None,
         *,
@@ -106,7 +107,8 @@ class PyHcclCommunicator:
         """Build the communicator (collective: every rank of ``group`` must call this concurrently).
 
         Args:
-            group: A CPU (gloo) process group; its ranks are the communicator's ranks.
+            group: A CPU (gloo) process group, registered with torch.distributed or not (a
+                ``ProcessGroupGloo`` on a store); its ranks are the communicator's ranks.
             device: Device of the tensors: an index or ``"npu:0"``; None: the runtime's device.
             library_path: The collective library; None: the dialect's env var, then its default name.
             backend: ``"auto"``, ``"library"`` or ``"gloo"`` (see the module docstring).
@@ -116,20 +118,14 @@ class PyHcclCommunicator:
             op_timeout_s: Deadline of each gloo operation (the library bounds its own waits).
 
         Raises:
-            ConfigError: A GPU/NPU-backed group, an unknown backend, or a bad device.
+            ConfigError: Not a process group, a GPU/NPU-backed group, an unknown backend, or a bad device.
             DeadlineExceeded: A peer did not join within ``init_timeout_s``.
             CollectiveError: The library refused to create the communicator.
         """
         if backend not in _BACKENDS:
             raise ConfigError("backend", backend, format_allowed(_BACKENDS))
-        if not dist.is_initialized():
-            raise ConfigError("group", group, "a process group of an initialised torch.distributed")
-        group_backend = str(dist.get_backend(group)).lower()
-        if group_backend in ("hccl", "nccl"):
-            raise ConfigError("group", group_backend, "a CPU process group (gloo); the id travels on it")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size = _collectives.group_rank_size(group)
+        self.group: Any = group  # a ProcessGroup or a gloo Backend: only its own methods are called
         self.runtime = runtime if runtime is not None else get_runtime()
         self.dialect = dialect or (NCCL if self.runtime.name == "cuda" else HCCL)
         self.device = self._normalise_device(device)
@@ -195,7 +191,8 @@ class PyHcclCommunicator:
     def _ready_check(self) -> None:
         """Bounded all-reduce on the group: every rank has arrived (else `DeadlineExceeded`)."""
         flag = torch.ones(1, dtype=torch.int32)
-        _wait(dist.all_reduce(flag, group=self.group, async_op=True), self.init_timeout_s, "communicator join")
+        work = self.group.allreduce([flag], _collectives.allreduce_options("SUM", self.init_timeout_s))
+        _wait(work, self.init_timeout_s, "communicator join")
         if int(flag.item()) != self.world_size:
             raise ConfigError("world_size", int(flag.item()), f"{self.world_size} ranks joining")
 
@@ -210,8 +207,8 @@ class PyHcclCommunicator:
         with self._device_context():
             uid = lib.get_unique_id() if self.rank == 0 else lib.dialect.id_type()
         raw = torch.frombuffer(bytearray(bytes(uid)), dtype=torch.uint8)
-        src = dist.get_global_rank(self.group, 0)
-        _wait(dist.broadcast(raw, src, group=self.group, async_op=True), self.init_timeout_s, "root info broadcast")
+        work = self.group.broadcast([raw], _collectives.broadcast_options(0, self.init_timeout_s))
+        _wait(work, self.init_timeout_s, "root info broadcast")
         uid = lib.unique_id_from_bytes(raw.numpy().tobytes())
         self._ready_check()
         with self._device_context():

@@ -8,8 +8,9 @@ The engine talks to a small `Collective` Protocol (async `broadcast`, blocking `
 plane is then built over the store by a `CollectiveFactory`:
 
 - `gloo_collective`: a stateless `ProcessGroupGloo` over the store (the CPU path, used by tests);
-- `hccl_collective` (the seam for Ascend/CUDA): `ascend_dist.hccl_ctypes.PyHcclCommunicator`,
-  HCCL on Ascend and NCCL on CUDA, wrapped in `CommunicatorCollective`.
+- `hccl_collective` (Ascend/CUDA): `ascend_dist.hccl_ctypes.PyHcclCommunicator` on a stateless
+  gloo bootstrap group, HCCL on Ascend and NCCL on CUDA (its gloo engine on the CPU runtime, which
+  the tests run), wrapped in `CommunicatorCollective`.
 
 Nothing touches the default torch.distributed group. The store also carries worker heartbeats
 (`Heartbeat`), which let the trainer name a worker that died mid-update.
@@ -247,6 +248,11 @@ class CommunicatorCollective:
         self.world_size = comm.world_size
         self.device = comm.device
 
+    @property
+    def communicator(self) -> _Communicator | None:
+        """The wrapped communicator (None after `destroy`)."""
+        return self._comm
+
     def _live(self) -> _Communicator:
         if self._comm is None:
             raise ConfigError("collective", "destroyed", "a live collective (call init again)")
@@ -276,21 +282,31 @@ class CommunicatorCollective:
             comm.destroy()
 
 
-def hccl_collective(group: TransferGroup, device: torch.device) -> Collective:  # pragma: no cover - needs a device
-    """`CollectiveFactory` of the Ascend (HCCL) and CUDA (NCCL) path: the seam for hccl-ctypes.
+def hccl_collective(group: TransferGroup, device: torch.device) -> Collective:
+    """`CollectiveFactory` of the Ascend (HCCL) and CUDA (NCCL) path, built on `PyHcclCommunicator`.
 
-    Builds a gloo group over the store for the root-info exchange, then `PyHcclCommunicator` on it.
+    Builds a stateless gloo group over the store (never registered with torch.distributed) for the
+    root-info exchange, then ``ascend_dist.hccl_ctypes.PyHcclCommunicator`` on it with the
+    process-wide device runtime: the HCCL (NCCL) library on an NPU (GPU); on the CPU runtime the
+    library when ``HCCL_SO_PATH`` is set, else the communicator's gloo engine (what the CPU tests run).
+
+    Raises:
+        ConfigError: ``device`` does not belong to the process-wide runtime.
+        DeadlineExceeded: A rank did not build its communicator within the group's ``init_timeout_s``.
     """
     import torch.distributed as dist
 
     from ascend_dist.common.device import get_runtime
-    from ascend_dist.hccl_ctypes.communicator import PyHcclCommunicator
+    from ascend_dist.hccl_ctypes import PyHcclCommunicator
 
     prefix = dist.PrefixStore("wt/bootstrap", group.store)  # pyright: ignore[reportPrivateImportUsage]
-    timeout = datetime.timedelta(seconds=group.op_timeout_s)
-    bootstrap = dist.ProcessGroupGloo(prefix, group.rank, group.world_size, timeout)
-    comm = PyHcclCommunicator(bootstrap, device=device, op_timeout_s=group.op_timeout_s)  # pyright: ignore[reportArgumentType]
-    return CommunicatorCollective(comm, get_runtime(), group.op_timeout_s)  # pyright: ignore[reportArgumentType]
+    join = datetime.timedelta(seconds=group.init_timeout_s)  # connecting the mesh waits for every rank
+    bootstrap = dist.ProcessGroupGloo(prefix, group.rank, group.world_size, join)
+    runtime = get_runtime()
+    comm = PyHcclCommunicator(
+        bootstrap, device=device, runtime=runtime, init_timeout_s=group.init_timeout_s, op_timeout_s=group.op_timeout_s
+    )
+    return CommunicatorCollective(comm, runtime, group.op_timeout_s)
 
 
 class Heartbeat:

@@ -4,7 +4,8 @@ Runs in: the driving process (`WorkerProcess`, `ToyModel`, `synthetic_weights`) 
 worker processes (`worker_main`).
 
 The driver talks to each worker over a pipe with JSON commands as raw bytes (never pickle):
-``init``, ``start``, ``update``, ``finish``, ``digest``, ``ipc`` (IPC engine calls) and ``shutdown``.
+``init`` (``collective``: ``"gloo"``, the default, or ``"hccl"`` for `hccl_collective`), ``start``,
+``update``, ``finish``, ``digest``, ``ipc`` (IPC engine calls) and ``shutdown``.
 A worker answers ``{"ok": true, ...}`` or ``{"ok": false, "error": <type>, "message": ...}``.
 """
 
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ascend_dist.common.device.ipc import dtype_from_str, dtype_to_str
 from ascend_dist.common.errors import DeadlineExceeded
-from ascend_dist.weight_transfer.collective import Collective, Pending, TransferGroup, gloo_collective
+from ascend_dist.weight_transfer.collective import Collective, Pending, TransferGroup, gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.messages import DEFAULT_DIRECT_THRESHOLD_BYTES
 from ascend_dist.weight_transfer.packing import copy_bytes
 
@@ -259,8 +260,10 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "init":
         die_after = cmd.get("die_after_buffers")
 
+        base = hccl_collective if cmd.get("collective", "gloo") == "hccl" else gloo_collective
+
         def factory(group: TransferGroup, device: torch.device) -> Collective:
-            comm = gloo_collective(group, device)
+            comm = base(group, device)
             return comm if die_after is None else _DieAfter(comm, int(die_after))
 
         old = state.pop("engine", None)
@@ -276,7 +279,7 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
             direct_threshold_bytes=cmd.get("direct_threshold_bytes", DEFAULT_DIRECT_THRESHOLD_BYTES),
         )  # fmt: skip
         state["engine"] = engine
-        return {"rank": rank}
+        return {"rank": rank, "collective": type(engine.collective).__name__}
     if op == "digest":
         return {"digests": param_digests(list(state["model"].named_parameters()))}
     if op == "ipc":
