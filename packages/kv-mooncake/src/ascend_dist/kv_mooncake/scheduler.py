@@ -61,6 +61,9 @@ class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
     do_virtual: bool = False
     prompt_len: int = 0
     window_blocks: list[int] = []
+    # Only tells P to free (the request is not waiting on D): never reported in finished_recving, since
+    # vLLM asserts that a finished receive belongs to a request it still holds.
+    notify_only: bool = False
 
 
 class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,14 +173,21 @@ class PullScheduler:
         if len(local) != groups:
             raise ConfigError("local_block_ids", f"<{len(local)} groups>", f"{groups} lists (one per KV-cache group)")
         self._pending[request.request_id] = self._req_meta(
-            request.request_id, params, local, raw, prompt_len=request.prompt_len
+            request.request_id, params, local, raw, prompt_len=request.prompt_len, notify_only=num_external_tokens == 0
         )
         if request.request_id in self._recv:
             self._recv.advance(request.request_id, RecvState.ALLOCATED)
         raw["do_remote_prefill"] = False
 
     def _req_meta(
-        self, request_id: str, params: Any, local: list[list[int]], raw: dict[str, Any], *, prompt_len: int
+        self,
+        request_id: str,
+        params: Any,
+        local: list[list[int]],
+        raw: dict[str, Any],
+        *,
+        prompt_len: int,
+        notify_only: bool = False,
     ) -> ReqMeta:
         remote = [list(ids) for ids in params.remote_block_ids or []]
         if len(remote) != len(local):
@@ -199,6 +209,7 @@ class PullScheduler:
             do_virtual=params.do_virtual,
             prompt_len=prompt_len,
             window_blocks=list(self._windows),
+            notify_only=notify_only,
         )
 
     def build_connector_meta(self) -> PullMetadata:
@@ -228,7 +239,7 @@ class PullScheduler:
             # D request rejected before allocation: an empty receive still tells P to free.
             empty = [[] for _ in self._block_sizes]
             self._pending[request.request_id] = self._req_meta(
-                request.request_id, params, empty, raw, prompt_len=request.prompt_len
+                request.request_id, params, empty, raw, prompt_len=request.prompt_len, notify_only=True
             )
             raw["do_remote_prefill"] = False
             return False, None

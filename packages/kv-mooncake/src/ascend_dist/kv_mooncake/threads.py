@@ -343,7 +343,7 @@ class Receiver:
             self._pulls.pop(pull.meta.request_id, None)
             if pull.failed and self._clock() < pull.hold_until:
                 self._quarantined[pull.meta.request_id] = pull
-            else:
+            elif not pull.meta.notify_only:
                 self._finished.add(pull.meta.request_id)
 
     def _reformat_all(self, pull: _Pull) -> None:
@@ -379,7 +379,9 @@ class Receiver:
                     del self._pulls[rid]
                     self._quarantined[rid] = pull  # its reads may still be running
             for rid, pull in list(self._quarantined.items()):
-                if pull.pending <= 0 and now >= pull.hold_until:
+                if pull.meta.notify_only:
+                    pass  # vLLM no longer holds the request: nothing to report, only forget it
+                elif pull.pending <= 0 and now >= pull.hold_until:
                     self._finished.add(rid)
                 elif now >= pull.deadline + self._config.pull_timeout_s:
                     logger.error(
