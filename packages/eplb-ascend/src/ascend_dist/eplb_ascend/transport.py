@@ -179,20 +179,25 @@ class PointToPointCommunicator(Protocol):
         ...
 
 
-class DeviceCollectiveTransport:
-    """`P2PTransport` whose bytes travel over a device communicator; control stays on CPU gloo.
+class SendRecvCommunicator(Protocol):
+    """A device communicator with plain, ungrouped send/recv (``PyHcclCommunicator`` of hccl-ctypes)."""
 
-    `synchronize(timeout_s)` must block until the stream's work completed or raise (on Ascend: an
-    event recorded after the group, waited with a deadline through the device runtime).
-    """
+    rank: int
+    world_size: int
 
-    def __init__(
-        self,
-        comm: PointToPointCommunicator,
-        control: P2PTransport,
-        synchronize: Any,
-        stream: Any = None,
-    ) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, stream: Any = None) -> None:
+        """Enqueue a send of the whole tensor to group rank `dst`."""
+        ...
+
+    def recv(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        """Enqueue a receive of the whole tensor from group rank `src`."""
+        ...
+
+
+class _DeviceTransport:
+    """What both device transports share: rank checks, issuing one op, the deadline, CPU control."""
+
+    def __init__(self, comm: SendRecvCommunicator, control: P2PTransport, synchronize: Any, stream: Any = None) -> None:
         """Wrap `comm`; `control` carries fingerprints and votes; `synchronize(timeout_s)` waits."""
         if comm.world_size != control.world_size or comm.rank != control.rank:
             raise ConfigError(
@@ -213,21 +218,19 @@ class DeviceCollectiveTransport:
         """Number of ranks in the group."""
         return self._comm.world_size
 
-    def batch_send_recv(self, ops: Sequence[P2POperation], timeout_s: float) -> None:
-        """Issue all ops in one group (tags unused: per-pair FIFO order pairs them), then wait."""
-        if not ops:
-            return
-        self._comm.group_start()
-        try:
-            for op in ops:
-                if op.tensor.storage_offset() != 0:
-                    raise ConfigError("tensor.storage_offset()", op.tensor.storage_offset(), "0 (a standalone tensor)")
-                if op.kind == "send":
-                    self._comm.send(op.tensor, op.peer, stream=self._stream)
-                else:
-                    self._comm.recv(op.tensor, op.peer, stream=self._stream)
-        finally:
-            self._comm.group_end()
+    @staticmethod
+    def _check_standalone(ops: Sequence[P2POperation]) -> None:
+        for op in ops:
+            if op.tensor.storage_offset() != 0:
+                raise ConfigError("tensor.storage_offset()", op.tensor.storage_offset(), "0 (a standalone tensor)")
+
+    def _issue(self, op: P2POperation) -> None:
+        if op.kind == "send":
+            self._comm.send(op.tensor, op.peer, stream=self._stream)
+        else:
+            self._comm.recv(op.tensor, op.peer, stream=self._stream)
+
+    def _wait(self, ops: Sequence[P2POperation], timeout_s: float) -> None:
         try:
             self._synchronize(timeout_s)
         except (TimeoutError, DeadlineExceeded) as exc:
@@ -238,22 +241,36 @@ class DeviceCollectiveTransport:
         return self._control.all_gather_int64(values, timeout_s)
 
 
-class SendRecvCommunicator(Protocol):
-    """A device communicator with plain, ungrouped send/recv (``PyHcclCommunicator`` of hccl-ctypes)."""
+class DeviceCollectiveTransport(_DeviceTransport):
+    """`P2PTransport` whose bytes travel over a device communicator; control stays on CPU gloo.
 
-    rank: int
-    world_size: int
+    `synchronize(timeout_s)` must block until the stream's work completed or raise (on Ascend: an
+    event recorded after the group, waited with a deadline through the device runtime).
+    """
 
-    def send(self, tensor: torch.Tensor, dst: int, stream: Any = None) -> None:
-        """Enqueue a send of the whole tensor to group rank `dst`."""
-        ...
+    _comm: PointToPointCommunicator
 
-    def recv(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
-        """Enqueue a receive of the whole tensor from group rank `src`."""
-        ...
+    def __init__(
+        self, comm: PointToPointCommunicator, control: P2PTransport, synchronize: Any, stream: Any = None
+    ) -> None:
+        """Wrap a communicator with grouped send/recv."""
+        super().__init__(comm, control, synchronize, stream)
+
+    def batch_send_recv(self, ops: Sequence[P2POperation], timeout_s: float) -> None:
+        """Issue all ops in one group (tags unused: per-pair FIFO order pairs them), then wait."""
+        if not ops:
+            return
+        self._check_standalone(ops)
+        self._comm.group_start()
+        try:
+            for op in ops:
+                self._issue(op)
+        finally:
+            self._comm.group_end()
+        self._wait(ops, timeout_s)
 
 
-class RendezvousTransport:
+class RendezvousTransport(_DeviceTransport):
     """`P2PTransport` over ungrouped send/recv, issued in `rendezvous_order` so it cannot deadlock.
 
     Use it with a communicator that has no group/batch API; ops pair by per-peer FIFO order, so
@@ -261,45 +278,11 @@ class RendezvousTransport:
     `control` (CPU gloo); `synchronize(timeout_s)` waits for the stream.
     """
 
-    def __init__(self, comm: SendRecvCommunicator, control: P2PTransport, synchronize: Any, stream: Any = None) -> None:
-        """Wrap `comm`; ranks must agree with `control`'s."""
-        if comm.world_size != control.world_size or comm.rank != control.rank:
-            raise ConfigError(
-                "comm", f"rank {comm.rank}/{comm.world_size}", f"rank {control.rank}/{control.world_size} like control"
-            )
-        self._comm = comm
-        self._control = control
-        self._synchronize = synchronize
-        self._stream = stream
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the group."""
-        return self._comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks in the group."""
-        return self._comm.world_size
-
     def batch_send_recv(self, ops: Sequence[P2POperation], timeout_s: float) -> None:
         """Issue every op in the deadlock-free order, then wait for the stream within the deadline."""
         if not ops:
             return
-        for op in ops:
-            if op.tensor.storage_offset() != 0:
-                raise ConfigError("tensor.storage_offset()", op.tensor.storage_offset(), "0 (a standalone tensor)")
+        self._check_standalone(ops)
         for index in rendezvous_order([(op.kind, op.peer) for op in ops], self.rank, self.world_size):
-            op = ops[index]
-            if op.kind == "send":
-                self._comm.send(op.tensor, op.peer, stream=self._stream)
-            else:
-                self._comm.recv(op.tensor, op.peer, stream=self._stream)
-        try:
-            self._synchronize(timeout_s)
-        except (TimeoutError, DeadlineExceeded) as exc:
-            raise TransferTimeout(f"device p2p batch of {len(ops)} ops missed its deadline") from exc
-
-    def all_gather_int64(self, values: torch.Tensor, timeout_s: float) -> torch.Tensor:
-        """Delegate to the CPU control transport."""
-        return self._control.all_gather_int64(values, timeout_s)
+            self._issue(ops[index])
+        self._wait(ops, timeout_s)
