@@ -134,6 +134,13 @@ def _trampoline(user_data: int | None) -> None:
 _TRAMPOLINE: Final = _HOST_FN(_trampoline)
 
 
+def _load(path: str) -> tuple[str, ctypes.CDLL]:
+    try:
+        return path, ctypes.CDLL(path)
+    except OSError as exc:
+        raise DeviceUnavailable(f"cannot load {path}: {exc}") from exc
+
+
 class CudaRuntimeLib:
     """``cudaMemcpyAsync`` and ``cudaLaunchHostFunc`` from the CUDA runtime torch uses."""
 
@@ -143,12 +150,7 @@ class CudaRuntimeLib:
         Raises:
             DeviceUnavailable: The library cannot be found or loaded.
         """
-        path = path or find_library("libcudart.so", "cudart")
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as exc:
-            raise DeviceUnavailable(f"cannot load {path}: {exc}") from exc
-        self.path = path
+        self.path, lib = _load(path or find_library("libcudart.so", "cudart"))
         # cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
         #                             cudaStream_t stream)
         self._memcpy = lib.cudaMemcpyAsync
@@ -207,12 +209,7 @@ class AclRuntimeLib:
         Raises:
             DeviceUnavailable: The library cannot be found or loaded.
         """
-        path = path or find_library("libascendcl.so", "ascendcl")
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as exc:
-            raise DeviceUnavailable(f"cannot load {path}: {exc}") from exc
-        self.path = path
+        self.path, lib = _load(path or find_library("libascendcl.so", "ascendcl"))
         # aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src, size_t count,
         #                           aclrtMemcpyKind kind, aclrtStream stream)
         self._memcpy = lib.aclrtMemcpyAsync
