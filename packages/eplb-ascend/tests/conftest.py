@@ -1,9 +1,16 @@
 """Fixtures: fork demo-worker ranks on a free loopback port (children always reaped)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from ascend_dist.eplb_ascend.demo_worker import run_rank
 from ascend_dist.eplb_ascend.launch import run_ranks
+
+# --import-mode=importlib does not put this folder on sys.path; the tests share placement_strategies.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from placement_strategies import random_placement
 
 from ascend_dist.common.errors import TransferError, TransferTimeout
 from ascend_dist.eplb_ascend.controller import EplbRankState
@@ -117,16 +118,12 @@ def cases(draw):
     num_logical = draw(st.integers(1, slots))
     layers = draw(st.integers(1, 2))
 
-    def one():
-        rows = []
-        for _ in range(layers):
-            extra = draw(
-                st.lists(st.integers(0, num_logical - 1), min_size=slots - num_logical, max_size=slots - num_logical)
-            )
-            rows.append(draw(st.permutations(list(range(num_logical)) + extra)))
-        return np.array(rows, dtype=np.int64)
-
-    return world, num_logical, one(), one()
+    return (
+        world,
+        num_logical,
+        random_placement(draw, layers, slots, num_logical),
+        random_placement(draw, layers, slots, num_logical),
+    )
 
 
 @settings(max_examples=40, deadline=None)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from placement_strategies import random_placement
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.eplb_ascend.errors import PlacementError
@@ -73,16 +74,12 @@ def valid_pair(draw):
     ranks, num_logical, slots = draw(placements)
     layers = draw(st.integers(1, 3))
 
-    def one():
-        rows = []
-        for _ in range(layers):
-            extra = draw(
-                st.lists(st.integers(0, num_logical - 1), min_size=slots - num_logical, max_size=slots - num_logical)
-            )
-            rows.append(draw(st.permutations(list(range(num_logical)) + extra)))
-        return np.array(rows, dtype=np.int64)
-
-    return ranks, num_logical, one(), one()
+    return (
+        ranks,
+        num_logical,
+        random_placement(draw, layers, slots, num_logical),
+        random_placement(draw, layers, slots, num_logical),
+    )
 
 
 @given(valid_pair())

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from placement_strategies import random_placement
 
 from ascend_dist.eplb_ascend.errors import PlacementError
 from ascend_dist.eplb_ascend.placement import placement_diff
@@ -65,16 +66,12 @@ def pairs(draw):
     num_logical = draw(st.integers(1, slots))
     layers = draw(st.integers(1, 3))
 
-    def one():
-        rows = []
-        for _ in range(layers):
-            extra = draw(
-                st.lists(st.integers(0, num_logical - 1), min_size=slots - num_logical, max_size=slots - num_logical)
-            )
-            rows.append(draw(st.permutations(list(range(num_logical)) + extra)))
-        return np.array(rows, dtype=np.int64)
-
-    return ranks, num_logical, one(), one()
+    return (
+        ranks,
+        num_logical,
+        random_placement(draw, layers, slots, num_logical),
+        random_placement(draw, layers, slots, num_logical),
+    )
 
 
 @settings(max_examples=150, deadline=None)
