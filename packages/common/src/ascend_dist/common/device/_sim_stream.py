@@ -268,7 +268,8 @@ class SimStream:
         """
         with self._core.cv:
             target = self._enqueued
-            self._core.wait_for(lambda: self._completed >= target, timeout, f"stream {self.name}")
+            if self._completed < target:  # the common idle case skips building the deadline and predicate
+                self._core.wait_for(lambda: self._completed >= target, timeout, f"stream {self.name}")
             error, self._error = self._error, None
         if error is not None:
             raise error
