@@ -1,0 +1,263 @@
+"""Every KV connector the plugin registers is built by vLLM's own factory, by name, in both roles.
+
+Pinned vLLM 0.33.0, CPU. The names come from `ascend_dist.plugin.register()` (no module path in the
+config), so this proves what an operator's ``--kv-transfer-config`` does: the name resolves to our
+class, the scheduler- and worker-role objects construct from a real ``VllmConfig``, and shut down.
+A connector whose backend is absent on this machine (UCM) must fail with its typed error instead.
+Deeper lifecycles live in each member's own vLLM tests; this file keeps the registry honest: a name
+added to the plugin without a case here fails `test_every_registered_connector_has_a_case`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
+pytest.importorskip("vllm")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+
+from ascend_dist import plugin  # noqa: E402
+from ascend_dist.common.errors import AscendDistError, ConfigError  # noqa: E402
+
+BLOCK = 16
+NUM_BLOCKS = 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Env:
+    """What cases need from the machine: a store master address (started lazily, once)."""
+
+    start_master: Callable[[], str]
+    _address: str | None = None
+
+    def master(self) -> str:
+        if self._address is None:
+            self._address = self.start_master()
+        return self._address
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to configure one registered connector and what constructing it must give."""
+
+    roles: tuple[str, ...]
+    extra: Callable[[Env], dict[str, Any]]
+    required: str | None = None  # an extra-config key whose absence must be a ConfigError naming it
+    required_match: str | None = None  # what that error names when not the key itself (a documented fallback)
+    required_role: KVConnectorRole = KVConnectorRole.SCHEDULER  # the role that reads the key
+    prefix_caching: bool = False
+    unavailable: str | None = None  # "module:Error", the typed error expected where the backend is absent
+    kv_port: bool = False
+    bad_role: str | None = None  # a kv_role the connector refuses (with a ConfigError naming kv_role)
+
+
+def _pd_extra(_: Env) -> dict[str, Any]:
+    return {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+
+
+def _store_extra(env: Env) -> dict[str, Any]:
+    store = {
+        "master_server_address": env.master(), "protocol": "tcp",
+        "global_segment_size": "16MB", "local_buffer_size": "4MB",
+    }  # fmt: skip
+    return {"backend": "mooncake", "store_config": store, "lookup_rpc_port": _free_port()}
+
+
+def _recompute_extra(_: Env) -> dict[str, Any]:
+    return {"cpu_bytes_to_use": "64 KiB"}
+
+
+def _native_extra(_: Env) -> dict[str, Any]:
+    return {
+        "spec_name": "NPUOffloadingSpec",
+        "spec_module_path": "ascend_dist.kv_offload.vllm_native",
+        "cpu_bytes_to_use": 1 << 20,
+    }
+
+
+def _multi_extra(env: Env) -> dict[str, Any]:
+    child = {
+        "kv_connector": "RecomputeCPUOffloadConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": _recompute_extra(env),
+    }  # fmt: skip
+    return {"connectors": [child]}
+
+
+def _error_class(dotted: str) -> type[Exception]:
+    module, _, name = dotted.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, AscendDistError)
+    return cls
+
+
+PD_ROLES = ("kv_producer", "kv_consumer")
+# Without ``store_config`` the worker falls back to MOONCAKE_CONFIG_PATH, and names it when unset.
+STORE_REQUIRED: dict[str, Any] = {
+    "required": "store_config",
+    "required_match": "MOONCAKE_CONFIG_PATH",
+    "required_role": KVConnectorRole.WORKER,
+}
+CASES: dict[str, Case] = {
+    "MooncakeConnectorV1": Case(PD_ROLES, _pd_extra, required="prefill", kv_port=True, bad_role="kv_both"),
+    "AscendStoreConnector": Case(("kv_both",), _store_extra, **STORE_REQUIRED),
+    "MooncakeConnectorStoreV1": Case(("kv_both",), _store_extra, **STORE_REQUIRED),
+    "RecomputeCPUOffloadConnector": Case(("kv_both",), _recompute_extra),
+    "UCMConnector": Case(("kv_both",), lambda _: {}, unavailable="ascend_dist.kv_offload.vllm_ucm:UcmUnavailable"),
+    "AscendOffloadingConnector": Case(("kv_both",), _native_extra, prefix_caching=True),
+    "AscendSimpleCPUOffloadConnector": Case(("kv_both",), lambda _: {"cpu_bytes_to_use": 4096}, prefix_caching=True),
+    "AscendMultiConnector": Case(("kv_both",), _multi_extra, required="connectors"),
+}
+
+
+def _registered() -> dict[str, plugin.Component]:
+    return {
+        c.name: c for c in plugin.COMPONENTS if c.factory == "kv_connector" and plugin._installed(c.module)
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1024, "torch_dtype": "float16",
+    }  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
+    plugin.register()
+    return d
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    masters: list[Any] = []
+
+    def start() -> str:
+        from ascend_dist.kv_store.master_process import MasterProcess
+
+        master = MasterProcess(lease_ttl_ms=200, log_path=tmp_path_factory.mktemp("master") / "master.log")
+        master.start()
+        masters.append(master)
+        return master.address
+
+    try:
+        yield Env(start)
+    finally:
+        for master in masters:
+            master.stop()
+
+
+def _vllm_config(model_dir: Path, name: str, role: str, case: Case, extra: dict[str, Any]) -> VllmConfig:
+    ktc = KVTransferConfig(
+        kv_connector=name,
+        kv_role=role,
+        engine_id=f"{name}-{role}",
+        kv_port=_free_port() if case.kv_port else 14579,
+        kv_connector_extra_config=extra,
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=case.prefix_caching),
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+def _kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    page = spec.page_size_bytes
+    tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
+    )
+
+
+def test_every_registered_connector_has_a_case() -> None:
+    assert set(_registered()) == set(CASES)
+
+
+CONSTRUCT = [(name, role) for name, case in CASES.items() for role in case.roles]
+
+
+@pytest.mark.parametrize(("name", "kv_role"), CONSTRUCT, ids=[f"{n}-{r}" for n, r in CONSTRUCT])
+def test_the_factory_builds_it_by_name_in_both_roles(model_dir: Path, env: Env, name: str, kv_role: str) -> None:
+    component = _registered().get(name)
+    if component is None:
+        pytest.skip(f"{name}: its member is not installed")
+    case = CASES[name]
+    config = _vllm_config(model_dir, name, kv_role, case, case.extra(env))
+    assert KVConnectorFactory.get_connector_class(config.kv_transfer_config).__name__ == component.class_name  # type: ignore[arg-type]
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        if case.unavailable is not None:
+            with pytest.raises(_error_class(case.unavailable)):
+                KVConnectorFactory.create_connector(config, role, _kv_cache_config())
+            continue
+        connector = KVConnectorFactory.create_connector(config, role, _kv_cache_config())
+        try:
+            assert type(connector).__name__ == component.class_name
+            assert connector.role == role
+        finally:
+            connector.shutdown()
+
+
+REQUIRED = [name for name, case in CASES.items() if case.required is not None]
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_a_missing_required_key_is_a_config_error_naming_it(
+    model_dir: Path, env: Env, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    if name not in _registered():
+        pytest.skip(f"{name}: its member is not installed")
+    case = CASES[name]
+    extra = case.extra(env)
+    assert case.required is not None
+    del extra[case.required]
+    config = _vllm_config(model_dir, name, case.roles[0], case, extra)
+    with pytest.raises(ConfigError, match=case.required_match or case.required):
+        KVConnectorFactory.create_connector(config, case.required_role, _kv_cache_config())
+
+
+BAD_ROLE = [name for name, case in CASES.items() if case.bad_role is not None]
+
+
+@pytest.mark.parametrize("name", BAD_ROLE)
+def test_a_role_the_connector_does_not_support_is_a_config_error(model_dir: Path, env: Env, name: str) -> None:
+    if name not in _registered():
+        pytest.skip(f"{name}: its member is not installed")
+    case = CASES[name]
+    assert case.bad_role is not None
+    config = _vllm_config(model_dir, name, case.bad_role, case, case.extra(env))
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match="kv_role"):
+            KVConnectorFactory.create_connector(config, role, _kv_cache_config())
