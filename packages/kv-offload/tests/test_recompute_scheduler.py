@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 
 from ascend_dist.common.errors import ConfigError, IncompatiblePeer
@@ -163,3 +164,15 @@ def test_messages_round_trip_aggregate_and_version_check() -> None:
     assert decode_worker_meta(encode_message(agg)) == agg
     with pytest.raises(IncompatiblePeer, match="version"):
         decode_metadata(encode_message(RecomputeMetadata(version=99)))
+
+
+def test_native_failed_stores_message_round_trip_and_version_check() -> None:
+    from ascend_dist.common.errors import ProtocolError
+    from ascend_dist.kv_offload.messages import NativeFailedStores, decode_failed_stores, encode_failed_stores
+
+    assert encode_failed_stores([]) == b"" and decode_failed_stores(b"") == frozenset()
+    assert decode_failed_stores(encode_failed_stores([7, 3, 7])) == {3, 7}
+    with pytest.raises(IncompatiblePeer, match="version"):
+        decode_failed_stores(msgspec.msgpack.encode(NativeFailedStores(version=99, job_ids=(1,))))
+    with pytest.raises(ProtocolError):
+        decode_failed_stores(b"\xc1 not msgpack")

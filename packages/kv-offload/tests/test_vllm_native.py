@@ -187,3 +187,117 @@ def test_factory_created_connector_stores_and_restores_split_kv(tmp_path: Any) -
     assert recving == {"r"}
     assert torch.equal(k[8:10], k[2:4]) and torch.equal(v[8:10], v[2:4])
     conn.shutdown()
+
+
+def _two_group_worker(tmp_path: Any) -> tuple[Any, Any]:
+    """A factory-built worker-role AscendOffloadingConnector over two KV-cache groups (split K/V)."""
+    import json
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from ascend_dist.common.device import CpuSimRuntime
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+            "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+        })
+    )  # fmt: skip
+    module = "ascend_dist.kv_offload.vllm_native"
+    extra = {"spec_name": "NPUOffloadingSpec", "spec_module_path": module, "cpu_bytes_to_use": 1 << 20}
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=256),
+        device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(enable_prefix_caching=True, block_size=16),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="AscendOffloadingConnector", kv_connector_module_path=module, kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+    )  # fmt: skip
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=4, dtype=torch.int8)
+    page = spec.page_size_bytes
+    tensors = [KVCacheTensor(size=16 * page, layers=[n], layer_stride=0, block_stride=page) for n in ("l0", "l1")]
+    kv_config = KVCacheConfig(16, tensors, [KVCacheGroupSpec(["l0"], spec), KVCacheGroupSpec(["l1"], spec)])
+    conn = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_config)
+    runtime = CpuSimRuntime(wait_timeout_s=10.0)
+    conn.connector_worker.spec.runtime = runtime  # our NPUOffloadingSpec copies on this runtime
+    caches = {n: tuple(torch.zeros(16, 16, 1, 4, dtype=torch.int8) for _ in range(2)) for n in ("l0", "l1")}
+    conn.register_kv_caches(caches)
+    return conn, runtime
+
+
+def test_load_failure_with_several_groups_fails_the_request_not_the_step(tmp_path: Any) -> None:
+    """Block ids overlap across groups: the failed async load is reported as ``failed_recving``."""
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from ascend_dist.common.errors import TransferError
+
+    conn, runtime = _two_group_worker(tmp_path)
+    try:
+        dst = GPULoadStoreSpec([8, 9, 8, 9], [2, 2], [0, 0])  # the same ids in both groups (one chunk each)
+        jobs = {
+            1: TransferJob("bad", CPULoadStoreSpec([0, 1, 2, 3]), dst),
+            2: TransferJob("good", CPULoadStoreSpec([4, 5, 6, 7]), GPULoadStoreSpec([4, 5, 4, 5], [2, 2], [0, 0])),
+        }
+        runtime.inject_copy_fault(0)
+        conn.bind_connector_metadata(OffloadingConnectorMetadata(load_jobs=jobs, store_jobs={}))
+        conn.start_load_kv(None)
+        recving: set[str] = set()
+        failed: set[str] = set()
+        deadline = time.monotonic() + 10
+        while recving != {"bad", "good"} and time.monotonic() < deadline:
+            results = conn.get_transfer_results(set())
+            recving |= results.finished_recving
+            failed |= results.failed_recving
+            time.sleep(0.005)
+        assert recving == {"bad", "good"} and failed == {"bad"}
+        assert conn.get_block_ids_with_load_errors() == set()
+        assert conn.build_connector_worker_meta().completed_jobs == {1: 1, 2: 1}
+        conn.clear_connector_metadata()
+        # A synchronous load cannot be reported per request: a typed error instead of vLLM's assertion.
+        sync = TransferJob("s", CPULoadStoreSpec([0, 1, 2, 3]), dst, sync=True)
+        runtime.inject_copy_fault(0)
+        conn.bind_connector_metadata(OffloadingConnectorMetadata(load_jobs={3: sync}, store_jobs={}))
+        conn.start_load_kv(None)  # waits for the sync job
+        with pytest.raises(TransferError, match="sync_load_budget_bytes"):
+            conn.get_transfer_results(set())
+    finally:
+        conn.shutdown()
+        runtime.close()
+
+
+def test_worker_metadata_aggregates_failed_stores() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata, TransferStats
+
+    from ascend_dist.common.errors import IncompatiblePeer
+    from ascend_dist.kv_offload.messages import NativeFailedStores
+    from ascend_dist.kv_offload.vllm_native import AscendOffloadingWorkerMetadata
+
+    a = AscendOffloadingWorkerMetadata.build({1: 1, 2: 1}, TransferStats(), {1})
+    b = AscendOffloadingWorkerMetadata.build({1: 1, 2: 1}, TransferStats(), {2})
+    merged = a.aggregate(b)
+    assert isinstance(merged, AscendOffloadingWorkerMetadata)
+    assert merged.completed_jobs == {1: 2, 2: 2} and merged.failed_jobs == {1, 2}
+    plain = merged.aggregate(OffloadingWorkerMetadata(completed_jobs={3: 1}))
+    assert isinstance(plain, AscendOffloadingWorkerMetadata)
+    assert plain.completed_jobs == {1: 2, 2: 2, 3: 1} and plain.failed_jobs == {1, 2}
+    assert AscendOffloadingWorkerMetadata.build({4: 1}, TransferStats()).failed_payload == b""
+    import msgspec
+
+    other_release = msgspec.msgpack.encode(NativeFailedStores(version=99, job_ids=(1,)))
+    with pytest.raises(IncompatiblePeer, match="version"):
+        _ = AscendOffloadingWorkerMetadata({1: 1}, TransferStats(), other_release).failed_jobs

@@ -1,12 +1,14 @@
-"""Messages of the recompute connector, both directions (kv-offload spec 4.3, 4.4).
+"""Messages of the recompute connector (kv-offload spec 4.3, 4.4) and of native offloading's failures.
 
-Runs in: the scheduler (builds `RecomputeMetadata`, consumes `RecomputeWorkerMeta`) and every worker
-(the reverse). vLLM carries these objects between processes; each is a frozen msgspec Struct with a
-``version`` field that the decoder checks, so a worker of another release is refused by name rather
-than misreading a field.
+Runs in: the scheduler (builds `RecomputeMetadata`, consumes `RecomputeWorkerMeta` and
+`NativeFailedStores`) and every worker (the reverse). vLLM carries these objects between processes;
+each is a frozen msgspec Struct with a ``version`` field that the decoder checks, so a worker of
+another release is refused by name rather than misreading a field.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import msgspec
 
@@ -16,10 +18,13 @@ from ascend_dist.common.wire import Codec
 __all__ = [
     "METADATA_VERSION",
     "NO_EVENT",
+    "NativeFailedStores",
     "RecomputeMetadata",
     "RecomputeWorkerMeta",
+    "decode_failed_stores",
     "decode_metadata",
     "decode_worker_meta",
+    "encode_failed_stores",
     "encode_message",
 ]
 
@@ -74,8 +79,20 @@ class RecomputeWorkerMeta(msgspec.Struct, frozen=True, kw_only=True, tag="recomp
         return RecomputeWorkerMeta(completed_stores=counts, failed_stores=failed)
 
 
+class NativeFailedStores(msgspec.Struct, frozen=True, kw_only=True, tag="native-failed-stores"):
+    """Worker -> scheduler (native offloading): store jobs whose copy failed on some worker.
+
+    Attributes:
+        job_ids: the scheduler's store job ids, sorted.
+    """
+
+    version: int = METADATA_VERSION
+    job_ids: tuple[int, ...] = ()
+
+
 _META = Codec(RecomputeMetadata)
 _WORKER = Codec(RecomputeWorkerMeta)
+_FAILED = Codec(NativeFailedStores)
 
 
 def encode_message(msg: RecomputeMetadata | RecomputeWorkerMeta) -> bytes:
@@ -83,7 +100,7 @@ def encode_message(msg: RecomputeMetadata | RecomputeWorkerMeta) -> bytes:
     return _META.encode(msg) if isinstance(msg, RecomputeMetadata) else _WORKER.encode(msg)
 
 
-def _check_version(msg: RecomputeMetadata | RecomputeWorkerMeta) -> None:
+def _check_version(msg: RecomputeMetadata | RecomputeWorkerMeta | NativeFailedStores) -> None:
     if msg.version != METADATA_VERSION:
         raise IncompatiblePeer("version", METADATA_VERSION, msg.version)
 
@@ -105,3 +122,23 @@ def decode_worker_meta(data: bytes) -> RecomputeWorkerMeta:
     msg = _WORKER.decode(data)
     _check_version(msg)
     return msg
+
+
+def encode_failed_stores(job_ids: Iterable[int]) -> bytes:
+    """Msgpack bytes of the failed store jobs (empty bytes when there are none)."""
+    ids = tuple(sorted({int(j) for j in job_ids}))
+    return _FAILED.encode(NativeFailedStores(job_ids=ids)) if ids else b""
+
+
+def decode_failed_stores(data: bytes) -> frozenset[int]:
+    """The failed store job ids of a worker payload (empty bytes: none).
+
+    Raises:
+        ProtocolError: malformed or oversized bytes.
+        IncompatiblePeer: another metadata version.
+    """
+    if not data:
+        return frozenset()
+    msg = _FAILED.decode(data)
+    _check_version(msg)
+    return frozenset(msg.job_ids)

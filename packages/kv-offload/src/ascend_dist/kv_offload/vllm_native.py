@@ -1,7 +1,7 @@
 """vLLM adapter of native offloading on Ascend: the spec, its worker and the layout adapter.
 
-Runs in: vLLM's scheduler and worker processes. The only module of the native path that imports
-vLLM (0.33: ``vllm.v1.kv_offload`` and ``...kv_connector.v1.offloading``).
+Runs in: vLLM's scheduler and worker processes. With `vllm_native_scheduler`, the only modules of the
+native path that import vLLM (0.33: ``vllm.v1.kv_offload`` and ``...kv_connector.v1.offloading``).
 
 - `NPUOffloadingSpec` keeps vLLM's CPU tier (capacity, manager, eviction policies) and swaps in our
   transfer worker; legacy ``num_cpu_blocks`` is translated into ``cpu_bytes_to_use`` on a copy of
@@ -11,6 +11,11 @@ vLLM (0.33: ``vllm.v1.kv_offload`` and ``...kv_connector.v1.offloading``).
 - `AscendOffloadingConnector` is vLLM's ``OffloadingConnector`` whose worker canonicalises Ascend
   tuple/list layouts (split K/V, MLA, scales, Mamba states) with `canonical_block_views` before
   handing them to the spec; single-tensor layouts go through vLLM's own path unchanged.
+- Copy failures (vLLM 0.33 asserts on them): `AscendOffloadingConnectorWorker` reports a failed
+  load's device blocks through ``get_block_ids_with_load_errors`` (one KV-cache group; with
+  several, the request through ``failed_recving``) and still finishes its receive; a failed store
+  travels in `AscendOffloadingWorkerMetadata` to `AscendOffloadingConnectorScheduler`
+  (`vllm_native_scheduler`), which completes it with ``success=False`` so it is never loadable.
 
 Select it with ``kv_connector_extra_config = {"spec_name": "NPUOffloadingSpec",
 "spec_module_path": "ascend_dist.kv_offload.vllm_native", "cpu_bytes_to_use": ...}``.
@@ -24,6 +29,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
@@ -33,22 +48,30 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    OffloadingSpec,
     OffloadingWorker,
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from ascend_dist.common.block_views import BlockView, canonical_block_views
 from ascend_dist.common.device import DeviceRuntime, get_runtime
-from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.errors import ConfigError, TransferError
 from ascend_dist.common.layouts import layer_parts
 from ascend_dist.kv_offload.capacity import normalise_legacy_native_config
 from ascend_dist.kv_offload.offload_worker import GroupRef, OffloadWorker
+from ascend_dist.kv_offload.vllm_native_scheduler import (
+    AscendOffloadingConnectorScheduler,
+    AscendOffloadingWorkerMetadata,
+)
 
 __all__ = [
     "AscendOffloadingConnector",
+    "AscendOffloadingConnectorScheduler",
     "AscendOffloadingConnectorWorker",
+    "AscendOffloadingWorkerMetadata",
     "NPUOffloadingSpec",
     "NPUOffloadingWorker",
     "canonicalise_kv_caches",
@@ -87,7 +110,6 @@ class NPUOffloadingWorker(OffloadingWorker):
         self.worker = OffloadWorker(
             runtime or get_runtime(), views, refs, num_chunks=num_chunks, blocks_per_chunk=blocks_per_chunk
         )
-        self.load_errors: set[int] = set()
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         """Device -> host after the current stream's work."""
@@ -107,11 +129,14 @@ class NPUOffloadingWorker(OffloadingWorker):
         )  # fmt: skip
 
     def get_finished(self) -> list[TransferResult]:
-        """Finished stores then loads; failed loads also leave their device blocks in `load_errors`."""
+        """Finished stores then loads; a failed job is reported ``success=False`` (and logged)."""
         out: list[TransferResult] = []
         for r in self.worker.get_finished():
             if not r.success:
-                self.load_errors.update(r.failed_block_ids)
+                logger.warning(
+                    "offload job %d failed at descriptor %s (device blocks %s): %s",
+                    r.job_id, r.failed_descriptor, list(r.failed_block_ids), r.error,
+                )  # fmt: skip
             out.append(TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time))
         return out
 
@@ -195,7 +220,23 @@ def unpadded_page(spec: Any) -> int:
 
 
 class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
-    """vLLM's connector worker with the Ascend layout adapter at the registration boundary."""
+    """vLLM's connector worker with the Ascend layout adapter and per-job failure handling.
+
+    vLLM 0.33 asserts that every transfer succeeded; here a failed load reports the job's device
+    blocks through `take_load_errors` (vLLM recomputes them) and still finishes the request's
+    receive, and a failed store is carried to the scheduler side in
+    `AscendOffloadingWorkerMetadata.failed_jobs` so its host chunks never become loadable.
+    """
+
+    def __init__(self, spec: OffloadingSpec, vllm_config: Any, kv_cache_config: Any) -> None:
+        """Build vLLM's worker state plus the failure bookkeeping."""
+        super().__init__(spec, vllm_config, kv_cache_config)
+        self._load_dst: dict[int, list[int]] = {}
+        self._failed_stores: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        # vLLM maps invalid block ids back to requests only with one KV-cache group.
+        self._block_ids_unique = len(kv_cache_config.kv_cache_groups) == 1
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # type: ignore[override]
         """Single tensors: vLLM's path; tuples/lists: canonical views (nothing dropped)."""
@@ -214,14 +255,113 @@ class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
             groups.append([(n, unpadded_page(per_layer.get(n, group.kv_cache_spec))) for n in group.layer_names])
         self._init_worker(canonicalise_kv_caches(kv_caches, groups, config.num_blocks))
 
+    def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
+        """Remember each load's device blocks (reported if it fails), then vLLM's submission."""
+        for job_id, entry in metadata.load_jobs.items():
+            self._load_dst[job_id] = _block_ids(entry.dst_spec)
+        super().start_kv_transfers(metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Report completions as vLLM does, with failed jobs handled instead of asserted away.
+
+        Returns:
+            ``(finished_sending, finished_recving)``: stores never finish sending (vLLM tracks
+            them in the worker metadata); a load's request finishes receiving even if it failed.
+
+        Raises:
+            ConfigError: called before ``register_kv_caches``.
+            TransferError: a synchronous load failed with several KV-cache groups, where vLLM
+                cannot map block ids back to requests and no request-level report exists.
+        """
+        del finished_req_ids
+        if self.worker is None:
+            raise ConfigError("kv_caches", None, "register_kv_caches() before get_finished()")
+        meta = self._connector_worker_meta
+        finished_recving: set[str] = set()
+        for result in self.worker.get_finished():
+            job_id = result.job_id
+            is_load = job_id in self._load_jobs
+            req_id = self._load_jobs.pop(job_id, None)
+            device_blocks = self._load_dst.pop(job_id, [])
+            if result.success:
+                if result.transfer_time is not None and result.transfer_size is not None:
+                    stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                    stats.record(result.transfer_size, result.transfer_time)
+            elif is_load:
+                self._fail_load(job_id, req_id, device_blocks)
+            else:
+                logger.warning("offload store job %d failed: its host chunks are dropped", job_id)
+                self._failed_stores.add(job_id)
+            meta.mark_completed(job_id)
+            if req_id is not None:
+                finished_recving.add(req_id)
+        return set(), finished_recving
+
+    def _fail_load(self, job_id: int, req_id: str | None, device_blocks: list[int]) -> None:
+        if self._block_ids_unique:
+            logger.warning("offload load job %d failed: device blocks %s are recomputed", job_id, device_blocks)
+            self._load_errors.update(device_blocks)
+        elif req_id is not None:
+            logger.warning("offload load job %d failed: request %s is recomputed", job_id, req_id)
+            self._failed_recving.add(req_id)
+        else:
+            raise TransferError(
+                f"synchronous offload load job {job_id} failed with several KV-cache groups, where vLLM "
+                "cannot map block ids to requests; disable sync loads (sync_load_budget_bytes: 0)"
+            )
+
+    def take_load_errors(self) -> set[int]:
+        """Device blocks of failed loads since the last call (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call (several KV-cache groups)."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> AscendOffloadingWorkerMetadata | None:
+        """Completed jobs since the last call, with the failed stores among them."""
+        meta = super().build_connector_worker_meta()
+        if meta is None:
+            return None
+        failed, self._failed_stores = self._failed_stores, set()
+        return AscendOffloadingWorkerMetadata.build(meta.completed_jobs, meta.transfer_stats, failed)
+
+    def shutdown(self) -> None:
+        """Shut down as vLLM does; the failure bookkeeping is dropped with the jobs."""
+        self._load_dst.clear()
+        self._failed_stores.clear()
+        super().shutdown()
+
 
 class AscendOffloadingConnector(OffloadingConnector):
-    """``OffloadingConnector`` override: same scheduler, Ascend layout adapter on the worker."""
+    """``OffloadingConnector`` override: Ascend layout adapter and copy-failure handling on both sides."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        """Run vLLM's constructor, then swap the worker side for the Ascend one (same spec)."""
-        super().__init__(vllm_config, role, kv_cache_config)
-        if self.connector_worker is not None:
-            self.connector_worker = AscendOffloadingConnectorWorker(
-                self.connector_worker.spec, vllm_config, kv_cache_config
-            )
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        """Do what ``OffloadingConnector.__init__`` does, building the Ascend scheduler or worker side.
+
+        Written out rather than calling it so each process builds its side (and spec) once.
+        """
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        offloading_config = build_offloading_config(vllm_config, kv_cache_config)
+        self._canonical_layout = offloading_config.canonical_layout
+        spec = OffloadingSpecFactory.create_spec(offloading_config)
+        self.connector_scheduler: OffloadingConnectorScheduler | None = None
+        self.connector_worker: OffloadingConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = AscendOffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = AscendOffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Return vLLM's finished sets plus the requests whose load failed (several KV-cache groups)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        worker = self.connector_worker
+        failed = worker.take_failed_recving() if isinstance(worker, AscendOffloadingConnectorWorker) else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device blocks of failed loads since the last call (one KV-cache group)."""
+        worker = self.connector_worker
+        return worker.take_load_errors() if isinstance(worker, AscendOffloadingConnectorWorker) else set()
