@@ -53,6 +53,10 @@ def test_manifest_codec_round_trip_and_digest() -> None:
         ),
         (make_manifest(BASE, num_buffers=3), r"num_buffers: worker has 2, trainer has 3"),
         (make_manifest(BASE, packed=False), r"packed: worker has True, trainer has False"),
+        (
+            make_manifest(BASE, direct_threshold_bytes=4096),
+            r"direct_threshold_bytes: worker has 0, trainer has 4096",
+        ),
     ],
 )
 def test_mismatch_names_the_first_difference(other: Manifest, message: str) -> None:

@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run")
         cmd.add_argument("--json", metavar="PATH", help="also write the results as JSON")
         if mode == "bench":
-            cmd.add_argument("--repeat", type=int, default=3, help="timed repetitions per figure (best kept)")
+            cmd.add_argument(
+                "--repeat", type=int, default=3, help="timed repetitions per figure (each scenario summarises them)"
+            )
     return parser
 
 

@@ -43,12 +43,12 @@ from ascend_dist.weight_transfer.packing import (
     StreamPlan,
     as_bytes,
     check_tensor,
-    new_staging,
     pack_buffer,
     plan_stream,
-    staging_images,
+    spec_nbytes,
     tensor_views,
 )
+from ascend_dist.weight_transfer.pool import BufferPool
 from ascend_dist.weight_transfer.session import WeightSink
 
 if TYPE_CHECKING:
@@ -144,14 +144,12 @@ class _Puller:
         _expect_end(self._source, self._manifest)
 
 
-def _slots(comm: Collective, manifest: Manifest, plan: StreamPlan) -> list[torch.Tensor]:
-    """The reusable pipeline buffers: ``num_buffers`` of them, no larger than the largest packed unit."""
-    import torch
-
+def _slots(comm: Collective, manifest: Manifest, plan: StreamPlan, pool: BufferPool) -> list[torch.Tensor]:
+    """The pipeline buffers: ``num_buffers`` of them, no larger than the largest packed unit (kept in ``pool``)."""
     packed = [u.end - u.start for u in plan.units if not u.direct]
     size = max(packed, default=0)
     count = min(manifest.num_buffers, len(packed))
-    return [torch.empty(size, dtype=torch.uint8, device=comm.device) for _ in range(count)]
+    return [pool.get(f"slot{i}", size, comm.device) for i in range(count)]
 
 
 def _next_item(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, index: int) -> tuple[str, torch.Tensor]:
@@ -163,7 +161,9 @@ def _next_item(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, i
         ) from None
 
 
-def _send_packed(comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases) -> None:
+def _send_packed(
+    comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases, pool: BufferPool
+) -> None:
     """Send every unit: packed ones through reusable slots, direct ones from the tensor itself.
 
     At most ``num_buffers`` collectives are in flight; each keeps its memory (slot or tensor image)
@@ -171,7 +171,7 @@ def _send_packed(comm: Collective, manifest: Manifest, source: Iterator[tuple[st
     """
     plan = plan_stream(manifest)
     puller = _Puller(plan, manifest, source)
-    slots = _slots(comm, manifest, plan)
+    slots = _slots(comm, manifest, plan, pool)
     free = list(range(len(slots)))
     in_flight: collections.deque[tuple[Pending, int | None, torch.Tensor]] = collections.deque()
 
@@ -234,6 +234,7 @@ def send_update(
     *,
     update_id: int,
     rejection_detail: Callable[[int, int], str],
+    pool: BufferPool | None = None,
 ) -> Phases:
     """Run one update as the trainer (rank 0).
 
@@ -243,6 +244,7 @@ def send_update(
         tensors: ``(name, tensor)`` pairs in manifest order (consumed lazily).
         update_id: Sequence number of the update (for logs and store keys).
         rejection_detail: ``(update_id, worker_rank) -> str``: the reason a worker gave.
+        pool: Keeps the pipeline buffers between updates (default: fresh ones for this update).
 
     Returns:
         Time split of the update.
@@ -261,7 +263,7 @@ def send_update(
         raise ManifestRejected(f"update {update_id} refused before any data was sent ({reasons})")
     source = iter(tensors)
     if manifest.packed:
-        _send_packed(comm, manifest, source, phases)
+        _send_packed(comm, manifest, source, phases, pool if pool is not None else BufferPool())
     else:
         _send_unpacked(comm, manifest, source, phases)
     t0 = time.perf_counter()
@@ -273,12 +275,24 @@ def send_update(
     return phases
 
 
-def _recv_packed(comm: Collective, manifest: Manifest, phases: Phases) -> list[torch.Tensor]:
-    """Receive the stream straight into one staging allocation, ``num_buffers`` receives in flight."""
-    import torch
-
+def _recv_unpacked(comm: Collective, manifest: Manifest, phases: Phases, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Receive one broadcast per tensor, each into its place in the staging stream ``flat``."""
     plan = plan_stream(manifest)
-    flat = torch.empty(plan.total_bytes, dtype=torch.uint8, device=comm.device)
+    t0 = time.perf_counter()
+    for offset, size in zip(plan.offsets, plan.sizes, strict=True):
+        if size:
+            comm.broadcast(flat[offset : offset + size], _SRC).wait()
+    phases.transfer_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    views = tensor_views(flat, plan, manifest)
+    phases.pack_s += time.perf_counter() - t0
+    phases.bytes = plan.total_bytes
+    return views
+
+
+def _recv_packed(comm: Collective, manifest: Manifest, phases: Phases, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Receive the stream straight into the staging stream ``flat``, ``num_buffers`` receives in flight."""
+    plan = plan_stream(manifest)
     depth = manifest.num_buffers
     posted: dict[int, Pending] = {}
 
@@ -309,6 +323,7 @@ def receive_update(
     reject: Callable[[int, str], None],
     refuse: str = "",
     validate: Callable[[Manifest], None] | None = None,
+    pool: BufferPool | None = None,
 ) -> tuple[int, Phases]:
     """Run one update as a worker; load the weights only if every rank got every byte.
 
@@ -320,6 +335,8 @@ def receive_update(
         reject: ``(update_id, reason)``: publish why this worker refuses (before the vote).
         refuse: A reason to refuse whatever the trainer sends (bad local update info).
         validate: Optional check of the manifest against the model (unknown names, shapes, dtypes).
+        pool: Keeps the staging stream between updates (default: a fresh one for this update).
+            ``sink`` must copy what it is given before ``load_weights`` returns.
 
     Returns:
         ``(update_id, phases)``.
@@ -346,16 +363,9 @@ def receive_update(
     if any(votes):
         others = [r for r, v in enumerate(votes) if v]
         raise ManifestRejected(f"update {update_id} refused by worker ranks {others}; nothing was written")
-    if remote.packed:
-        staging = _recv_packed(comm, remote, phases)
-    else:
-        staging = new_staging(remote, comm.device)
-        for image in staging_images(staging):
-            if image.numel():
-                t0 = time.perf_counter()
-                comm.broadcast(image, _SRC).wait()
-                phases.transfer_s += time.perf_counter() - t0
-                phases.bytes += image.numel()
+    total = sum(spec_nbytes(spec) for spec in remote.tensors)
+    flat = (pool if pool is not None else BufferPool()).get("staging", total, comm.device)
+    staging = (_recv_packed if remote.packed else _recv_unpacked)(comm, remote, phases, flat)
     t0 = time.perf_counter()
     votes = _vote(comm, 0)
     phases.transfer_s += time.perf_counter() - t0

@@ -5,7 +5,8 @@ worker processes (`worker_main`).
 
 The driver talks to each worker over a pipe with JSON commands as raw bytes (never pickle):
 ``init`` (``collective``: ``"gloo"``, the default, or ``"hccl"`` for `hccl_collective`), ``start``,
-``update``, ``finish``, ``digest``, ``ipc`` (IPC engine calls) and ``shutdown``.
+``update``, ``finish``, ``digest``, ``ipc`` (IPC engine calls), ``raw`` (a bench baseline, see
+`baselines`) and ``shutdown``.
 A worker answers ``{"ok": true, ...}`` or ``{"ok": false, "error": <type>, "message": ...}``.
 """
 
@@ -24,20 +25,16 @@ from ascend_dist.common.device.ipc import dtype_from_str, dtype_to_str
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.weight_transfer.collective import Collective, Pending, TransferGroup, gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.messages import DEFAULT_DIRECT_THRESHOLD_BYTES
-from ascend_dist.weight_transfer.packing import copy_bytes
 
 if TYPE_CHECKING:
     import torch
 
-    from ascend_dist.weight_transfer.trainer import BroadcastTrainer
 
 __all__ = [
     "Spec",
     "ToyModel",
     "WorkerProcess",
     "param_digests",
-    "raw_receive",
-    "raw_send",
     "synthetic_specs",
     "synthetic_weights",
     "worker_main",
@@ -184,74 +181,6 @@ class _DieAfter:
         self._inner.destroy()
 
 
-def raw_receive(comm: Collective, model: torch.nn.Module, cmd: dict[str, Any]) -> dict[str, Any]:
-    """Baselines on the engine's own collective: one flat broadcast, or one broadcast per tensor.
-
-    ``flat``: receive ``nbytes`` into a preallocated buffer (the wire ceiling: no packing, no load).
-    ``per_tensor``: like upstream's unpacked path: for each parameter, allocate, receive, load.
-    """
-    import time
-
-    import torch
-
-    t0 = time.perf_counter()
-    if cmd["mode"] == "flat":
-        buf = state_buffer(int(cmd["nbytes"]))
-        comm.broadcast(buf, 0).wait()
-    else:
-        params = dict(model.named_parameters())
-        for name in cmd["names"]:
-            target = params[name]
-            weight = torch.empty_like(target)
-            if weight.numel():
-                image = weight.reshape(-1).view(torch.uint8)
-                comm.broadcast(image, 0).wait()
-                copy_bytes(target.detach().reshape(-1).view(torch.uint8), image)  # the same copy as ModuleSink
-    return {"seconds": time.perf_counter() - t0}
-
-
-def raw_send(
-    trainer: BroadcastTrainer, workers: Sequence[WorkerProcess], mode: str,
-    weights: Sequence[tuple[str, torch.Tensor]], timeout_s: float,
-) -> float:  # fmt: skip
-    """Trainer side of `raw_receive`; returns seconds until every worker finished."""
-    import time
-
-    import torch
-
-    comm = trainer.collective
-    assert comm is not None
-    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in weights]) if mode == "flat" else None
-    t0 = time.perf_counter()
-    for w in workers:
-        w.send("raw", mode=mode, nbytes=0 if flat is None else flat.numel(), names=[n for n, _ in weights])
-    if flat is not None:
-        comm.broadcast(flat, 0).wait()
-    else:
-        for _, tensor in weights:
-            if tensor.numel():
-                comm.broadcast(tensor.contiguous().reshape(-1).view(torch.uint8), 0).wait()
-    for w in workers:
-        reply = w.reply(timeout_s)
-        if not reply["ok"]:
-            raise RuntimeError(f"worker failed: {reply['error']}: {reply['message']}")
-    return time.perf_counter() - t0
-
-
-_BUFFERS: dict[int, Any] = {}
-
-
-def state_buffer(nbytes: int) -> torch.Tensor:
-    """A receive buffer of ``nbytes`` kept across calls (allocated outside the timed region on reuse)."""
-    import torch
-
-    buf = _BUFFERS.get(nbytes)
-    if buf is None:
-        _BUFFERS.clear()
-        buf = _BUFFERS[nbytes] = torch.empty(nbytes, dtype=torch.uint8)
-    return buf
-
-
 def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     from ascend_dist.weight_transfer.session import ModuleSink
     from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
@@ -285,6 +214,8 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "ipc":
         return state["ipc"](cmd)
     if op == "raw":
+        from ascend_dist.weight_transfer.baselines import raw_receive
+
         return raw_receive(state["engine"].collective, state["model"], cmd)
     engine = state["engine"]
     if op == "start":

@@ -46,16 +46,20 @@ __all__ = [
     "unpack_buffer",
 ]
 
-_ITEMSIZE: dict[str, int] = {}
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """``dtype_from_str`` cached: it is called per tensor on every update, and checks the environment."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = _DTYPES[name] = dtype_from_str(name)
+    return dtype
 
 
 def dtype_itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name (``"bfloat16"`` -> 2)."""
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        size = dtype_from_str(dtype).itemsize
-        _ITEMSIZE[dtype] = size
-    return size
+    return _dtype(dtype).itemsize
 
 
 def spec_nbytes(spec: TensorSpec) -> int:
@@ -245,7 +249,7 @@ def new_staging(manifest: Manifest, device: torch.device | str = "cpu") -> list[
     """Allocate one uninitialised tensor per manifest entry (the worker's staging area)."""
     import torch
 
-    return [torch.empty(s.shape, dtype=dtype_from_str(s.dtype), device=device) for s in manifest.tensors]
+    return [torch.empty(s.shape, dtype=_dtype(s.dtype), device=device) for s in manifest.tensors]
 
 
 def tensor_views(flat: torch.Tensor, plan: StreamPlan, manifest: Manifest) -> list[torch.Tensor]:
@@ -256,10 +260,11 @@ def tensor_views(flat: torch.Tensor, plan: StreamPlan, manifest: Manifest) -> li
     a misaligned slice. Views alias ``flat``: keep it alive while they are used.
     """
     out: list[torch.Tensor] = []
+    base = flat.data_ptr()
     for spec, offset, size in zip(manifest.tensors, plan.offsets, plan.sizes, strict=True):
-        dtype = dtype_from_str(spec.dtype)
+        dtype = _dtype(spec.dtype)
         piece = flat[offset : offset + size]
-        if (flat.data_ptr() + offset) % dtype.itemsize:
+        if (base + offset) % dtype.itemsize:
             piece = piece.clone()
         out.append(piece.view(dtype).reshape(spec.shape))
     return out

@@ -37,6 +37,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
+from ascend_dist.weight_transfer.pool import BufferPool
 
 if TYPE_CHECKING:
     import torch
@@ -91,6 +92,7 @@ class BroadcastTrainer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._broken: str | None = None
         self._next_update_id = 0
+        self._pool = BufferPool()  # pipeline buffers, kept between updates
 
     @classmethod
     def connect(
@@ -182,7 +184,9 @@ class BroadcastTrainer:
         update_id = self._next_update_id
         self._next_update_id += 1
         try:
-            return send_update(comm, manifest, tensors, update_id=update_id, rejection_detail=self._rejection)
+            return send_update(
+                comm, manifest, tensors, update_id=update_id, rejection_detail=self._rejection, pool=self._pool
+            )
         except ManifestRejected:
             raise  # refused at the vote: the group is intact
         except AscendDistError as exc:
@@ -200,7 +204,11 @@ class BroadcastTrainer:
             raise UpdateAborted(f"update {update_id} failed: {self._broken}; no worker committed") from exc
 
     def shutdown(self) -> None:
-        """Destroy the communicator; idempotent. The store closes when the trainer drops it."""
+        """Destroy the communicator and free the pipeline buffers; idempotent.
+
+        The store closes when the trainer drops it.
+        """
+        self._pool.clear()
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.destroy()

@@ -35,6 +35,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
+from ascend_dist.weight_transfer.pool import BufferPool
 from ascend_dist.weight_transfer.session import Session, SessionState, WeightSink
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class BroadcastWorker:
         self.direct_threshold_bytes = DEFAULT_DIRECT_THRESHOLD_BYTES
         self.last_update_id = -1
         self.last_phases: Phases | None = None
+        self._pool = BufferPool()  # the staging stream, kept between updates
 
     @property
     def rank(self) -> int | None:
@@ -214,7 +216,7 @@ class BroadcastWorker:
 
         try:
             update_id, phases = receive_update(
-                comm, expected, self.sink, reject=reject, refuse=refuse, validate=self._validate
+                comm, expected, self.sink, reject=reject, refuse=refuse, validate=self._validate, pool=self._pool
             )
         except ManifestRejected:
             raise  # refused at the vote: the group is intact
@@ -233,6 +235,7 @@ class BroadcastWorker:
         self.session.move(SessionState.READY)
 
     def _release(self) -> None:
+        self._pool.clear()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
