@@ -1,0 +1,13 @@
+"""``SfaRemoteD2HConnector``: D reads each layer from P's device memory into its host pool (spec kv-p2p §10).
+
+For sparse-attention (SFA/DSA, MLA-style) models whose decode instance keeps the main KV cache in a
+host pool shared by its TP ranks and only the small indexer cache on the device. D reads each layer
+while P is still prefilling; P only says when a layer is readable and holds the layer's storage
+until D's answer (its reuse gate). Modules by role: `config`, `plan` (pure), `messages` (wire),
+`scheduler` (both halves), `producer` / `links` (P worker and its send threads), `consumer` (D
+worker and its read thread), `backend` (the three-method engine: MemFabric or Mooncake),
+`vllm_connector` (the only module importing vLLM), `synthetic` / `peer` / `peer_process` /
+`scenario` (the ``pd-sfa`` demo and bench).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,226 @@
+"""P's send side: one thread per D endpoint, the layer-done signals, and the reuse gates.
+
+Runs in: P worker processes. `Dispatcher.dispatch` (called on the compute thread when a layer's
+KV is written) closes the layer's reuse gates and queues one `Part` per D endpoint; the endpoint's
+`_Link` thread waits for the layer's write event, sends `Hello` the first time, then `ReadReady`,
+and waits (bounded by ``read_timeout_s``) for D's `ReadDone`/`ReadFailed`. Each part is resolved
+exactly once (reply, deadline, dead endpoint or shutdown) and then releases its share of the
+layer's gates; a failure marks its requests failed on P (logged; D reports its own load errors).
+An endpoint that missed a deadline is skipped for ``endpoint_retry_s`` (its parts fail at once
+instead of stalling every layer), then greeted again.
+
+Threads own no business state beyond their queue; `shutdown` joins every thread and resolves
+every queued part, so no gate stays closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ascend_dist.common.errors import DeadlineExceeded, IncompatiblePeer, ProtocolError
+from ascend_dist.common.wire import Codec
+from ascend_dist.common.zmq_rpc import RpcClient
+from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.sfa.config import SfaConfig
+from ascend_dist.kv_mooncake.sfa.messages import (
+    Hello,
+    HelloAck,
+    ReadDone,
+    ReadFailed,
+    ReadReady,
+    Refused,
+    Reply,
+    Request,
+    reply_codec,
+    request_codec,
+)
+
+__all__ = ["Dispatcher", "Part", "Slot"]
+
+logger = logging.getLogger(__name__)
+
+
+class Slot:
+    """A reuse gate: open when no dispatched read of its storage is outstanding."""
+
+    def __init__(self) -> None:
+        """Create an open gate."""
+        self.event = threading.Event()
+        self.event.set()
+        self.pending = 0
+        self.error: str | None = None
+
+
+@dataclass
+class Part:
+    """One layer's read request to one D endpoint."""
+
+    endpoint: tuple[str, int]
+    message: ReadReady
+    slots: list[Slot]
+    ready: Callable[[], None] | None = None
+    resolved: bool = False
+    ext_ids: list[str] = field(default_factory=list)
+
+
+class _Link(threading.Thread):
+    """The thread talking to one D endpoint, in dispatch order."""
+
+    def __init__(self, owner: Dispatcher, endpoint: tuple[str, int]) -> None:
+        super().__init__(name=f"sfa-send-{endpoint[0]}:{endpoint[1]}", daemon=True)
+        self.owner = owner
+        self.endpoint = endpoint
+        self.queue: queue.Queue[Part | None] = queue.Queue()
+        self.greeted = False
+        self.down_until = 0.0
+
+    def run(self) -> None:
+        while True:
+            part = self.queue.get()
+            if part is None:
+                return
+            try:
+                self._serve(part)
+            except Exception as exc:  # a broken part must not kill the link
+                logger.exception("sfa send to %s failed unexpectedly", self.endpoint)
+                self.owner.resolve(part, f"{type(exc).__name__}: {exc}")
+
+    def _serve(self, part: Part) -> None:
+        o = self.owner
+        if part.ready is not None:
+            part.ready()  # the layer's KV write has landed (device event)
+        if time.monotonic() < self.down_until:
+            o.resolve(part, f"endpoint {self.endpoint} is down (missed a deadline); retrying after it recovers")
+            return
+        try:
+            if not self.greeted:
+                self._hello()
+            reply = o.call(self.endpoint, part.message, o.config.read_timeout_s)
+        except (DeadlineExceeded, ProtocolError) as exc:
+            self.greeted = False
+            if isinstance(exc, DeadlineExceeded):
+                self.down_until = time.monotonic() + o.config.endpoint_retry_s
+            o.resolve(part, f"{type(exc).__name__}: {exc}")
+            return
+        if isinstance(reply, ReadDone):
+            o.resolve(part, None, failed=reply.failed)
+        elif isinstance(reply, ReadFailed):
+            o.resolve(part, f"D failed layer {reply.layer_idx}: {reply.error}")
+        else:
+            o.resolve(part, f"unexpected reply {type(reply).__name__}")
+
+    def _hello(self) -> None:
+        o = self.owner
+        reply = o.call(self.endpoint, o.hello(), o.config.hello_timeout_s)
+        if isinstance(reply, Refused):
+            raise IncompatiblePeer(reply.field, reply.remote, reply.local)
+        if not isinstance(reply, HelloAck):
+            raise ProtocolError(f"expected hello_ack from {self.endpoint}, got {type(reply).__name__}")
+        self.greeted = True
+
+
+class Dispatcher:
+    """P's endpoint links, gate accounting and failure marking."""
+
+    def __init__(self, config: SfaConfig, hello: Callable[[], Hello]) -> None:
+        """Create the dispatcher; links start on first use.
+
+        Args:
+            config: The connector configuration.
+            hello: Builds this worker's `Hello` (after registration).
+        """
+        self.config = config
+        self.hello = hello
+        self._requests: Codec[Request] = request_codec(config.max_message_bytes)
+        self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
+        self._client = RpcClient(timeout_s=config.read_timeout_s, retries=1, max_reply_bytes=config.max_message_bytes)
+        self._links: dict[tuple[str, int], _Link] = {}
+        self._lock = threading.Lock()
+        self._failed: dict[str, str] = {}
+        self._closed = False
+        self.sent = 0
+
+    def call(self, endpoint: tuple[str, int], message: Request, timeout_s: float) -> Reply:
+        """One request/reply exchange with a D endpoint (one attempt: a read is never repeated)."""
+        body = self._client.request(tcp_endpoint(*endpoint), self._requests.encode(message), timeout_s=timeout_s)
+        return self._replies.decode(body)
+
+    def submit(self, part: Part) -> None:
+        """Close the part's gates and queue it on its endpoint's link."""
+        with self._lock:
+            for slot in part.slots:
+                slot.pending += 1
+                slot.event.clear()
+            if self._closed:
+                link = None
+            else:
+                link = self._links.get(part.endpoint)
+                if link is None:
+                    link = self._links[part.endpoint] = _Link(self, part.endpoint)
+                    link.start()
+            self.sent += 1
+        if link is None:
+            self.resolve(part, "worker shut down")
+        else:
+            link.queue.put(part)
+
+    def resolve(self, part: Part, error: str | None, failed: list[str] | tuple[str, ...] = ()) -> None:
+        """Finish a part once: mark failures, release its gates."""
+        with self._lock:
+            if part.resolved:
+                return
+            part.resolved = True
+            bad = part.ext_ids if error is not None else list(failed)
+            for ext in bad:
+                self._failed.setdefault(ext, error or "D could not serve it")
+            for slot in part.slots:
+                slot.pending -= 1
+                if error is not None:
+                    slot.error = error
+                if slot.pending <= 0:
+                    slot.pending = 0
+                    slot.event.set()
+        if error is not None:
+            logger.warning(
+                "sfa layer %d to %s failed for %d request(s): %s",
+                part.message.layer_idx,
+                part.endpoint,
+                len(part.ext_ids),
+                error,
+            )
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests marked failed on P since the last call (ext id -> reason)."""
+        with self._lock:
+            out, self._failed = self._failed, {}
+            return out
+
+    def links_alive(self) -> bool:
+        """Whether every started link thread still runs (false after shutdown)."""
+        with self._lock:
+            return not self._closed and all(link.is_alive() for link in self._links.values())
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop every link (after its current exchange), resolve what is queued, join them."""
+        with self._lock:
+            self._closed = True
+            links = list(self._links.values())
+        for link in links:
+            link.queue.put(None)
+        for link in links:
+            link.join(timeout_s)
+            while True:  # parts queued behind the stop marker
+                try:
+                    part = link.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if part is not None:
+                    self.resolve(part, "worker shut down")
+            if link.is_alive():
+                logger.error("sfa link %s did not stop within %.1f s", link.endpoint, timeout_s)
+        self._client.close()

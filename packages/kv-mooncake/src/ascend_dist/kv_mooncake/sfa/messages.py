@@ -1,0 +1,208 @@
+"""Every message of the SFA remote-D2H connector that crosses a process (spec kv-p2p §10.3).
+
+Runs in: P workers (client side, a DEALER per D endpoint), D workers (the ROUTER read thread),
+schedulers (the contact info D posts to the metaserver). Nothing is pickled: msgspec Structs in
+tagged unions, decoded strictly and size-bounded by `ascend_dist.common.wire.Codec`.
+
+* `Hello` (P's `Handshake`, its engine session and per-layer metadata; upstream MF_META) is
+  answered by `HelloAck` or `Refused`.
+* `ReadReady` (one layer: per request P's block ids and chunk start; upstream READ_READY_BATCH)
+  is answered by `ReadDone` (naming requests D could not serve) or `ReadFailed`.
+
+D remembers a `Hello` per ``sender`` (upstream: per DEALER identity); a `ReadReady` from a sender
+without one fails. Schema evolution follows `ascend_dist.common.wire`: new fields get defaults,
+an incompatible change bumps `PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.wire import Codec, Handshake
+
+__all__ = [
+    "PROTOCOL",
+    "PROTOCOL_VERSION",
+    "ContactInfo",
+    "Hello",
+    "HelloAck",
+    "LayerMeta",
+    "ReadDone",
+    "ReadFailed",
+    "ReadReady",
+    "ReadReq",
+    "Refused",
+    "Reply",
+    "Request",
+    "TensorSpan",
+    "parse_contact",
+    "reply_codec",
+    "request_codec",
+]
+
+PROTOCOL = "kv-mooncake/sfa-rd2h"
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Base of every side-channel message: a tagged union on ``kind``."""
+
+
+class TensorSpan(msgspec.Struct, frozen=True, array_like=True):
+    """One registered tensor of a layer: ``[base address, bytes per logical block]``."""
+
+    base: int
+    block_bytes: int
+
+
+class LayerMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What P tells D about one transformer layer's caches (upstream's MF_META entry).
+
+    Attributes:
+        layer_idx: Transformer layer index (parsed from ``layers.<i>``).
+        main: The main (MLA) tensors: two on Ascend (nope, rope), one in vLLM's own MLA layout.
+        indexer: The indexer tensors of the same layer (k, optionally its scale); may be empty.
+    """
+
+    layer_idx: int
+    main: list[TensorSpan]
+    indexer: list[TensorSpan] = []
+
+
+class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
+    """P's first message to a D endpoint: compatibility, session and layer metadata."""
+
+    handshake: Handshake
+    engine_id: str
+    sender: str
+    session: str
+    layers: dict[str, LayerMeta]
+
+
+class ReadReq(msgspec.Struct, frozen=True, array_like=True):
+    """One request's part of a layer: ``[ext id, P main ids, P indexer ids, main start, indexer start]``.
+
+    ``p_main_ids[i]`` holds the request's block number ``main_start + i`` (the same for indexer).
+    """
+
+    ext_id: str
+    p_main_ids: list[int]
+    p_indexer_ids: list[int]
+    main_start: int = 0
+    indexer_start: int = 0
+
+
+class ReadReady(_Msg, frozen=True, kw_only=True, tag="read_ready"):
+    """P wrote ``layer_name`` for these requests' chunks: D may read them now.
+
+    ``expires_unix_ms`` is P's wall-clock deadline for this read: after it P's reuse gate has
+    opened and the blocks may hold other data, so D refuses to start the read (same host or
+    NTP-synchronised clocks assumed; 0 = no expiry).
+    """
+
+    sender: str
+    layer_idx: int
+    layer_name: str
+    reads: list[ReadReq]
+    done_ext_ids: list[str] = []
+    group_member_idx: int = 0
+    tp_ratio: int = 1
+    expires_unix_ms: int = 0
+
+
+class HelloAck(_Msg, frozen=True, kw_only=True, tag="hello_ack"):
+    """D accepted P's hello."""
+
+    receiver: str = ""
+
+
+class Refused(_Msg, frozen=True, kw_only=True, tag="refused"):
+    """D refused P's hello; ``field`` names the first difference."""
+
+    field: str
+    local: str
+    remote: str
+
+
+class ReadDone(_Msg, frozen=True, kw_only=True, tag="read_done"):
+    """D finished the layer's reads; ``failed`` lists requests it could not serve."""
+
+    layer_idx: int
+    failed: list[str] = []
+
+
+class ReadFailed(_Msg, frozen=True, kw_only=True, tag="read_failed"):
+    """The whole layer batch failed (every request in it is failed on D)."""
+
+    layer_idx: int
+    error: str
+
+
+Request = Hello | ReadReady
+Reply = HelloAck | Refused | ReadDone | ReadFailed
+
+
+def request_codec(max_bytes: int) -> Codec[Request]:
+    """Codec of P -> D messages."""
+    return Codec(Request, max_bytes=max_bytes)
+
+
+def reply_codec(max_bytes: int) -> Codec[Reply]:
+    """Codec of D -> P replies."""
+    return Codec(Reply, max_bytes=max_bytes)
+
+
+class ContactInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """``kv_transfer_params`` D posts to the metaserver for P (spec §10.2): contact only, no block ids.
+
+    Attributes:
+        request_id: D's external request id (P sends it back in every `ReadReq`).
+        remote_engine_id: D's engine id.
+        remote_host: D's side-channel host.
+        remote_port: D's base port for its DP rank (``kv_port + dp_rank * D_tp``).
+        remote_tp_size: D's TP size.
+        remote_cached_tokens: Prompt tokens D already holds (P starts after them).
+    """
+
+    request_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    remote_cached_tokens: int = 0
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = True
+    remote_pcp_size: int = 1
+    remote_dcp_size: int = 1
+
+
+_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def parse_contact(raw: Mapping[str, Any]) -> ContactInfo:
+    """Validate D's contact info as P's scheduler receives it in ``kv_transfer_params``.
+
+    Raises:
+        ConfigError: A key is missing or has the wrong type; the error names
+            ``kv_transfer_params.<key>``.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError("kv_transfer_params", type(raw).__name__, "a dict")
+    try:
+        info = msgspec.convert(dict(raw), ContactInfo, strict=False)
+    except msgspec.ValidationError as exc:
+        match = _PATH_RE.search(str(exc))
+        key = match.group(1) if match else str(exc).rsplit("`", 2)[-2] if "`" in str(exc) else "?"
+        raise ConfigError(f"kv_transfer_params.{key}", raw.get(key.split("[")[0]), str(exc)) from exc
+    if not 0 < info.remote_port <= 65535:
+        raise ConfigError("kv_transfer_params.remote_port", info.remote_port, "an int in [1, 65535]")
+    if info.remote_tp_size < 1:
+        raise ConfigError("kv_transfer_params.remote_tp_size", info.remote_tp_size, "a positive int")
+    if info.remote_cached_tokens < 0:
+        raise ConfigError("kv_transfer_params.remote_cached_tokens", info.remote_cached_tokens, "an int >= 0")
+    return info

@@ -1,0 +1,82 @@
+"""Start and drive an SFA P child (`ascend_dist.kv_mooncake.sfa.peer`) with a deadline on every reply.
+
+Runs in: the ``pd-sfa`` scenario and the tests (the parent side). Reuses the pull connector's
+`PeerProcess` (JSON lines, deadlines, terminate-then-kill on close) with another child module.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+from typing import Any
+
+from ascend_dist.common.errors import ProtocolError
+from ascend_dist.kv_mooncake.peer_process import PeerProcess
+
+__all__ = ["SfaP", "SfaPeer"]
+
+
+class SfaPeer(PeerProcess):
+    """A ``python -m ascend_dist.kv_mooncake.sfa.peer`` child."""
+
+    def __init__(self, *, ready_timeout_s: float = 60.0) -> None:  # pyright: ignore[reportMissingSuperCall]
+        """Start the child and wait until it reports ready (the parent's __init__ starts another module)."""
+        env = {**os.environ, "GLOG_minloglevel": "2"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ascend_dist.kv_mooncake.sfa.peer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._sel = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            if not self.read(ready_timeout_s).get("ready"):
+                raise ProtocolError("sfa peer did not start")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> SfaPeer:
+        return self
+
+    def create_p(self, name: str, config: dict[str, Any], model: dict[str, Any]) -> SfaP:
+        """Create a P instance in the child."""
+        self.call({"cmd": "create", "name": name, "config": config, "model": model}, timeout_s=60.0)
+        return SfaP(self, name)
+
+
+class SfaP:
+    """One P instance inside an `SfaPeer`."""
+
+    def __init__(self, peer: SfaPeer, name: str) -> None:
+        """Bind to an instance created by `SfaPeer.create_p`."""
+        self.peer = peer
+        self.name = name
+
+    def prefill(self, items: list[dict[str, Any]], timeout_s: float = 60.0) -> list[int]:
+        """Run prefills (``rid, prompt_len, seed, params, chunk``); returns steps per request."""
+        return list(self.peer.call({"cmd": "prefill", "name": self.name, "items": items}, timeout_s=timeout_s)["steps"])
+
+    def prefill_batch(self, items: list[dict[str, Any]], timeout_s: float = 60.0) -> int:
+        """Prefill the requests together, one forward per step; returns the steps run."""
+        reply = self.peer.call({"cmd": "prefill_batch", "name": self.name, "items": items}, timeout_s=timeout_s)
+        return int(reply["steps"][0])
+
+    def drain(self, timeout_s: float = 90.0) -> dict[str, Any]:
+        """Wait until P's gates are open; returns ``{"failed": {...}, "sent": n}``."""
+        return self.peer.call({"cmd": "drain", "name": self.name}, timeout_s=timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the whole child process (every instance in it dies)."""
+        self.peer.kill()
+
+    def drop(self) -> None:
+        """Shut the instance down (no-op when the process is gone)."""
+        if self.peer.proc.poll() is None:
+            self.peer.call({"cmd": "drop", "name": self.name})

@@ -1,0 +1,319 @@
+"""Scheduler side of the SFA remote-D2H connector: the consumer (D) and producer (P) halves.
+
+Runs in: vLLM's scheduler process. Call order per request (spec kv-p2p §10.2):
+
+* D: `ConsumerScheduler.get_num_new_matched_tokens` -> ``update_state_after_alloc`` (records the
+  destination block ids, posts D's contact info to the metaserver) -> ``build_connector_meta``
+  (hands the destinations to D's workers) -> ``request_finished`` (drops the request, cancels a
+  pending metaserver post; vLLM keeps ownership of the blocks).
+* P: `ProducerScheduler.update_state_after_alloc` (D's contact info arrived in
+  ``kv_transfer_params``) -> ``build_connector_meta`` each step (the chunk's computed tokens and
+  every block allocated so far) -> ``request_finished`` (P frees its blocks at once: its workers'
+  reuse gates hold the next writer of a layer until D's read of it finished).
+
+Both halves only translate; the metadata they build is frozen and never mutated afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.sfa.config import SfaConfig
+from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
+from ascend_dist.kv_mooncake.sfa.plan import GroupIds
+
+__all__ = [
+    "ConsumerMetadata",
+    "ConsumerScheduler",
+    "ContactSink",
+    "ProducerMetadata",
+    "ProducerScheduler",
+    "RecvReq",
+    "SendReq",
+    "SfaRequest",
+    "StepRequest",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ContactSink(Protocol):
+    """Where D's scheduler sends its contact info for P (the proxy's metaserver)."""
+
+    def post(self, ext_id: str, contact: ContactInfo, url: str | None = None) -> None:
+        """Deliver (possibly asynchronously, with retries) D's contact info to ``url``."""
+        ...
+
+    def cancel(self, ext_id: str) -> None:
+        """Stop retrying a request's post (it finished)."""
+        ...
+
+
+@dataclass
+class SfaRequest:
+    """What the scheduler hooks read from a vLLM request.
+
+    Attributes:
+        request_id: vLLM's request id.
+        ext_id: The id both instances know (the proxy's id; the wire uses it).
+        prompt_len: Prompt tokens.
+        kv_transfer_params: The request's params (updated in place as vLLM does).
+    """
+
+    request_id: str
+    ext_id: str
+    prompt_len: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RecvReq:
+    """D: where a request's blocks go (destinations, looked up by ``ext_id`` when P's reads arrive)."""
+
+    request_id: str
+    ext_id: str
+    main_block_ids: tuple[int, ...]
+    indexer_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ConsumerMetadata:
+    """D's per-step metadata: newly allocated requests."""
+
+    requests: tuple[RecvReq, ...] = ()
+
+
+class ConsumerScheduler:
+    """D's scheduler half."""
+
+    def __init__(self, config: SfaConfig, block_sizes: Sequence[int], groups: GroupIds, sink: ContactSink) -> None:
+        """Create the scheduler.
+
+        Args:
+            config: The connector configuration (role consumer).
+            block_sizes: Block size of every vLLM KV-cache group.
+            groups: Which groups hold the main and the indexer caches.
+            sink: Where the contact info goes.
+        """
+        self._config = config
+        self._block_sizes = list(block_sizes)
+        self._groups = groups
+        self._sink = sink
+        self._queued: list[RecvReq] = []
+        self._active: set[str] = set()
+
+    @property
+    def tracked(self) -> int:
+        """Requests waiting for P (allocated, not finished)."""
+        return len(self._active)
+
+    def get_num_new_matched_tokens(self, request: SfaRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """``(prompt_len - computed, True)`` for a remote-prefill request, else ``(0, False)``.
+
+        Raises:
+            ConfigError: ``num_computed_tokens`` is not block aligned.
+        """
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        block = min(self._block_sizes)
+        if num_computed_tokens % block:
+            raise ConfigError("num_computed_tokens", num_computed_tokens, f"a multiple of the block size {block}")
+        count = max(request.prompt_len - num_computed_tokens, 0)
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: SfaRequest, block_ids: Sequence[Sequence[int]], num_external_tokens: int, num_computed: int
+    ) -> ContactInfo | None:
+        """Record the destinations and post D's contact info; returns what was posted.
+
+        Args:
+            request: The request.
+            block_ids: ALL its block ids per group (prefix-hit blocks included).
+            num_external_tokens: Tokens promised by `get_num_new_matched_tokens` (0: nothing).
+            num_computed: Tokens D already holds (P starts after them).
+        """
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return None
+        if len(block_ids) <= max(self._groups.main, self._groups.indexer):
+            raise ConfigError("block_ids", f"<{len(block_ids)} groups>", "one list per KV-cache group")
+        req = RecvReq(
+            request.request_id,
+            request.ext_id,
+            tuple(block_ids[self._groups.main]),
+            tuple(block_ids[self._groups.indexer]) if self._groups.indexer != self._groups.main else (),
+        )
+        self._queued.append(req)
+        self._active.add(request.request_id)
+        c = self._config
+        contact = ContactInfo(
+            request_id=request.ext_id,
+            remote_engine_id=c.engine_id,
+            remote_host=c.host,
+            remote_port=c.d_base_port,
+            remote_tp_size=c.decode.tp_size,
+            remote_cached_tokens=num_computed,
+        )
+        if not params.get("do_virtual"):
+            url = params.get("metaserver")
+            self._sink.post(request.ext_id, contact, url if isinstance(url, str) else None)
+        return contact
+
+    def build_connector_meta(self) -> ConsumerMetadata:
+        """This step's new requests; resets the queue."""
+        out, self._queued = ConsumerMetadata(tuple(self._queued)), []
+        return out
+
+    def request_finished(self, request: SfaRequest) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request and stop its metaserver post; vLLM frees the blocks."""
+        self._active.discard(request.request_id)
+        self._queued = [r for r in self._queued if r.request_id != request.request_id]
+        self._sink.cancel(request.ext_id)
+        return False, None
+
+
+@dataclass(frozen=True)
+class SendReq:
+    """P: one request's chunk this step.
+
+    Attributes:
+        ext_id: D's id of the request.
+        main_block_ids: P's main block ids of the whole request so far.
+        indexer_block_ids: P's indexer block ids so far (empty: the indexer shares main's group).
+        d_host: D's host.
+        d_base_port: D's side-channel base (P adds its D rank).
+        d_tp: D's TP size.
+        cached_tokens: Tokens D already held.
+        transferred_tokens: Tokens made readable by earlier chunks (block aligned).
+        computed_tokens: Tokens computed once this step's forward finished.
+        chunk_finish: This step completes the prompt.
+    """
+
+    ext_id: str
+    main_block_ids: tuple[int, ...]
+    indexer_block_ids: tuple[int, ...]
+    d_host: str
+    d_base_port: int
+    d_tp: int
+    cached_tokens: int
+    transferred_tokens: int
+    computed_tokens: int
+    chunk_finish: bool
+
+
+@dataclass(frozen=True)
+class ProducerMetadata:
+    """P's per-step metadata: the chunks D may read once each layer is written."""
+
+    requests: tuple[SendReq, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """What P's scheduler needs of one scheduled request (translated from ``SchedulerOutput``).
+
+    ``block_ids`` are the request's new blocks per group (all of them when ``is_new``).
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: tuple[tuple[int, ...], ...] = ()
+    is_new: bool = False
+
+
+@dataclass
+class _Send:
+    contact: ContactInfo
+    prompt_len: int
+    main: list[int] = field(default_factory=list)
+    indexer: list[int] = field(default_factory=list)
+    computed: int = 0
+
+
+class ProducerScheduler:
+    """P's scheduler half."""
+
+    def __init__(self, config: SfaConfig, block_sizes: Sequence[int], groups: GroupIds) -> None:
+        """Create the scheduler (``block_sizes``: one per vLLM KV-cache group)."""
+        self._config = config
+        self._block = min(block_sizes)
+        self._groups = groups
+        self._sends: dict[str, _Send] = {}
+
+    @property
+    def tracked(self) -> int:
+        """Requests still being prefilled for a D."""
+        return len(self._sends)
+
+    def get_num_new_matched_tokens(self, request: SfaRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """P never loads anything."""
+        return 0, False
+
+    def _contact(self, request: SfaRequest, params: Mapping[str, Any]) -> ContactInfo:
+        batch = params.get("batch_kv_transfer_params")
+        if batch is not None:
+            if not isinstance(batch, Mapping) or request.ext_id not in batch:
+                raise ConfigError(
+                    f"kv_transfer_params.batch_kv_transfer_params[{request.ext_id!r}]", None, "an entry per child"
+                )
+            params = batch[request.ext_id]
+        return parse_contact(params)
+
+    def update_state_after_alloc(self, request: SfaRequest) -> None:
+        """Start tracking a request whose params carry D's contact info (``do_remote_decode``).
+
+        Raises:
+            ConfigError: The contact info is malformed; the error names the key.
+        """
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or request.request_id in self._sends:
+            return
+        self._sends[request.request_id] = _Send(self._contact(request, params), request.prompt_len)
+
+    def build_connector_meta(self, steps: Sequence[StepRequest]) -> ProducerMetadata:
+        """This step's chunks; forgets requests whose prompt completes in this step."""
+        out: list[SendReq] = []
+        for step in steps:
+            send = self._sends.get(step.request_id)
+            if send is None:
+                continue
+            if step.block_ids:
+                main = list(step.block_ids[self._groups.main])
+                idx = list(step.block_ids[self._groups.indexer]) if self._groups.indexer != self._groups.main else []
+                send.main = main if step.is_new else send.main + main
+                send.indexer = idx if step.is_new else send.indexer + idx
+            transferred = send.computed // self._block * self._block
+            send.computed = min(send.prompt_len, step.num_computed_tokens + step.num_scheduled_tokens)
+            finish = send.computed >= send.prompt_len
+            c = send.contact
+            out.append(
+                SendReq(
+                    c.request_id,
+                    tuple(send.main),
+                    tuple(send.indexer),
+                    c.remote_host,
+                    c.remote_port,
+                    c.remote_tp_size,
+                    c.remote_cached_tokens,
+                    transferred,
+                    send.computed,
+                    finish,
+                )
+            )
+            if finish:
+                del self._sends[step.request_id]
+        return ProducerMetadata(tuple(out))
+
+    def request_finished(self, request: SfaRequest) -> tuple[bool, dict[str, Any] | None]:
+        """Drop the tracker; P's blocks are freed at once (the reuse gates protect them)."""
+        self._sends.pop(request.request_id, None)
+        return False, None

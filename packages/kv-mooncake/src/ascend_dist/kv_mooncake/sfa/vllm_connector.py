@@ -1,0 +1,310 @@
+"""``SfaRemoteD2HConnector`` for vLLM: a thin `KVConnectorBase_V1` over the SFA halves.
+
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
+module of `ascend_dist.kv_mooncake.sfa` that imports vLLM: it translates vLLM objects (``Request``,
+``KVCacheBlocks``, ``SchedulerOutput``, the layer -> tensor dict) into plain values and calls
+`ConsumerScheduler` / `ProducerScheduler` / `ConsumerWorker` / `ProducerWorker`.
+
+D's main MLA cache lives in a host pool shared by its TP ranks (upstream: owned by the sparse-KV
+offload manager). vLLM 0.33 has no such manager, so the D worker allocates the pool itself (one
+host tensor per main tensor, same block geometry) and exposes it as `host_pool`; an offload
+manager can pass its own with `set_host_pool` before `register_kv_caches`. The wire id of a request
+is vLLM's external id (the internal id without the 9-character ``-xxxxxxxx`` suffix vLLM appends).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.sfa.backend import make_backend
+from ascend_dist.kv_mooncake.sfa.config import SfaConfig
+from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
+from ascend_dist.kv_mooncake.sfa.metaserver import MetaserverClient
+from ascend_dist.kv_mooncake.sfa.plan import DestLayer, infer_groups, layer_index
+from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker, tensor_span
+from ascend_dist.kv_mooncake.sfa.scheduler import (
+    ConsumerMetadata,
+    ConsumerScheduler,
+    ProducerMetadata,
+    ProducerScheduler,
+    SfaRequest,
+    StepRequest,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["SfaRemoteD2HConnector", "SfaRemoteD2HMetadata", "external_id"]
+
+logger = logging.getLogger(__name__)
+
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_id(request_id: str) -> str:
+    """The id the proxy knows: vLLM's internal id without its ``-<8 hex>`` suffix."""
+    return _SUFFIX.sub("", request_id)
+
+
+class SfaRemoteD2HMetadata(KVConnectorMetadata):
+    """vLLM's metadata object carrying one step's `ConsumerMetadata` or `ProducerMetadata`."""
+
+    def __init__(self, inner: ConsumerMetadata | ProducerMetadata) -> None:
+        """Wrap one step's metadata."""
+        self.inner = inner
+
+
+def _config(vllm_config: VllmConfig) -> SfaConfig:
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None:
+        raise ConfigError("kv_transfer_config", None, "set (SfaRemoteD2HConnector needs kv_role, kv_port, engine_id)")
+    extra = dict(ktc.kv_connector_extra_config or {})
+    extra.setdefault("dp_rank", vllm_config.parallel_config.data_parallel_rank)  # the GLOBAL DP rank
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    return SfaConfig.from_kv_transfer_config(
+        engine_id=ktc.engine_id,
+        kv_role=ktc.kv_role,
+        kv_port=ktc.kv_port,
+        extra=extra,
+        model=str(vllm_config.model_config.model),
+        dtype=str(cache_dtype if cache_dtype != "auto" else vllm_config.model_config.dtype),
+    )
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def _request(request: Request) -> SfaRequest:
+    return SfaRequest(
+        request.request_id, external_id(request.request_id), request.num_prompt_tokens, request.kv_transfer_params
+    )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
+    """SFA P/D: D reads each layer from P's memory into its host pool while P prefills (vllm-ascend's name)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        """Build the half this process needs.
+
+        Raises:
+            ConfigError: The kv_transfer_config is invalid; the error names the field.
+            DeviceUnavailable: ``transfer_backend="memfabric"`` without the Ascend driver (worker role).
+        """
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        self._sfa = _config(vllm_config)
+        groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        self._group_ids = infer_groups(groups)
+        self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        # vLLM 0.33 refuses block-level load errors with several KV-cache groups (ids are per group):
+        # failures then go by request id only (`get_transfer_results().failed_recving`).
+        self._block_errors = len(groups) == 1
+        self._producer_sched: ProducerScheduler | None = None
+        self._consumer_sched: ConsumerScheduler | None = None
+        self._metaserver: MetaserverClient | None = None
+        self._producer: ProducerWorker | None = None
+        self._consumer: ConsumerWorker | None = None
+        self.host_pool: dict[str, list[torch.Tensor]] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            if self._sfa.is_producer:
+                self._producer_sched = ProducerScheduler(self._sfa, self._block_sizes, self._group_ids)
+            else:
+                self._metaserver = MetaserverClient()
+                self._consumer_sched = ConsumerScheduler(
+                    self._sfa, self._block_sizes, self._group_ids, self._metaserver
+                )
+            return
+        side = "Prefill" if self._sfa.is_producer else "Decode"
+        backend = make_backend(self._sfa.transfer_backend, self._sfa.host, protocol=self._sfa.protocol, role=side)
+        if self._sfa.is_producer:
+            self._producer = ProducerWorker(self._sfa, tp_rank=_tp_rank(), backend=backend)
+        else:
+            self._consumer = ConsumerWorker(self._sfa, tp_rank=_tp_rank(), backend=backend)
+
+    # ---- scheduler side -------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """D: the prompt tokens P computes for it (async); P: nothing."""
+        if self._consumer_sched is not None:
+            return self._consumer_sched.get_num_new_matched_tokens(_request(request), num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """D: record every block of the request (prefix hits included) and post the contact info."""
+        req = _request(request)
+        if self._consumer_sched is not None:
+            ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
+            self._consumer_sched.update_state_after_alloc(req, ids, num_external_tokens, request.num_computed_tokens)
+        elif self._producer_sched is not None:
+            self._producer_sched.update_state_after_alloc(req)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """D: newly allocated requests; P: this step's chunks."""
+        if self._consumer_sched is not None:
+            return SfaRemoteD2HMetadata(self._consumer_sched.build_connector_meta())
+        if self._producer_sched is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for build_connector_meta")
+        tokens = scheduler_output.num_scheduled_tokens
+        steps = [
+            StepRequest(
+                r.req_id, r.num_computed_tokens, tokens.get(r.req_id, 0), tuple(map(tuple, r.block_ids)), is_new=True
+            )
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            steps.append(
+                StepRequest(rid, cached.num_computed_tokens[i], tokens.get(rid, 0), tuple(map(tuple, new or ())))
+            )
+        return SfaRemoteD2HMetadata(self._producer_sched.build_connector_meta(steps))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Single-group form of `request_finished_all_groups` (vLLM frees the blocks at once)."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Drop the request's state (D also stops its metaserver post)."""
+        if self._consumer_sched is not None:
+            return self._consumer_sched.request_finished(_request(request))
+        if self._producer_sched is not None:
+            return self._producer_sched.request_finished(_request(request))
+        return False, None
+
+    # ---- worker side ----------------------------------------------------------------------------
+
+    def set_host_pool(self, pool: dict[str, list[torch.Tensor]]) -> None:
+        """D: use an offload manager's host pool (main layer name -> its tensors) instead of allocating one."""
+        self.host_pool = pool
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """P: describe and register its caches. D: allocate/register the host pool and its indexer caches."""
+        main_bs = self._block_sizes[self._group_ids.main]
+        idx_bs = self._block_sizes[self._group_ids.indexer]
+        if self._producer is not None:
+            self._producer.register_kv_caches(kv_caches, block_size=main_bs, indexer_block_size=idx_bs)
+            return
+        if self._consumer is None:
+            raise ConfigError("role", "SCHEDULER", "WORKER for register_kv_caches")
+        indexers: dict[str, list[torch.Tensor]] = {}
+        mains: dict[str, list[torch.Tensor]] = {}
+        for name, value in kv_caches.items():
+            (indexers if "indexer" in name else mains)[name] = _tensors(value)
+        index_of = {layer_index(n): n for n in indexers}
+        dest: dict[str, DestLayer] = {}
+        regions: list[tuple[int, int]] = []
+        for name, ts in mains.items():
+            pool = self.host_pool.setdefault(name, [torch.empty_like(t, device="cpu") for t in ts])
+            spans = [tensor_span(name, t) for t in pool]
+            idx_name = index_of.get(layer_index(name))
+            ispans = [tensor_span(idx_name, t) for t in indexers[idx_name]] if idx_name else []
+            dest[name] = DestLayer(
+                tuple(s.base for s in spans),
+                tuple(s.block_bytes for s in spans),
+                tuple(s.base for s in ispans),
+                tuple(s.block_bytes for s in ispans),
+            )
+            regions += [(t.data_ptr(), t.numel() * t.element_size()) for t in pool]
+        regions += [(t.data_ptr(), t.numel() * t.element_size()) for ts in indexers.values() for t in ts]
+        self._consumer.register(dest, regions)
+
+    def _meta(self) -> ConsumerMetadata | ProducerMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SfaRemoteD2HMetadata):
+            raise ConfigError("connector_metadata", type(meta).__name__, "SfaRemoteD2HMetadata")
+        return meta.inner
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """P: take this step's chunks. D: record new destinations."""
+        inner = self._meta()
+        if self._producer is not None and isinstance(inner, ProducerMetadata):
+            self._producer.start_load_kv(inner)
+        elif self._consumer is not None and isinstance(inner, ConsumerMetadata):
+            self._consumer.start_load_kv(inner)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """P: the reuse gate (D finished reading what the last step dispatched). D: nothing."""
+        if self._producer is not None:
+            self._producer.wait_for_layer_load(layer_name)
+
+    def _written_event(self) -> Callable[[], None] | None:
+        """On a device: an event after the layer's KV write, waited for by the send thread. CPU: None."""
+        from ascend_dist.common.device import get_runtime
+
+        runtime = get_runtime()
+        if runtime.name == "cpu":
+            return None  # the write already happened on this thread
+        event = runtime.current_stream().record_event()
+        timeout_s = self._sfa.read_timeout_s
+        return lambda: event.synchronize(timeout=timeout_s)
+
+    def on_kv_cache_written(self, layer_name: str) -> None:
+        """vllm-ascend's early hook right after the KV scatter: dispatch now, D's read overlaps attention."""
+        if self._producer is not None and "indexer" not in layer_name:
+            self._producer.on_kv_cache_written(layer_name, self._written_event())
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """P: the layer is written: tell D it may read it (unless `on_kv_cache_written` did)."""
+        if self._producer is not None and "indexer" not in layer_name:
+            self._producer.save_kv_layer(layer_name, self._written_event())
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved synchronously (D reads asynchronously)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """D: requests every contributor finished (or failed after quarantine). P: nothing."""
+        if self._consumer is None:
+            return None, None
+        _, recving = self._consumer.get_finished(finished_req_ids)
+        return None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus the failed receives by request (unambiguous when pools' ids overlap)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._consumer.take_failed_recving() if self._consumer else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """D: block ids of failed requests with one KV-cache group; empty with several (see `failed_recving`)."""
+        errors = self._consumer.get_block_ids_with_load_errors() if self._consumer else set()
+        return errors if self._block_errors else set()
+
+    def shutdown(self) -> None:
+        """Stop threads, sockets and registrations."""
+        for part in (self._producer, self._consumer, self._metaserver):
+            if part is not None:
+                part.close() if isinstance(part, MetaserverClient) else part.shutdown()

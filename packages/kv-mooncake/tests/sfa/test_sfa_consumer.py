@@ -1,0 +1,177 @@
+"""D's read thread over its real ZMQ server, with a fake engine (our `RemoteReadBackend` Protocol).
+
+Covers the completion rules of spec §10.5 precisely: every contributor must send the last layer
+(duplicates do not count), a failed engine read fails the batch's requests, ranks owning nothing
+still answer, and stale, unknown or hello-less requests are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ascend_dist.common.wire import Codec
+from ascend_dist.common.zmq_rpc import RpcClient
+from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.config import Role
+from ascend_dist.kv_mooncake.peer_process import free_port_range
+from ascend_dist.kv_mooncake.sfa.config import SfaConfig
+from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
+from ascend_dist.kv_mooncake.sfa.messages import (
+    Hello,
+    HelloAck,
+    LayerMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReady,
+    ReadReq,
+    Refused,
+    Reply,
+    Request,
+    TensorSpan,
+    reply_codec,
+    request_codec,
+)
+from ascend_dist.kv_mooncake.sfa.plan import DestLayer
+from ascend_dist.kv_mooncake.sfa.producer import make_sfa_handshake
+from ascend_dist.kv_mooncake.sfa.scheduler import ConsumerMetadata, RecvReq
+
+LAYER = "model.layers.0.self_attn.attn"
+
+
+class FakeEngine:
+    """Records reads; returns ``rc`` for each."""
+
+    def __init__(self) -> None:
+        self.rc = 0
+        self.reads: list[tuple[str, list[int], list[int], list[int]]] = []
+        self.registered: list[tuple[int, int]] = []
+
+    def get_rpc_port(self) -> int:
+        return 1234
+
+    def register_memory(self, ptr: int, size: int) -> int:
+        self.registered.append((ptr, size))
+        return 0
+
+    def batch_transfer_sync_read(self, session: str, local: list[int], peer: list[int], lengths: list[int]) -> int:
+        self.reads.append((session, local, peer, lengths))
+        return self.rc
+
+
+def _config(p_tp: int = 2, d_tp: int = 1, model: str = "m") -> SfaConfig:
+    extra = {"prefill": {"tp_size": p_tp}, "decode": {"tp_size": d_tp}, "transfer_backend": "mooncake"}
+    extra |= {"quarantine_s": 0.0, "dest_wait_s": 0.2, "recv_timeout_s": 30.0}
+    return SfaConfig.from_kv_transfer_config(
+        engine_id="D", kv_role=Role.CONSUMER.value, kv_port=free_port_range(d_tp), extra=extra, model=model
+    )
+
+
+class Channel:
+    def __init__(self, config: SfaConfig, port: int) -> None:
+        self.config = config
+        self.client = RpcClient(timeout_s=5.0, retries=1)
+        self.endpoint = tcp_endpoint("127.0.0.1", port)
+        self.requests: Codec[Request] = request_codec(1 << 20)
+        self.replies: Codec[Reply] = reply_codec(1 << 20)
+
+    def send(self, msg: Request) -> Reply:
+        return self.replies.decode(self.client.request(self.endpoint, self.requests.encode(msg)))
+
+    def hello(self, sender: str, *, model: str = "m", block_bytes: int = 64) -> Reply:
+        p_cfg = _config(model=model)
+        layer = LayerMeta(layer_idx=0, main=[TensorSpan(1000, block_bytes)], indexer=[TensorSpan(9000, 16)])
+        hs = make_sfa_handshake(p_cfg, sender, 1)
+        return self.send(Hello(handshake=hs, engine_id="P", sender=sender, session="peer:1", layers={LAYER: layer}))
+
+
+@pytest.fixture
+def d() -> Iterator[tuple[ConsumerWorker, FakeEngine, Channel]]:
+    config = _config()
+    engine = FakeEngine()
+    worker = ConsumerWorker(config, tp_rank=0, backend=engine)
+    worker.register({LAYER: DestLayer((50_000,), (64,), (90_000,), (16,))}, [(50_000, 6400), (90_000, 1600)])
+    channel = Channel(config, worker.port)
+    yield worker, engine, channel
+    channel.client.close()
+    worker.shutdown()
+
+
+def _ready(sender: str, member: int, reads: list[ReadReq], done: list[str], **kw: Any) -> ReadReady:
+    return ReadReady(
+        sender=sender,
+        layer_idx=0,
+        layer_name=LAYER,
+        reads=reads,
+        done_ext_ids=done,
+        group_member_idx=member,
+        tp_ratio=2,
+        **kw,
+    )
+
+
+def _add(worker: ConsumerWorker, ext: str, main: tuple[int, ...], idx: tuple[int, ...]) -> None:
+    worker.start_load_kv(ConsumerMetadata((RecvReq(f"{ext}-int", ext, main, idx),)))
+
+
+def test_done_needs_every_contributor_and_duplicates_do_not_count(d: Any) -> None:
+    worker, engine, ch = d
+    _add(worker, "r", (10, 11, 12), (20, 21, 22))
+    for sender in ("P/tp0", "P/tp1"):
+        assert isinstance(ch.hello(sender), HelloAck)
+    read = ReadReq("r", [1, 2, 3], [4, 5, 6], 0, 0)
+    assert isinstance(ch.send(_ready("P/tp0", 0, [read], ["r"])), ReadDone)
+    assert isinstance(ch.send(_ready("P/tp0", 0, [read], ["r"])), ReadDone)  # a duplicate
+    assert worker.get_finished() == (set(), set())
+    assert isinstance(ch.send(_ready("P/tp1", 1, [read], ["r"])), ReadDone)
+    assert worker.get_finished() == (set(), {"r-int"})
+    # member 0 read main (3 blocks, one run) + its indexer half; member 1 only its indexer half
+    (_, local0, peer0, len0), _, (_, _, _, len1) = engine.reads
+    assert (local0[0], peer0[0], len0[0]) == (50_000 + 10 * 64, 1000 + 64, 3 * 64)
+    assert sum(len1) == 16 * 1 and sum(len0) == 3 * 64 + 16 * 2
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_failed_engine_read_fails_the_batch_and_reports_its_blocks(d: Any) -> None:
+    worker, engine, ch = d
+    _add(worker, "a", (10,), (20,))
+    _add(worker, "b", (11,), (21,))
+    ch.hello("P/tp0")
+    engine.rc = -1
+    reply = ch.send(_ready("P/tp0", 0, [ReadReq("a", [1], [2]), ReadReq("b", [3], [4])], []))
+    assert isinstance(reply, ReadFailed) and "returned -1" in reply.error
+    assert len(engine.reads) == 2  # read_retries=1: one retry (Mooncake #4209), then the batch fails
+    assert worker.get_block_ids_with_load_errors() == {10, 20, 11, 21}
+    assert worker.get_finished() == (set(), {"a-int", "b-int"})  # quarantine_s = 0
+    engine.rc = 0
+    later = ch.send(_ready("P/tp0", 0, [ReadReq("a", [1], [2])], ["a"]))  # a later layer of a failed request
+    assert isinstance(later, ReadDone) and later.failed == ["a"]
+
+
+def test_a_rank_owning_nothing_still_answers(d: Any) -> None:
+    worker, engine, ch = d
+    _add(worker, "r", (10,), (20,))
+    ch.hello("P/tp1")
+    reply = ch.send(_ready("P/tp1", 1, [ReadReq("r", [1], [])], []))  # member 1: no main, no indexer blocks
+    assert isinstance(reply, ReadDone) and reply.failed == [] and engine.reads == []
+
+
+def test_refusals(d: Any) -> None:
+    worker, engine, ch = d
+    _add(worker, "r", (10,), (20,))
+    assert isinstance(ch.send(_ready("P/tp9", 0, [ReadReq("r", [1], [2])], [])), ReadFailed)  # no hello
+    refused = ch.hello("P/tp0", model="other")
+    assert isinstance(refused, Refused) and refused.field == "model"
+    refused = ch.hello("P/tp0", block_bytes=32)
+    assert isinstance(refused, Refused) and "main block bytes" in refused.field
+    ch.hello("P/tp0")
+    stale = ch.send(_ready("P/tp0", 0, [ReadReq("r", [1], [2])], [], expires_unix_ms=int(time.time() * 1000) - 1))
+    assert isinstance(stale, ReadFailed) and "expired" in stale.error
+    start = time.monotonic()
+    unknown = ch.send(_ready("P/tp0", 0, [ReadReq("nobody", [1], [2])], []))
+    assert isinstance(unknown, ReadDone) and unknown.failed == ["nobody"]
+    assert 0.15 < time.monotonic() - start < 3.0  # waited dest_wait_s for D's own step, no longer
+    assert engine.reads == []

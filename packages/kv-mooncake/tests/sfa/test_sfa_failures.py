@@ -1,0 +1,117 @@
+"""Failure paths over real processes: dead peers, missing confirmations, bad messages, refused peers.
+
+Each ends in a typed error or reported load errors within a deadline, with every block returned:
+D reports every request finished (vLLM frees its blocks) and P's reuse gates all open.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ascend_dist.common.wire import Codec
+from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
+from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.sfa.messages import ReadFailed, ReadReady, Reply, reply_codec, request_codec
+
+
+def _all_ids(pair: Any, rid: str) -> set[int]:
+    return {b for ids in pair.d.alloc.held[rid] for b in ids}
+
+
+@pytest.mark.timeout(60)
+def test_p_killed_before_d_reads_reports_every_block_failed(make_sfa_pair: Callable[..., Any]) -> None:
+    """P dispatches its layers, then dies before D's read thread got the destinations."""
+    pair = make_sfa_pair(d_extra={"dest_wait_s": 3.0}, own_process=True)
+    params = pair.d.decode("x", 40, deliver=False)
+    pair.p.prefill([{"rid": "p-x", "prompt_len": 40, "seed": 3, "params": params}])
+    deadline = time.monotonic() + 10.0
+    while pair.d.workers[0].received < 2:  # hello + the first layer's read request arrived
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pair.p.kill()
+    pair.d.step()  # the read thread now reads from a dead P: the engine returns -1
+    start = time.monotonic()
+    errors = pair.d.wait_recv({"x"}, timeout_s=10.0)
+    assert errors == _all_ids(pair, "x")
+    assert time.monotonic() - start < 5.0
+    assert all(w.pending == 0 for w in pair.d.workers)
+
+
+@pytest.mark.timeout(60)
+def test_p_that_never_sends_is_failed_at_recv_timeout(make_sfa_pair: Callable[..., Any]) -> None:
+    pair = make_sfa_pair(d_extra={"recv_timeout_s": 1.0})
+    start = time.monotonic()
+    pair.d.decode("y", 30)  # the proxy never reaches P
+    assert pair.d.wait_recv({"y"}, timeout_s=10.0) == _all_ids(pair, "y")
+    assert 0.9 < time.monotonic() - start < 5.0
+    assert all(w.pending == 0 for w in pair.d.workers)
+
+
+@pytest.mark.timeout(60)
+def test_dead_d_fails_requests_on_p_and_opens_every_gate(make_sfa_pair: Callable[..., Any]) -> None:
+    pair = make_sfa_pair(p_extra={"read_timeout_s": 1.0, "hello_timeout_s": 0.5, "endpoint_retry_s": 30.0})
+    params = pair.d.decode("z", 40)
+    pair.d.shutdown()  # D's read threads are gone: nobody answers
+    start = time.monotonic()
+    pair.p.prefill([{"rid": "p-z", "prompt_len": 40, "seed": 4, "params": params}])
+    pair.p.prefill([{"rid": "p-z2", "prompt_len": 40, "seed": 5, "params": {**params, "request_id": "z2"}}])
+    drained = pair.p.drain()
+    assert set(drained["failed"]) == {"z", "z2"}
+    assert "DeadlineExceeded" in drained["failed"]["z"]
+    # One missed hello, then the endpoint is skipped: not one timeout per layer.
+    assert time.monotonic() - start < 4.0
+
+
+@pytest.mark.timeout(60)
+def test_missing_confirmation_times_out_and_releases_the_gate(make_sfa_pair: Callable[..., Any]) -> None:
+    """A D endpoint that accepts messages but never answers (a hung read thread)."""
+    pair = make_sfa_pair(p_extra={"read_timeout_s": 1.0, "hello_timeout_s": 0.5})
+    params = pair.d.decode("m", 24)
+    pair.d.shutdown()
+    with RpcServer("127.0.0.1", pair.extra["kv_port"], lambda payload: None, name="mute-d"):
+        start = time.monotonic()
+        pair.p.prefill([{"rid": "p-m", "prompt_len": 24, "seed": 6, "params": params}])
+        drained = pair.p.drain()
+        assert "m" in drained["failed"]
+        assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.timeout(60)
+def test_malformed_and_out_of_order_messages_are_answered_and_d_keeps_serving(
+    make_sfa_pair: Callable[..., Any],
+) -> None:
+    pair = make_sfa_pair()
+    replies: Codec[Reply] = reply_codec(1 << 20)
+    endpoint = tcp_endpoint("127.0.0.1", pair.extra["kv_port"])
+    with RpcClient(timeout_s=2.0, retries=1) as client:
+        bad = replies.decode(client.request(endpoint, b"\x93garbage"))
+        assert isinstance(bad, ReadFailed) and "malformed" in bad.error
+        early = ReadReady(sender="stranger/tp0", layer_idx=0, layer_name="model.layers.0.self_attn.attn", reads=[])
+        reply = replies.decode(client.request(endpoint, request_codec(1 << 20).encode(early)))
+        assert isinstance(reply, ReadFailed) and "no hello" in reply.error
+    pair.run("ok", 33, seed=7)
+    assert pair.d.wait_recv({"ok"}) == set()
+    assert pair.d.verify("ok", 7) > 0
+
+
+@pytest.mark.timeout(60)
+def test_incompatible_p_is_refused_with_the_field_named(make_sfa_pair: Callable[..., Any]) -> None:
+    pair = make_sfa_pair(p_extra={"model": "another-model"}, d_extra={"recv_timeout_s": 1.5})
+    pair.run("c", 24, seed=8)
+    drained = pair.p.drain()
+    assert "model differs" in drained["failed"]["c"]
+    assert pair.d.wait_recv({"c"}, timeout_s=10.0) == _all_ids(pair, "c")
+
+
+@pytest.mark.timeout(60)
+def test_layout_mismatch_is_refused(make_sfa_pair: Callable[..., Any]) -> None:
+    """D's host pool blocks differ from P's main blocks: refused at hello, never silently corrupted."""
+    pair = make_sfa_pair(d_model={"main_dims": (32, 16)}, d_extra={"recv_timeout_s": 1.5})
+    pair.run("l", 24, seed=9)
+    drained = pair.p.drain()
+    assert "main block bytes" in drained["failed"]["l"]
+    assert pair.d.wait_recv({"l"}, timeout_s=10.0) == _all_ids(pair, "l")
