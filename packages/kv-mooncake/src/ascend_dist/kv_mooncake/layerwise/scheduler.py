@@ -1,0 +1,277 @@
+"""Scheduler side of the layer-wise push: D announces its blocks first, P plans per-step pushes.
+
+Runs in: the scheduler process of P and of D (the same class; the role decides what fires). Works
+on plain values (`SchedRequest`, block-id lists); the vLLM adapter translates vLLM's objects.
+
+Order of calls (vLLM v1): ``get_num_new_matched_tokens`` -> ``update_state_after_alloc`` ->
+``build_connector_meta`` (every step) -> ``request_finished``.
+
+* D (``do_remote_prefill``): loads ``prompt - computed`` tokens asynchronously; after allocation
+  it announces **all** the request's blocks (prefix hit included) and its coordinates to the
+  proxy's metaserver (`PushParams`), and the workers start waiting for the layers. A failed
+  announcement fails the request (reported finished with all its blocks invalid), never the engine.
+* P (``do_remote_decode``, params from the proxy): each step emits the request's block ids and its
+  computed-token window; the chunk that computes the prompt's end is the last one. P frees its
+  blocks at once (``request_finished`` -> ``(False, None)``); the workers' reuse gate protects
+  storage still being pushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.layerwise.messages import PushParams, parse_push_params
+from ascend_dist.kv_mooncake.layerwise.metaserver import AsyncAnnouncer, HttpMetaserver, Metaserver
+from ascend_dist.kv_mooncake.scheduler import SchedRequest
+
+__all__ = ["LayerwiseMetadata", "LayerwiseScheduler", "RecvReqMeta", "Scheduled", "SendReqMeta"]
+
+logger = logging.getLogger(__name__)
+
+
+class RecvReqMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """D: wait for a request's layers (or fail it now, when ``failed`` says why)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[list[int]]
+    failed: str = ""
+
+
+class SendReqMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """P: push this step's computed blocks of a request into D's blocks."""
+
+    request_id: str
+    params: PushParams
+    local_block_ids: list[list[int]]
+    prompt_len: int
+    transed_tokens: int
+    computed_tokens: int
+    chunk_finished: bool
+
+
+class LayerwiseMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """One step's work for the workers."""
+
+    recv: list[RecvReqMeta] = []
+    send: list[SendReqMeta] = []
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """What P's scheduler scheduled for a request in this step.
+
+    Attributes:
+        num_computed_tokens: Tokens computed before this step.
+        num_scheduled_tokens: Tokens computed in this step.
+        new_block_ids: Blocks allocated in this step, per group (None: none).
+    """
+
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    new_block_ids: Sequence[Sequence[int]] | None = None
+
+
+@dataclass
+class _Send:
+    params: PushParams
+    local: list[list[int]]
+    prompt_len: int
+    computed: int = 0
+    transed: int = 0
+
+
+@dataclass
+class _Recv:
+    computed: int = 0
+    meta: RecvReqMeta | None = None
+    ids: list[list[int]] = field(default_factory=list)
+
+
+class LayerwiseScheduler:
+    """The scheduler half of ``MooncakeLayerwiseConnector``."""
+
+    def __init__(
+        self,
+        config: LayerwiseConfig,
+        block_sizes: Sequence[int],
+        *,
+        metaserver: Metaserver | None = None,
+    ) -> None:
+        """Create the scheduler.
+
+        Args:
+            config: The connector configuration.
+            block_sizes: Tokens per block of each KV-cache group (all equal: one block size).
+            metaserver: Where D announces (default: the HTTP(S) client with the configured TLS).
+
+        Raises:
+            ConfigError: No groups, or groups with different block sizes.
+        """
+        if not block_sizes or any(b <= 0 for b in block_sizes) or len(set(block_sizes)) != 1:
+            raise ConfigError("block_sizes", list(block_sizes), "one positive, equal block size per KV-cache group")
+        self._config = config
+        self._block_sizes = list(block_sizes)
+        self._block = block_sizes[0]
+        self._recv: dict[str, _Recv] = {}
+        self._send: dict[str, _Send] = {}
+        self._lock = threading.Lock()
+        self._failed: dict[str, str] = {}
+        self._announcer: AsyncAnnouncer | None = None
+        if not config.is_producer:
+            client = metaserver or HttpMetaserver(config.tls, timeout_s=config.metaserver_timeout_s)
+            self._announcer = AsyncAnnouncer(client, self._announce_failed)
+
+    @property
+    def tracked(self) -> int:
+        """Requests with scheduler state (0 when idle: nothing leaks)."""
+        with self._lock:
+            return len(self._recv) + len(self._send) + len(self._failed)
+
+    def get_num_new_matched_tokens(self, request: SchedRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """D: tokens P pushes beyond D's prefix hit (async); P: none.
+
+        Raises:
+            ConfigError: ``num_computed_tokens`` is not whole blocks.
+        """
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        if num_computed_tokens % self._block:
+            raise ConfigError("num_computed_tokens", num_computed_tokens, f"a multiple of block_size={self._block}")
+        count = max(request.prompt_len - num_computed_tokens, 0)
+        if count:
+            self._recv.setdefault(request.request_id, _Recv()).computed = num_computed_tokens
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: SchedRequest, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """D: announce all the request's blocks; P: start tracking a push request.
+
+        Args:
+            request: The request.
+            block_ids: Per group, ALL of the request's blocks (prefix hit included).
+            num_external_tokens: What `get_num_new_matched_tokens` promised.
+
+        Raises:
+            ConfigError: Bad ``kv_transfer_params`` (names the key) or group count.
+        """
+        raw = request.kv_transfer_params
+        if not raw:
+            return
+        if len(block_ids) != len(self._block_sizes):
+            raise ConfigError("block_ids", len(block_ids), f"{len(self._block_sizes)} lists (one per KV-cache group)")
+        if raw.get("do_remote_prefill") and not self._config.is_producer:
+            raw["do_remote_prefill"] = False
+            if num_external_tokens > 0:
+                self._announce(request, [list(ids) for ids in block_ids], raw)
+            return
+        if raw.get("do_remote_decode") and self._config.is_producer:
+            if "remote_block_ids" not in raw:
+                logger.warning(
+                    "request %s: do_remote_decode without D's announcement (remote_block_ids); nothing is pushed",
+                    request.request_id,
+                )
+                return
+            params = parse_push_params({"request_id": request.request_id, **raw})
+            if request.request_id not in self._send:
+                self._send[request.request_id] = _Send(
+                    params, [list(ids) for ids in block_ids], request.prompt_len, transed=params.remote_cached_tokens
+                )
+            else:
+                self._send[request.request_id].local = [list(ids) for ids in block_ids]
+
+    def _announce(self, request: SchedRequest, ids: list[list[int]], raw: Mapping[str, object]) -> None:
+        rid = request.request_id
+        state = self._recv.setdefault(rid, _Recv())
+        c = self._config
+        payload = PushParams(
+            request_id=rid,
+            remote_engine_id=c.engine_id,
+            remote_host=c.host,
+            remote_port=c.d_ports.dp_base(c.dp_rank),
+            remote_block_ids=ids,
+            remote_block_size=list(self._block_sizes),
+            remote_tp_size=c.decode.tp_size,
+            remote_pcp_size=c.decode.pcp_size,
+            remote_dcp_size=c.decode.dcp_size,
+            remote_cached_tokens=state.computed,
+        )
+        state.meta = RecvReqMeta(request_id=rid, transfer_id=rid, block_ids=ids)
+        state.ids = ids
+        url = raw.get("metaserver")
+        if not isinstance(url, str) or not url:
+            self._announce_failed(rid, "kv_transfer_params.metaserver is missing (the proxy's /v1/metaserver URL)")
+            return
+        assert self._announcer is not None
+        self._announcer.announce(rid, url, msgspec.to_builtins(payload))
+
+    def _announce_failed(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._failed[request_id] = reason
+
+    def build_connector_meta(self, scheduled: Mapping[str, Scheduled] | None = None) -> LayerwiseMetadata:
+        """This step's work: D's new waits (and failed announcements), P's pushes.
+
+        Args:
+            scheduled: P: what was scheduled per request id in this step.
+        """
+        recv: list[RecvReqMeta] = []
+        for state in self._recv.values():
+            if state.meta is not None:
+                recv.append(state.meta)
+                state.meta = None
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        for rid, reason in failed.items():
+            state = self._recv.get(rid)
+            if state is None:  # finished (aborted) meanwhile: nothing left to report
+                continue
+            recv.append(RecvReqMeta(request_id=rid, transfer_id=rid, block_ids=state.ids, failed=reason))
+        return LayerwiseMetadata(recv=recv, send=self._sends(scheduled or {}))
+
+    def _sends(self, scheduled: Mapping[str, Scheduled]) -> list[SendReqMeta]:
+        out: list[SendReqMeta] = []
+        for rid, step in scheduled.items():
+            info = self._send.get(rid)
+            if info is None:
+                continue
+            for ids, new in zip(info.local, step.new_block_ids or [], strict=False):
+                known = set(ids)
+                ids.extend(x for x in new if x not in known)
+            info.transed = max(info.transed, (info.computed // self._block) * self._block)
+            info.computed = step.num_computed_tokens + step.num_scheduled_tokens
+            finished = info.computed >= info.prompt_len
+            out.append(
+                SendReqMeta(
+                    request_id=rid,
+                    params=info.params,
+                    local_block_ids=[list(x) for x in info.local],
+                    prompt_len=info.prompt_len,
+                    transed_tokens=info.transed,
+                    computed_tokens=min(info.computed, info.prompt_len),
+                    chunk_finished=finished,
+                )
+            )
+            if finished:
+                del self._send[rid]
+        return out
+
+    def request_finished(self, request: SchedRequest, block_ids: Sequence[Sequence[int]]) -> tuple[bool, None]:
+        """Forget the request; blocks are freed at once on both sides (P: the reuse gate protects them)."""
+        self._recv.pop(request.request_id, None)
+        self._send.pop(request.request_id, None)
+        return False, None
+
+    def close(self) -> None:
+        """Stop the announcement threads (D). Idempotent."""
+        if self._announcer is not None:
+            self._announcer.close()

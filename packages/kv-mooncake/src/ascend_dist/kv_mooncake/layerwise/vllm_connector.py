@@ -1,0 +1,246 @@
+"""``MooncakeLayerwiseConnector`` for vLLM: a thin `KVConnectorBase_V1` delegating to this subpackage.
+
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
+module of the subpackage that imports vLLM. It translates vLLM objects (``Request``,
+``KVCacheBlocks``, ``SchedulerOutput``, ``KVCacheConfig``, the layer -> tensor dict) into plain values
+and calls `LayerwiseScheduler` / `LayerwiseWorker`.
+
+With ``P_tp > D_tp`` (GQA) the worker needs the all-to-all group: it is built from
+``torch.distributed`` sub-groups of the TP group (``pd_head_ratio`` consecutive TP ranks; gloo on the
+CPU, the device backend elsewhere), created collectively at ``register_kv_caches``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.layerwise.reshard import AllToAll, GlooAllToAll
+from ascend_dist.kv_mooncake.layerwise.scheduler import LayerwiseMetadata, LayerwiseScheduler, Scheduled
+from ascend_dist.kv_mooncake.layerwise.worker import LayerwiseWorker
+from ascend_dist.kv_mooncake.scheduler import SchedRequest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseMetadata"]
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeLayerwiseMetadata(KVConnectorMetadata):
+    """vLLM's metadata object carrying this subpackage's `LayerwiseMetadata`."""
+
+    def __init__(self, inner: LayerwiseMetadata) -> None:
+        """Wrap one step's metadata."""
+        self.inner = inner
+
+
+def _config(vllm_config: VllmConfig) -> LayerwiseConfig:
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None:
+        raise ConfigError("kv_transfer_config", None, "set (MooncakeLayerwiseConnector needs kv_role, kv_port)")
+    extra = dict(ktc.kv_connector_extra_config or {})
+    extra.setdefault("dp_rank", vllm_config.parallel_config.data_parallel_rank)
+    cache = vllm_config.cache_config
+    return LayerwiseConfig.from_kv_transfer_config(
+        engine_id=ktc.engine_id,
+        kv_role=ktc.kv_role,
+        kv_port=ktc.kv_port,
+        extra=extra,
+        model=str(vllm_config.model_config.model),
+        dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else vllm_config.model_config.dtype),
+    )
+
+
+def _ranks() -> tuple[int, int]:
+    """(tp_rank, pcp_rank) of this worker; zeros when vLLM's parallel groups are not initialised."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 0
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pcp_group().rank_in_group
+
+
+def _all_to_all(ratio: int) -> AllToAll | None:
+    """The sub-group of ``ratio`` consecutive TP ranks this rank belongs to (collective: every rank calls)."""
+    if ratio <= 1:
+        return None
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    tp = parallel_state.get_tp_group()
+    mine = None
+    for first in range(0, len(tp.ranks), ratio):
+        group = dist.new_group(tp.ranks[first : first + ratio], backend="gloo")
+        if first <= tp.rank_in_group < first + ratio:
+            mine = group
+    return GlooAllToAll(mine)
+
+
+def _sched_request(request: Request) -> SchedRequest:
+    return SchedRequest(
+        request_id=request.request_id,
+        prompt_len=request.num_prompt_tokens,
+        kv_transfer_params=request.kv_transfer_params,
+    )
+
+
+def _scheduled(out: SchedulerOutput) -> dict[str, Scheduled]:
+    """What P scheduled per request in this step (new and running requests)."""
+    steps = {
+        r.req_id: Scheduled(r.num_computed_tokens, out.num_scheduled_tokens.get(r.req_id, 0), r.block_ids)
+        for r in out.scheduled_new_reqs
+    }
+    cached = out.scheduled_cached_reqs
+    for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
+        steps[rid] = Scheduled(computed, out.num_scheduled_tokens.get(rid, 0), new_ids)
+    return steps
+
+
+class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
+    """P/D disaggregation: P pushes each layer into D's blocks as soon as it is computed (vllm-ascend's name)."""
+
+    # The multi-connector gives this connector the real blocks and token count even when another
+    # child loads (spec §12 item 2), and treats it as a layer-wise reuse provider (item 5).
+    requires_full_blocks_on_update_after_alloc = True
+    supports_layerwise_buffer_reuse = True
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        """Build the scheduler or worker half from vLLM's configuration.
+
+        Raises:
+            ConfigError: The kv_transfer_config is invalid; the error names the field.
+        """
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        self._lw_config = _config(vllm_config)
+        groups = kv_cache_config.kv_cache_groups
+        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self._groups = [list(g.layer_names) for g in groups]
+        self._num_blocks = kv_cache_config.num_blocks
+        self._scheduler: LayerwiseScheduler | None = None
+        self._worker: LayerwiseWorker | None = None
+        model = vllm_config.model_config
+        self._heads = model.get_total_num_kv_heads()
+        self._use_mla = bool(model.use_mla)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = LayerwiseScheduler(self._lw_config, self._block_sizes)
+        else:
+            self._tp_rank, self._pcp_rank = _ranks()
+
+    # ---- scheduler side -------------------------------------------------------------------------
+
+    def _sched(self) -> LayerwiseScheduler:
+        if self._scheduler is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """D: tokens P pushes (async); P: none."""
+        return self._sched().get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """D: announce ALL the request's blocks to the metaserver; P: start tracking the push."""
+        self._sched().update_state_after_alloc(_sched_request(request), blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's waits (D) and pushes (P)."""
+        return MooncakeLayerwiseMetadata(self._sched().build_connector_meta(_scheduled(scheduler_output)))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are freed at once (P: the reuse gate protects layers still in flight)."""
+        return self._sched().request_finished(_sched_request(request), [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """As `request_finished`, every KV group."""
+        return self._sched().request_finished(_sched_request(request), list(block_ids))
+
+    # ---- worker side ----------------------------------------------------------------------------
+
+    def _work(self) -> LayerwiseWorker:
+        if self._worker is None:
+            raise ConfigError("register_kv_caches", "not called", "called first (WORKER role)")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's caches (``[2, blocks, ...]`` split K/V, or one MLA tensor per layer)."""
+        if self._scheduler is not None:
+            raise ConfigError("role", "SCHEDULER", "WORKER for register_kv_caches")
+        parts: dict[str, list[torch.Tensor]] = {}
+        for name, t in kv_caches.items():
+            if isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[0] == 2:
+                parts[name] = [t[0], t[1]]
+            else:
+                parts[name] = [t] if isinstance(t, torch.Tensor) else list(t)
+        ratio = self._lw_config.parallel_infos(1 if self._use_mla else self._heads, self._use_mla)[0].pd_head_ratio
+        self._worker = LayerwiseWorker(
+            self._lw_config,
+            tp_rank=self._tp_rank,
+            pcp_rank=self._pcp_rank,
+            num_kv_heads=self._heads,
+            use_mla=self._use_mla,
+            all_to_all=_all_to_all(ratio) if self._lw_config.is_producer else None,
+        )
+        groups = [[n for n in g if n in parts] for g in self._groups]
+        self._worker.register_kv_caches(
+            parts, groups=groups, num_blocks=self._num_blocks, block_size=self._block_sizes[0]
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """D: start waiting for announced requests; P: plan this step's pushes."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, MooncakeLayerwiseMetadata):
+            raise ConfigError("connector_metadata", type(meta).__name__, "MooncakeLayerwiseMetadata")
+        self._work().start_load_kv(meta.inner)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """P: the layer's reuse gate (its storage is no longer being pushed); D: async loads, no wait."""
+        self._work().wait_for_layer_load(layer_name)
+
+    def wait_for_layer_reuse(self, layer_name: str) -> None:
+        """The multi-connector's provider hook: same as P's `wait_for_layer_load`."""
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """P: queue the layer's push (its KV was just written into the registered cache)."""
+        self._work().save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        """Pushes are asynchronous; storage reuse is ordered by the reuse gate."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """D: received (or failed) requests; P frees at once, so nothing is sending."""
+        sending, recving = self._work().get_finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Logical block ids (every KV group) of the requests `get_finished` reported failed."""
+        return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Stop threads, sockets and registrations."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
