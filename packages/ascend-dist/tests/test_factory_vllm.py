@@ -78,6 +78,10 @@ def _pd_extra(_: Env) -> dict[str, Any]:
     return {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
 
 
+def _sfa_extra(env: Env) -> dict[str, Any]:
+    return {**_pd_extra(env), "transfer_backend": "mooncake"}
+
+
 def _store_extra(env: Env) -> dict[str, Any]:
     store = {
         "master_server_address": env.master(), "protocol": "tcp",
@@ -122,6 +126,8 @@ STORE_REQUIRED: dict[str, Any] = {
 }
 CASES: dict[str, Case] = {
     "MooncakeConnectorV1": Case(PD_ROLES, _pd_extra, required="prefill", kv_port=True, bad_role="kv_both"),
+    "MooncakeLayerwiseConnector": Case(PD_ROLES, _pd_extra, required="prefill", kv_port=True, bad_role="kv_both"),
+    "SfaRemoteD2HConnector": Case(PD_ROLES, _sfa_extra, required="prefill", kv_port=True, bad_role="kv_both"),
     "AscendStoreConnector": Case(("kv_both",), _store_extra, **STORE_REQUIRED),
     "MooncakeConnectorStoreV1": Case(("kv_both",), _store_extra, **STORE_REQUIRED),
     "RecomputeCPUOffloadConnector": Case(("kv_both",), _recompute_extra),

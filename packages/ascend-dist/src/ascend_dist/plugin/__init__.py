@@ -46,6 +46,15 @@ FACTORIES: dict[str, tuple[str, str, str]] = {
 # (or select them with `kv_connector_module_path`, see the README) instead of overwriting vLLM's.
 COMPONENTS: tuple[Component, ...] = (
     Component("kv_connector", "MooncakeConnectorV1", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeConnectorV1"),
+    Component(
+        "kv_connector",
+        "MooncakeLayerwiseConnector",
+        "ascend_dist.kv_mooncake.layerwise.vllm_connector",
+        "MooncakeLayerwiseConnector",
+    ),
+    Component(
+        "kv_connector", "SfaRemoteD2HConnector", "ascend_dist.kv_mooncake.sfa.vllm_connector", "SfaRemoteD2HConnector"
+    ),
     Component("kv_connector", "AscendStoreConnector", "ascend_dist.kv_store.vllm_connector", "AscendStoreConnector"),
     Component(
         "kv_connector", "MooncakeConnectorStoreV1", "ascend_dist.kv_store.vllm_connector", "MooncakeConnectorStoreV1"
