@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ascend_dist.common.errors import StoreError
 from ascend_dist.kv_store import (
@@ -196,3 +197,39 @@ def test_master_restart_hits_again(fresh_master, kvtools) -> None:
         assert hit == 63
     finally:
         worker.close()
+
+
+def test_partial_last_chunk_is_pooled_under_its_own_key(mooncake_master, kvtools) -> None:
+    """``discard_partial_chunks=false``: the prompt's tail chunk is saved and a repeat loads all of it."""
+    cfg = PoolConfig.from_extra({"discard_partial_chunks": False})
+    a = build_worker(SPEC, cfg, backend_for(mooncake_master))
+    b = build_worker(SPEC, cfg, backend_for(mooncake_master))
+    try:
+        ca, cb = kvtools.make(num_blocks=16, seed=11), kvtools.make(num_blocks=16, seed=12)
+        a.register_kv_caches(ca, 16)
+        b.register_kv_caches(cb, 16)
+        sa, sb = build_scheduler(SPEC, cfg, a.safe_lookup), build_scheduler(SPEC, cfg, b.safe_lookup)
+        prompt = list(range(6000, 6040))  # 2 whole chunks + 8 tokens
+        assert sa.get_num_new_matched_tokens("a", prompt, 40, 0) == (0, False)
+        meta = sa.build_meta(StepInput(new=[NewRequest("a", prompt, [[1, 2, 3]], 0, 40)]))
+        assert [m.save_end_token for m in meta.requests] == [40]
+        a.wait_for_save(meta)
+        a.drain(10)
+        assert a.stats.saved_keys == 3 and a.stats.saved_bytes == (2 + 0.5) * 16 * 2 * 8 * 2 * 2 * 2
+        need, _ = sb.get_num_new_matched_tokens("b", prompt, 40, 0)
+        assert need == 39  # the whole prompt but its last token (vLLM computes the logits)
+        sb.update_state_after_alloc("b", [[7, 8, 9]], need)
+        b.start_load_kv(sb.build_meta(StepInput(new=[NewRequest("b", prompt, [[7, 8, 9]], 39, 1)])))
+        assert b.get_block_ids_with_load_errors() == set()
+        for name in ca:
+            for kv in (0, 1):
+                assert torch.equal(cb[name][kv][7:9], ca[name][kv][1:3])
+                assert torch.equal(cb[name][kv][9][:8], ca[name][kv][3][:8])  # the partial tail
+        # a longer prompt sharing the first 40 tokens reuses only the whole chunks
+        assert sb.get_num_new_matched_tokens("c", [*prompt, 1, 2, 3], 43, 0)[0] == 32
+        # a whole-chunk instance never reads the partial object
+        plain = build_scheduler(SPEC, PoolConfig.from_extra({}), b.safe_lookup)
+        assert plain.get_num_new_matched_tokens("d", prompt, 40, 0)[0] == 32
+    finally:
+        a.close()
+        b.close()

@@ -158,8 +158,11 @@ def test_req_meta_table() -> None:
     assert m is not None and m.load_spec is None and not m.can_save
     m = build_req_meta(tracker(20), 16, hash_block_size=16)
     assert m is not None and m.save_end_token == 16
-    m = build_req_meta(tracker(20), 16, hash_block_size=16, discard_partial=False)
-    assert m is not None and m.save_end_token == 20
+    assert build_req_meta(tracker(20), 16, hash_block_size=16, discard_partial=False).save_end_token == 16  # type: ignore[union-attr]
+    with_tail = tracker(20)
+    with_tail.tail = b"t" * 32  # the prompt's partial tail has its own hash
+    m = build_req_meta(with_tail, 16, hash_block_size=16, discard_partial=False)
+    assert m is not None and m.save_end_token == 20 and m.tail_hash == b"t" * 32
     assert build_req_meta(tracker(32, 32), 16, hash_block_size=16) is None
 
 
@@ -182,3 +185,25 @@ def test_hit_helpers() -> None:
     assert discontinuous_hits(e6, rows, 16, 64) == [48]
     assert common_hit([[16, 32, 48], [32, 48], [16, 32], [32, 48, 64]]) == 32
     assert common_hit([[16], []]) == 0
+
+
+def test_mamba_tracker_update_nulls_stale_state_blocks() -> None:
+    from ascend_dist.kv_store.plan import MambaGroups, mamba_update
+
+    assert mamba_update([0, 3, 4, 5, 6], [4, 17], num_computed=32, spec_blocks=3, block_size=16) == [
+        0,
+        3,
+        0,
+        5,
+        6,
+        4,
+        17,
+    ]
+    got = mamba_update(
+        [0] * 7 + [9, 10, 11, 12], [0, 0, 0, 0, 10, 11, 12, 29], num_computed=128, spec_blocks=3, block_size=16
+    )
+    assert got == [0] * 7 + [9] + [0] * 7 + [10, 11, 12, 29]
+    assert mamba_update([5, 6], [7], num_computed=64, spec_blocks=0, block_size=16) == [0, 0, 7]
+    t = RequestTracker("r", [], 0, [[1, 2], [0, 3, 4, 5, 6]])
+    t.update([], [[7], [4, 17]], mamba=MambaGroups(frozenset({1}), (16, 16), 3), num_computed=32)
+    assert t.block_ids == [[1, 2, 7], [0, 3, 0, 5, 6, 4, 17]]

@@ -126,12 +126,15 @@ class Instance:
     def block(self, block_id: int) -> bytes:
         return b"".join(self.caches[n][kv, block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
 
-    def step(self) -> Any:
+    def step(self, layerwise: bool = False) -> Any:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, AscendStoreConnectorMetadata)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        for name in LAYERS if layerwise else ():  # what vLLM's maybe_transfer_kv_layer does per layer
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name, self.caches[name], None)  # type: ignore[arg-type]
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
         return out
@@ -171,6 +174,48 @@ def test_second_instance_loads_first_instances_prefix(model_dir, mooncake_master
     finally:
         a.close()
         b.close()
+
+
+def test_layerwise_mode_through_the_connector(model_dir, mooncake_master, kvtools) -> None:
+    cfg = {"use_layerwise": True}
+    a = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port(), **cfg), seed=6)
+    b = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port(), **cfg), seed=7)
+    try:
+        assert AscendStoreConnector.requires_piecewise_for_cudagraph(cfg)
+        prompt = list(range(400, 470))
+        a.scheduler.add_request(request("la", prompt))
+        blocks_a = a.step(layerwise=True).scheduled_new_reqs[0].block_ids[0]
+        a.worker._worker.drain(20)
+        assert a.worker._worker.stats.saved_keys == 4 * len(LAYERS)  # one object per chunk and layer
+        b.scheduler.add_request(request("lb", prompt))
+        out = b.step(layerwise=True)
+        new = out.scheduled_new_reqs[0]
+        assert new.num_computed_tokens == 64
+        assert b.worker.get_block_ids_with_load_errors() == set()
+        assert [b.block(x) for x in new.block_ids[0][:4]] == [a.block(x) for x in blocks_a[:4]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_hybrid_groups_become_coordinator_rules(model_dir, kvtools) -> None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from ascend_dist.kv_store.vllm_connector import pool_spec_from_vllm
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], swa)],
+    )
+    spec = pool_spec_from_vllm(make_config(model_dir, "127.0.0.1:1", kvtools.free_port()), kcc)
+    assert spec.group_kinds == ("full", "sliding_window") and spec.sliding_windows == (0, 64)
+    coord = spec.coordinator()
+    assert coord is not None and coord.rules[1].contiguous(False) == 4
+    plain = pool_spec_from_vllm(make_config(model_dir, "127.0.0.1:1", kvtools.free_port()), kv_cache_config())
+    assert plain.group_kinds == () and plain.coordinator() is None
 
 
 def test_bad_extra_config_names_the_key(model_dir, kvtools) -> None:

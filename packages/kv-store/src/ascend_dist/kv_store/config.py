@@ -98,6 +98,21 @@ class PoolConfig:
     save_decode_cache: bool = False
     discard_partial_chunks: bool = True
     kv_events: bool = False
+    layerwise_prefetch_layers: int = 1
+    prefill_tp_size: int = 0  # peer TP read by a kv_consumer (0 = same as local)
+    decode_tp_size: int = 0  # peer TP read by a producer / kv_both (0 = same as local)
+    prefill_pp_size: int = 1  # a kv_consumer keys its chunks for a prefill with this many PP stages
+    prefill_pp_layer_partition: str | None = None  # layers per prefill stage, e.g. "31,30"
+
+    @property
+    def peer_tp_size(self) -> int:
+        """The other side's TP size for TP-mismatch keys (0 = same as local)."""
+        return self.prefill_tp_size if self.is_consumer else self.decode_tp_size
+
+    @property
+    def async_loads(self) -> bool:
+        """Loads run on the receiving thread (``load_async``; layer-wise loads are never async)."""
+        return self.load_async and not self.use_layerwise
 
     @property
     def is_consumer(self) -> bool:
@@ -130,7 +145,7 @@ class PoolConfig:
 
         Raises:
             ConfigError: A key has a bad value (the message names it), the backend is unknown, or
-                layerwise mode is requested (not implemented by this package yet).
+                layer-wise mode is requested with memcache (its GVA path is not implemented).
         """
         extra = dict(extra or {})
         if kv_role not in ROLES:
@@ -154,19 +169,34 @@ class PoolConfig:
             save_decode_cache=_bool(extra, "save_decode_cache", False),
             discard_partial_chunks=_bool(extra, "discard_partial_chunks", True),
             kv_events=kv_events,
+            layerwise_prefetch_layers=_int(extra, "layerwise_prefetch_layers", 1, low=1),
+            prefill_tp_size=_int(extra, "prefill_tp_size", 0),
+            decode_tp_size=_int(extra, "decode_tp_size", 0),
+            prefill_pp_size=_int(extra, "prefill_pp_size", 1, low=1),
+            prefill_pp_layer_partition=_partition(extra.get("prefill_pp_layer_partition")),
         )
-        if not cfg.discard_partial_chunks:
+        if not cfg.discard_partial_chunks and cfg.use_layerwise:
             raise ConfigError(
-                "discard_partial_chunks", False, "true (partial chunks are not pooled: only whole chunks have a hash)"
+                "discard_partial_chunks", False, "true with use_layerwise (layer objects are whole chunks)"
             )
-        if cfg.use_layerwise:
-            raise ConfigError("use_layerwise", True, "false (layer-wise pool transfers are not implemented yet)")
+        if cfg.use_layerwise and cfg.backend == "memcache":
+            raise ConfigError(
+                "use_layerwise", True, "false with backend memcache (its GVA layer-wise path is not implemented)"
+            )
         return cfg
 
     @staticmethod
     def unknown_keys(extra: Mapping[str, object]) -> list[str]:
         """Keys of ``extra`` this package does not know (logged by the connector, not rejected)."""
         return sorted(k for k in extra if k not in _KNOWN_EXTRA)
+
+
+def _partition(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and value.replace(",", "").replace(" ", "").isdigit()):
+        return value.replace(" ", "") if isinstance(value, str) else None
+    if isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return ",".join(str(v) for v in value)
+    raise ConfigError("prefill_pp_layer_partition", value, "comma-separated layer counts, e.g. '31,30'")
 
 
 def _read_json(path: str | os.PathLike[str], key: str) -> dict[str, object]:

@@ -199,3 +199,19 @@ class RankLayout:
             prefix = meta.for_rank(head=head, pp=pp, pcp=pcp, dcp=dcp).prefix
             out.extend(prefix + h for h in hexes)
         return out
+
+    def expand_layers(self, meta: KeyMetadata, hashes: Sequence[bytes | str], stage_layers: Sequence[int]) -> list[str]:
+        """All-rank, all-layer keys of ``hashes`` (layer-wise lookups), one row per (variant, layer).
+
+        Rows are ordered variant-major, then layer: ``[v0 L0 keys..., v0 L1 keys..., v1 L0 ...]``.
+        ``stage_layers[pp]`` is the number of layers PP stage ``pp`` stores (layer ids restart at 0
+        per stage; the key's ``pp_rank`` keeps them apart).
+        """
+        hexes = [chunk_hash_hex(h) for h in hashes]
+        out: list[str] = []
+        for pcp, dcp, pp, head in self.rank_variants(meta.kv_cache_group_id):
+            prefix = meta.for_rank(head=head, pp=pp, pcp=pcp, dcp=dcp).prefix
+            for layer in range(stage_layers[pp] if pp < len(stage_layers) else stage_layers[-1]):
+                layer_prefix = f"{prefix}layer_id:{layer}@"
+                out.extend(layer_prefix + h for h in hexes)
+        return out

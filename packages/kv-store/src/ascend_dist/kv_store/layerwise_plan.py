@@ -1,8 +1,9 @@
 """Layer-wise planning: shared layer buffers, copy packets, H2D staggering, GVA addresses.
 
 Runs in: worker processes (and the model runner for the buffer plan). Pure planning, tested against
-the spec's examples (kv-store.md §9.10.3, §9.10.5, §9.10.6, §10.1, §10.2). The layer-wise transfer
-threads that would consume these plans are not implemented yet (see the README's status).
+the spec's examples (kv-store.md §9.10.3, §9.10.5, §9.10.6, §10.1, §10.2). They serve the memcache
+GVA layer-wise path, which is not implemented (it needs the Ascend driver); the key-per-layer path
+is `ascend_dist.kv_store.layerwise`.
 """
 
 from __future__ import annotations

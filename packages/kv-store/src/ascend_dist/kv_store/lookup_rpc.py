@@ -135,6 +135,7 @@ class LookupClient:
         block_hashes: tuple[bytes, ...],
         group_ids: tuple[int, ...] = (0,),
         hbm_hit_tokens: int = 0,
+        tail_hash: bytes = b"",
     ) -> int:
         """Hit tokens for the prompt; 0 on any failure (logged once per kind)."""
         endpoint = self._endpoint()
@@ -154,6 +155,7 @@ class LookupClient:
             group_ids=group_ids,
             hbm_hit_tokens=hbm_hit_tokens,
             block_hashes=block_hashes,
+            tail_hash=tail_hash,
         )
         try:
             reply = ReplyCodec.decode(self._rpc.request(endpoint, LookupCodec.encode(req)))

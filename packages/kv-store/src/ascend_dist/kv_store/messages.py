@@ -14,14 +14,15 @@ from ascend_dist.common.wire import Codec
 
 __all__ = ["PROTOCOL_VERSION", "LookupCodec", "LookupReply", "LookupRequest", "ReplyCodec"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tail_hash (partial last chunks)
 
 
 class LookupRequest(msgspec.Struct, frozen=True, kw_only=True, tag="lookup", tag_field="kind"):
     """How many leading tokens of this prompt does the pool hold?
 
     ``block_hashes`` are the request's fine prefix hashes (32-byte digests), ``token_len`` the
-    granularity-floored prompt length to look up, ``hbm_hit_tokens`` what vLLM already holds.
+    granularity-floored prompt length to look up (the whole prompt when partial chunks are pooled),
+    ``hbm_hit_tokens`` what vLLM already holds, ``tail_hash`` the hash of the partial last chunk.
     """
 
     protocol_version: int = PROTOCOL_VERSION
@@ -30,6 +31,7 @@ class LookupRequest(msgspec.Struct, frozen=True, kw_only=True, tag="lookup", tag
     group_ids: tuple[int, ...] = (0,)
     hbm_hit_tokens: int = 0
     block_hashes: tuple[bytes, ...] = ()
+    tail_hash: bytes = b""  # the prompt's partial last chunk (only with discard_partial_chunks=false)
 
 
 class LookupReply(msgspec.Struct, frozen=True, kw_only=True, tag="hits", tag_field="kind"):

@@ -20,6 +20,7 @@ from ascend_dist.kv_store.sizes import cdiv, floor_to
 
 __all__ = [
     "LoadSpec",
+    "MambaGroups",
     "PoolStepMeta",
     "ReqMeta",
     "RequestTracker",
@@ -27,6 +28,7 @@ __all__ = [
     "common_hit",
     "continuous_hits",
     "discontinuous_hits",
+    "mamba_update",
     "matched_tokens",
 ]
 
@@ -88,14 +90,22 @@ class RequestTracker:
     block_ids: list[list[int]]
     hashes: list[bytes] = field(default_factory=list)
     num_saved_tokens: int = 0
+    tail: bytes | None = None  # hash of the prompt's partial last chunk (partial chunks pooled)
 
     @property
     def token_len(self) -> int:
         """Tokens computed once this step's forward ran."""
         return len(self.token_ids)
 
-    def update(self, new_token_ids: Sequence[int], new_block_ids: Sequence[Sequence[int]] | None) -> None:
-        """Append this step's tokens and blocks (per group).
+    def update(
+        self,
+        new_token_ids: Sequence[int],
+        new_block_ids: Sequence[Sequence[int]] | None,
+        *,
+        mamba: MambaGroups | None = None,
+        num_computed: int = 0,
+    ) -> None:
+        """Append this step's tokens and blocks (per group); Mamba groups drop stale state blocks.
 
         Raises:
             ConfigError: ``new_block_ids`` is not a per-group sequence.
@@ -108,7 +118,47 @@ class RequestTracker:
         while len(self.block_ids) < len(new_block_ids):
             self.block_ids.append([])
         for g, ids in enumerate(new_block_ids):
-            self.block_ids[g].extend(ids)
+            if mamba is not None and g in mamba.groups:
+                self.block_ids[g] = mamba_update(
+                    self.block_ids[g], ids, num_computed=num_computed,
+                    spec_blocks=mamba.spec_blocks, block_size=mamba.block_sizes[g],
+                )  # fmt: skip
+            else:
+                self.block_ids[g].extend(ids)
+
+
+@dataclass(frozen=True)
+class MambaGroups:
+    """Which KV groups are Mamba ``align`` groups, their block sizes and speculative blocks."""
+
+    groups: frozenset[int]
+    block_sizes: tuple[int, ...]
+    spec_blocks: int = 0
+
+
+def mamba_update(
+    existing: Sequence[int], new: Sequence[int], *, num_computed: int, spec_blocks: int, block_size: int
+) -> list[int]:
+    """A Mamba group's block ids after a step (spec §8.4.2): stale state blocks become null (0).
+
+    vLLM keeps only the state blocks still needed (the latest ones and the speculative ones) and
+    frees the others; zeroing them here means a save never reads a block vLLM already reused.
+    Examples (B=16, s=3): ``[0,3,4,5,6]`` + new ``[4,17]`` at 32 computed -> ``[0,3,0,5,6,4,17]``;
+    ``[0]*7+[9,10,11,12]`` + ``[0,0,0,0,10,11,12,29]`` at 128 -> ``[0]*7+[9]+[0]*7+[10,11,12,29]``.
+    """
+    out = list(existing)
+    lead = min(len(out), max(num_computed - spec_blocks - 1, 0) // block_size)
+    out[:lead] = [0] * lead
+    if new and spec_blocks > 0 and out:
+        m = min(len(new) - 1, spec_blocks)
+        if m >= spec_blocks:
+            out[-spec_blocks:] = [0] * min(spec_blocks, len(out))
+        else:
+            start, stop = len(out) - spec_blocks, len(out) - spec_blocks + m
+            for i in range(max(start, 0), max(stop, 0)):
+                out[i] = 0
+    out.extend(new)
+    return out
 
 
 @dataclass(frozen=True)
@@ -126,6 +176,7 @@ class ReqMeta:
     is_last_chunk: bool
     num_prompt_tokens: int
     token_ids: tuple[int, ...] = ()  # only with KV events: the tokens of the saved range
+    tail_hash: bytes | None = None  # the prompt's partial last chunk (``discard_partial_chunks=false``)
 
 
 def build_req_meta(
@@ -142,7 +193,8 @@ def build_req_meta(
     """Decide what to save (and load) for ``tracker`` this step; None when there is nothing to do.
 
     Examples (G=16): T=32, S0=0, 2 hashes -> save ``[0, 32)``; T=20 discarding -> save to 16;
-    T=20 not discarding -> to 20; T=32, S0=32 -> None.
+    T=20 not discarding, 20-token prompt with a tail hash -> to 20 (the partial tail is saved only
+    at the prompt's end, the only partial chunk a lookup asks for); T=32, S0=32 -> None.
 
     Raises:
         ConfigError: ``granularity`` is not a multiple of ``hash_block_size``.
@@ -150,13 +202,12 @@ def build_req_meta(
     if granularity % hash_block_size:
         raise ConfigError("granularity", granularity, f"a multiple of hash_block_size={hash_block_size}")
     total, saved = tracker.token_len, tracker.num_saved_tokens
-    if discard_partial:
-        boundary = cdiv(saved + 1, granularity) * granularity
-        to_save = floor_to(total, granularity)
-    else:
-        boundary, to_save = saved + 1, total
     # Never save past the hashes we have: a chunk without its hash cannot be keyed (spec §8.4.1 step 2).
-    to_save = min(to_save, floor_to(len(tracker.hashes) * hash_block_size, granularity) if discard_partial else to_save)
+    to_save = min(floor_to(total, granularity), floor_to(len(tracker.hashes) * hash_block_size, granularity))
+    boundary = cdiv(saved + 1, granularity) * granularity
+    at_prompt_end = total == tracker.num_prompt_tokens and to_save == floor_to(total, granularity)
+    if not discard_partial and tracker.tail is not None and total % granularity and at_prompt_end:
+        to_save, boundary = total, saved + 1  # the prompt's partial tail, under its own key and hash
     skip = skip_save or to_save < boundary
     if skip and load_spec is None:
         return None
@@ -174,6 +225,7 @@ def build_req_meta(
         is_last_chunk=is_last_chunk,
         num_prompt_tokens=tracker.num_prompt_tokens or total,
         token_ids=tuple(tracker.token_ids[:to_save]) if with_token_ids and not skip else (),
+        tail_hash=tracker.tail if not discard_partial else None,
     )
 
 

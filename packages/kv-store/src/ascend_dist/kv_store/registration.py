@@ -78,7 +78,10 @@ def build_registration(
         bases: list[int] = []
         lens: list[int] = []
         strides: list[int] = []
-        for name in sorted(names, key=lambda n: (layer_index(n), n)):
+        ordered = sorted(names, key=lambda n: (layer_index(n), n))
+        offsets: list[int] = []
+        for name in ordered:
+            offsets.append(len(bases))
             if name not in kv_caches:
                 raise LayoutError("group layer", name, f"one of the registered layers ({len(kv_caches)})")
             for t in _entries(kv_caches[name], num_blocks, name):
@@ -93,6 +96,9 @@ def build_registration(
                 key = storage.data_ptr()
                 span = spans.setdefault(key, [start, end])
                 span[0], span[1] = min(span[0], start), max(span[1], end)
-        out_groups.append(GroupBuffers(tuple(bases), tuple(lens), tuple(strides), num_blocks))
+        offsets.append(len(bases))
+        out_groups.append(
+            GroupBuffers(tuple(bases), tuple(lens), tuple(strides), num_blocks, tuple(ordered), tuple(offsets))
+        )
     regions = tuple(sorted((s, e - s) for s, e in spans.values()))
     return Registration(tuple(out_groups), regions)

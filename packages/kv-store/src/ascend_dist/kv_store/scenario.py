@@ -25,6 +25,7 @@ from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
 from ascend_dist.kv_store.config import MooncakeStoreConfig, PoolConfig
 from ascend_dist.kv_store.lookup_rpc import LookupClient, LookupServer
 from ascend_dist.kv_store.master_process import MasterProcess
+from ascend_dist.kv_store.plan import PoolStepMeta
 from ascend_dist.kv_store.scheduler import KVPoolScheduler, NewRequest, StepInput
 from ascend_dist.kv_store.worker import KVPoolWorker
 
@@ -49,15 +50,16 @@ class _Instance:
     client: LookupClient
     next_block: int = 1
     extra: list[object] = field(default_factory=list)
+    layerwise: bool = False
 
     @classmethod
-    def start(cls, master: str, seed: int, num_blocks: int) -> _Instance:
+    def start(cls, master: str, seed: int, num_blocks: int, *, layerwise: bool = False) -> _Instance:
         store = MooncakeStoreConfig.load(
             {"master_server_address": master, "protocol": "tcp", "global_segment_size": "256MB",
              "local_buffer_size": "16MB"}, env={},
         )  # fmt: skip
         backend = MooncakeBackend(store)
-        cfg = PoolConfig.from_extra({})
+        cfg = PoolConfig.from_extra({"use_layerwise": layerwise})
         worker = build_worker(SPEC, cfg, backend)
         gen = torch.Generator().manual_seed(seed)
         caches = {
@@ -68,11 +70,20 @@ class _Instance:
         }
         worker.register_kv_caches(caches, num_blocks)
         server = LookupServer(
-            lambda r: worker.lookup(r.token_len, r.block_hashes, r.group_ids, r.hbm_hit_tokens),
+            lambda r: worker.lookup(r.token_len, r.block_hashes, r.group_ids, r.hbm_hit_tokens, r.tail_hash),
             SPEC.compat_hash(), port=0, dp_rank=seed, env={"VLLM_RPC_BASE_PATH": "/tmp"},
         )  # fmt: skip
         client = LookupClient(SPEC.compat_hash(), port=int(server.endpoint.rsplit(":", 1)[1]), timeout_s=5)
-        return cls(worker, build_scheduler(SPEC, cfg, client.lookup), backend, caches, server, client)  # type: ignore[arg-type]
+        scheduler = build_scheduler(SPEC, cfg, client.lookup)
+        return cls(worker, scheduler, backend, caches, server, client, layerwise=layerwise)  # type: ignore[arg-type]
+
+    def run_step(self, meta: PoolStepMeta) -> None:
+        """What the model runner does around one forward pass (per layer in layer-wise mode)."""
+        self.worker.start_load_kv(meta)
+        for name in self.caches if self.layerwise else ():
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name)
+        self.worker.wait_for_save(meta)
 
     def alloc(self, n: int) -> list[int]:
         num_blocks = next(iter(self.caches.values()))[0].shape[0]
@@ -91,7 +102,7 @@ class _Instance:
         for req_id, prompt in prompts.items():
             self.scheduler.get_num_new_matched_tokens(req_id, prompt, len(prompt), 0)
             new.append(NewRequest(req_id, prompt, [self.alloc(len(prompt) // BLOCK + 1)], 0, len(prompt)))
-        self.worker.wait_for_save(self.scheduler.build_meta(StepInput(new=new)))
+        self.run_step(self.scheduler.build_meta(StepInput(new=new)))
         return [list(r.block_ids[0]) for r in new]
 
     def load(self, prompts: dict[str, list[int]]) -> list[tuple[int, list[int]]]:
@@ -104,7 +115,7 @@ class _Instance:
             self.scheduler.update_state_after_alloc(req_id, [blocks], need)
             new.append(NewRequest(req_id, prompt, [blocks], need, len(prompt) - need))
             out.append((need, blocks))
-        self.worker.start_load_kv(self.scheduler.build_meta(StepInput(new=new)))
+        self.run_step(self.scheduler.build_meta(StepInput(new=new)))
         return out
 
     def close(self) -> None:
@@ -136,6 +147,7 @@ class PoolScenario:
                 self._shared_prefix(ctx, report, a, b, n_prompts)
                 if ctx.mode == "bench":
                     self._throughput(ctx, report, a, b)
+                    self._layerwise(ctx, report, master.address)
                     self._lookup(ctx, report, b, 100 if ctx.quick else 1000)
             finally:
                 a.close()
@@ -172,14 +184,23 @@ class PoolScenario:
             f"hit rate {rate:.4f}, expected {expected:.4f}",
         )
 
-    def _throughput(self, ctx: ScenarioContext, report: ScenarioReport, a: _Instance, b: _Instance) -> None:
-        ctx.progress.step("store+load through the pool vs the raw Mooncake client")
+    def _layerwise(self, ctx: ScenarioContext, report: ScenarioReport, master: str) -> None:
+        a = _Instance.start(master, seed=3, num_blocks=300, layerwise=True)
+        b = _Instance.start(master, seed=4, num_blocks=300, layerwise=True)
+        try:
+            self._throughput(ctx, report, a, b, " layer-wise")
+        finally:
+            a.close()
+            b.close()
+
+    def _throughput(
+        self, ctx: ScenarioContext, report: ScenarioReport, a: _Instance, b: _Instance, mode: str = ""
+    ) -> None:
+        ctx.progress.step(f"store+load{mode} through the pool vs the raw Mooncake client")
         best_pool = best_raw = float("inf")
         nbytes = 0
         raw_a, raw_b = a.backend.native_client(), b.backend.native_client()
-        from mooncake.store import ReplicateConfig
-
-        for r in range(max(ctx.repeat, 5)):  # best of several rounds: the machine is shared and noisy
+        for r in range(max(ctx.repeat, 8)):  # best of several rounds: the machine is shared and noisy
             prompts = [_prompt(5000 + 10 * r + i, BENCH_CHUNKS * BLOCK) for i in range(4)]
             t0 = time.perf_counter()
             saved = a.save({f"t{r}-{i}": p for i, p in enumerate(prompts)})
@@ -189,7 +210,7 @@ class PoolScenario:
             ok = all(n == len(p) - 1 for (n, _), p in zip(loads, prompts, strict=True))
             ok &= all(b.block(lb[j]) == a.block(sb[j]) for sb, (_, lb) in zip(saved, loads, strict=True)
                       for j in range(BENCH_CHUNKS))  # fmt: skip
-            report.check(f"pool round {r}: every chunk hit and byte-exact", ok)
+            report.check(f"pool{mode} round {r}: every chunk hit and byte-exact", ok)
             keys, src, dst, sizes = [], [], [], []
             db = a.worker._db
             for i, (sb, (_, lb)) in enumerate(zip(saved, loads, strict=True)):
@@ -201,15 +222,15 @@ class PoolScenario:
                     dst.append(d_addr)
                     sizes.append(s_size)
             t0 = time.perf_counter()
-            put = raw_a.batch_put_from_multi_buffers(keys, src, sizes, ReplicateConfig())
+            put = raw_a.batch_put_from_multi_buffers(keys, src, sizes, a.backend.replicate_config)  # as the pool
             got = raw_b.batch_get_into_multi_buffers(keys, dst, sizes)
             raw_s = time.perf_counter() - t0
-            report.check(f"raw round {r}: all puts/gets ok", all(c == 0 for c in put) and all(c > 0 for c in got))
+            report.check(f"raw{mode} round {r}: all puts/gets ok", all(c == 0 for c in put) and all(c > 0 for c in got))
             nbytes = sum(sum(s) for s in sizes)
             best_pool, best_raw = min(best_pool, pool_s), min(best_raw, raw_s)
             raw_a.remove_all(True)  # keep the segments far from the eviction watermark
         report.measurements.append(Measurement(
-            f"store+load {nbytes >> 20} MiB through the pool", 2 * nbytes / best_pool / 1e9, "GB/s",
+            f"store+load {nbytes >> 20} MiB{mode} through the pool", 2 * nbytes / best_pool / 1e9, "GB/s",
             2 * nbytes / best_raw / 1e9, "raw Mooncake batch put/get of the same bytes", target_ratio=TARGET_RATIO,
         ))  # fmt: skip
 

@@ -18,15 +18,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ascend_dist.kv_store.config import PoolConfig
-from ascend_dist.kv_store.plan import LoadSpec, PoolStepMeta, ReqMeta, RequestTracker, build_req_meta, matched_tokens
+from ascend_dist.kv_store.plan import (
+    LoadSpec,
+    MambaGroups,
+    PoolStepMeta,
+    ReqMeta,
+    RequestTracker,
+    build_req_meta,
+    matched_tokens,
+)
 from ascend_dist.kv_store.sizes import DerivedSizes, floor_to
-from ascend_dist.kv_store.token_db import hash_root, prefix_hashes
+from ascend_dist.kv_store.token_db import hash_root, prefix_hashes, tail_hash
 
 __all__ = ["KVPoolScheduler", "LookupFn", "NewRequest", "RunningRequest", "StepInput"]
 
 logger = logging.getLogger(__name__)
 
-LookupFn = Callable[[int, tuple[bytes, ...], tuple[int, ...], int], int]
+LookupFn = Callable[[int, tuple[bytes, ...], tuple[int, ...], int, bytes], int]
 
 
 @dataclass(frozen=True)
@@ -69,13 +77,20 @@ class _Pending:
     hashes: list[bytes]
     load: LoadSpec | None = None
     block_ids: list[list[int]] = field(default_factory=list)
+    tail: bytes | None = None
 
 
 class KVPoolScheduler:
     """The scheduler side of the pool."""
 
     def __init__(
-        self, config: PoolConfig, sizes: DerivedSizes, namespace: tuple[str | int, ...], lookup: LookupFn
+        self,
+        config: PoolConfig,
+        sizes: DerivedSizes,
+        namespace: tuple[str | int, ...],
+        lookup: LookupFn,
+        *,
+        mamba: MambaGroups | None = None,
     ) -> None:
         """Create the scheduler side.
 
@@ -85,6 +100,7 @@ class KVPoolScheduler:
             namespace: What makes two instances' hashes comparable (model name, layout); part of
                 every hash chain's root.
             lookup: Asks the pool (normally `LookupClient.lookup`); must not raise.
+            mamba: Mamba ``align`` groups, whose stale state blocks are nulled in the trackers.
         """
         self._cfg = config
         self._sizes = sizes
@@ -92,6 +108,7 @@ class KVPoolScheduler:
         self._hb = sizes.hash_block_size
         self._namespace = namespace
         self._lookup = lookup
+        self._mamba = mamba
         self._num_groups = len(sizes.grouped_block_sizes)
         self._pending: dict[str, _Pending] = {}
         self._trackers: dict[str, RequestTracker] = {}
@@ -112,6 +129,12 @@ class KVPoolScheduler:
         root = hash_root(*self._namespace, self._hb, salt)
         return root, prefix_hashes(prompt, self._hb, root)
 
+    def tail_for(self, prompt: Sequence[int], root: bytes, hashes: Sequence[bytes]) -> bytes | None:
+        """Hash of the prompt's partial last chunk when partial chunks are pooled (one KV group only)."""
+        if self._cfg.discard_partial_chunks or self._num_groups != 1:
+            return None
+        return tail_hash(prompt, hashes, self._g, self._hb, root)
+
     def get_num_new_matched_tokens(
         self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed: int, *, salt: str = ""
     ) -> tuple[int, bool]:
@@ -119,14 +142,18 @@ class KVPoolScheduler:
         if not self._cfg.can_load:
             return 0, False
         token_len = floor_to(len(prompt), self._g)
-        if token_len < self._g or num_computed >= token_len:
+        partial = not self._cfg.discard_partial_chunks and self._num_groups == 1 and token_len < len(prompt)
+        if partial:
+            token_len = len(prompt)
+        if (token_len < self._g and not partial) or num_computed >= token_len:
             return 0, False
         root, hashes = self.hashes_for(prompt, salt)
-        self._pending[req_id] = _Pending(list(prompt), root, hashes)
+        tail = self.tail_for(prompt, root, hashes)
+        self._pending[req_id] = _Pending(list(prompt), root, hashes, tail=tail)
         self.lookups += 1
-        hit = self._lookup(token_len, tuple(hashes), tuple(range(self._num_groups)), num_computed)
+        hit = self._lookup(token_len, tuple(hashes), tuple(range(self._num_groups)), num_computed, tail or b"")
         need, is_async, spec = matched_tokens(
-            min(hit, token_len), num_computed, num_tokens, load_async=self._cfg.load_async
+            min(hit, token_len), num_computed, num_tokens, load_async=self._cfg.async_loads
         )
         self._pending[req_id].load = spec
         return need, is_async
@@ -144,7 +171,7 @@ class KVPoolScheduler:
         spec = pending.load
         pending.load = LoadSpec(spec.vllm_cached_tokens, spec.pool_cached_tokens, spec.store_skip_tokens, True)
         pending.block_ids = [list(ids) for ids in block_ids]
-        if self._cfg.load_async:
+        if self._cfg.async_loads:
             self._async_loads.add(req_id)
 
     def _forget(self, req_id: str) -> None:
@@ -157,12 +184,13 @@ class KVPoolScheduler:
         token_len = req.num_computed_tokens + req.num_scheduled_tokens
         if pending is None:
             root, hashes = self.hashes_for(req.prompt_token_ids, req.salt)
-            load = None
+            load, tail = None, self.tail_for(req.prompt_token_ids, root, hashes)
         else:
-            root, hashes, load = pending.root, pending.hashes, pending.load
+            root, hashes, load, tail = pending.root, pending.hashes, pending.load, pending.tail
         tracker = RequestTracker(
             req.req_id, tokens[:token_len], len(req.prompt_token_ids), [list(ids) for ids in req.block_ids], hashes
         )
+        tracker.tail = tail
         if load is not None:
             tracker.num_saved_tokens = floor_to(load.store_skip_tokens, self._g)
         self._roots[req.req_id] = root
@@ -174,6 +202,7 @@ class KVPoolScheduler:
             tracker,
             self._g,
             hash_block_size=self._hb,
+            discard_partial=self._cfg.discard_partial_chunks,
             load_spec=load,
             skip_save=skip_save,
             is_last_chunk=tracker.token_len >= last,
@@ -204,7 +233,9 @@ class KVPoolScheduler:
             tracker = self._trackers.get(run.req_id)
             if tracker is None or skip_save:
                 continue
-            tracker.update(run.new_token_ids, run.new_block_ids)
+            tracker.update(
+                run.new_token_ids, run.new_block_ids, mamba=self._mamba, num_computed=run.num_computed_tokens
+            )
             decoding = run.num_computed_tokens >= tracker.num_prompt_tokens
             if decoding and not self._cfg.save_decode_cache:
                 continue
@@ -229,6 +260,7 @@ class KVPoolScheduler:
             tracker = RequestTracker(
                 req_id, pending.prompt[:token_len], len(pending.prompt), pending.block_ids, pending.hashes
             )
+            tracker.tail = pending.tail
             meta = self._meta(tracker, load, skip_save=True)
             if meta is not None:
                 out.append(meta)

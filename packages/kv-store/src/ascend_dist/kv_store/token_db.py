@@ -11,7 +11,9 @@ hashes (no false hits). Chunk iteration and value preparation follow spec kv-sto
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +24,15 @@ from ascend_dist.common.hashing import stable_hash
 from ascend_dist.kv_store.keys import KeyMetadata
 from ascend_dist.kv_store.sizes import cdiv
 
-__all__ = ["Chunk", "ChunkedTokenDatabase", "GroupBuffers", "GroupedHashes", "hash_root", "prefix_hashes"]
+__all__ = [
+    "Chunk",
+    "ChunkFilter",
+    "ChunkedTokenDatabase",
+    "GroupBuffers",
+    "GroupedHashes",
+    "hash_root",
+    "prefix_hashes",
+]
 
 
 def hash_root(*namespace: str | int) -> bytes:
@@ -44,19 +54,47 @@ def prefix_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, root: 
     Returns:
         ``len(token_ids) // block_size`` 32-byte digests.
     """
-    arr = np.asarray(token_ids, dtype="<i8")
-    n = len(arr) // block_size
-    view = memoryview(arr[: n * block_size].tobytes())
+    data = _token_bytes(token_ids)
+    n = len(data) // 8 // block_size
     step = block_size * 8
     out: list[bytes] = []
     parent = root
     sha256 = hashlib.sha256
-    for i in range(n):
-        h = sha256(parent)
-        h.update(view[i * step : (i + 1) * step])
-        parent = h.digest()
+    for i in range(0, n * step, step):
+        parent = sha256(parent + data[i : i + step]).digest()  # one call: ~2x faster than update()
         out.append(parent)
     return out
+
+
+def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as int64 little-endian bytes (``array`` is ~1.6x faster than numpy for a list)."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.astype("<i8", copy=False).tobytes()
+    arr = array.array("q", token_ids)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def tail_hash(
+    token_ids: Sequence[int] | np.ndarray, hashes: Sequence[bytes], span: int, hash_block_size: int, root: bytes
+) -> bytes | None:
+    """Hash of the partial last chunk ``[floor_to(len, span), len)`` of ``token_ids``; None if aligned.
+
+    Chained to the previous chunk's hash (or ``root``) and domain-separated from whole-chunk hashes,
+    so a partial object never answers for a whole chunk (upstream keyed it with the whole block's
+    hash, spec §19.7). It identifies the exact prompt, so only a request with the same prompt reuses it.
+    """
+    start = len(token_ids) // span * span
+    if start == len(token_ids):
+        return None
+    idx = start // hash_block_size - 1
+    if idx >= len(hashes):
+        return None
+    parent = hashes[idx] if idx >= 0 else root
+    h = hashlib.sha256(b"partial\x00" + parent)
+    h.update(np.asarray(token_ids[start:], dtype="<i8").tobytes())
+    return h.digest()
 
 
 class GroupedHashes(Sequence[bytes | str]):
@@ -95,11 +133,22 @@ class GroupBuffers:
     block_lens: tuple[int, ...]
     block_strides: tuple[int, ...]
     num_blocks: int = 0  # 0 = not checked
+    layer_names: tuple[str, ...] = ()  # the group's layers in entry order (layer-wise transfers)
+    layer_offsets: tuple[int, ...] = ()  # first entry of each layer, plus the entry count at the end
 
     def __post_init__(self) -> None:
-        """Check the three tuples have one item per entry."""
+        """Check the three tuples have one item per entry and the layer offsets cover them."""
         if not len(self.base_addrs) == len(self.block_lens) == len(self.block_strides):
             raise ConfigError("GroupBuffers", len(self.base_addrs), "equal-length address/len/stride tuples")
+        if self.layer_offsets and (
+            len(self.layer_offsets) != len(self.layer_names) + 1 or self.layer_offsets[-1] != len(self.base_addrs)
+        ):
+            raise ConfigError("layer_offsets", self.layer_offsets, "one offset per layer plus the entry count")
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the group (0 when registered without layer information)."""
+        return len(self.layer_names)
 
     @property
     def page_bytes(self) -> int:
@@ -171,6 +220,7 @@ class ChunkedTokenDatabase:
         chunk_filter: ChunkFilter | None = None,
         shard_rank: int = 0,
         shard_size: int = 1,
+        tail: bytes | None = None,
     ) -> Iterator[Chunk]:
         """Yield the chunks of ``[mask_num, token_len)`` in group ``group`` (spec §6.2).
 
@@ -184,13 +234,17 @@ class ChunkedTokenDatabase:
             chunk_filter: Keep only chunks whose start it accepts.
             shard_rank: Keep survivors with ``index % shard_size == shard_rank``.
             shard_size: Number of shards (1 = no sharding).
+            tail: Hash of the partial chunk right after the last whole chunk (`tail_hash`); without
+                it a partial chunk has no hash and is skipped.
 
         Yields:
             Chunks in token order; ``block_id`` is -1 when no block ids were given.
         """
         grouped = self.grouped_hashes(hashes, group)
         span = self.block_sizes[group]
-        n = min(len(grouped), cdiv(token_len, span)) if token_len > 0 else 0
+        whole = len(grouped)
+        usable = whole + 1 if tail is not None and token_len % span and token_len // span == whole else whole
+        n = min(usable, cdiv(token_len, span)) if token_len > 0 else 0
         offset = max(n - len(block_ids), 0) if block_ids is not None else 0
         survivor = 0
         for i in range(n):
@@ -208,7 +262,7 @@ class ChunkedTokenDatabase:
             keep = shard_size <= 1 or survivor % shard_size == shard_rank
             survivor += 1
             if keep:
-                yield Chunk(start, end, grouped[i], block_id)
+                yield Chunk(start, end, grouped[i] if i < whole else tail, block_id)  # type: ignore[arg-type]
 
     def key(self, chunk: Chunk, group: int = 0) -> str:
         """The pool key of ``chunk``: whole-chunk key, or a partial key for a short chunk."""
@@ -233,6 +287,33 @@ class ChunkedTokenDatabase:
             BlockIdError: The block id is outside the registered cache (it would address foreign
                 memory, so nothing is transferred).
         """
+        return self._value(start, end, block_ids, group=group, block_id=block_id, entries=None)
+
+    def prepare_value_layer(
+        self, start: int, end: int, block_ids: Sequence[int], layer: int, *, group: int = 0, block_id: int | None = None
+    ) -> tuple[list[int], list[int], int]:
+        """`prepare_value` restricted to the entries (K, V, ...) of one layer (spec §6.3, key-layer path).
+
+        Raises:
+            BlockIdError: The block id is outside the registered cache.
+            ConfigError: ``layer`` is not a registered layer of ``group``.
+        """
+        buf = self.buffers(group)
+        if not 0 <= layer < buf.num_layers:
+            raise ConfigError("layer", layer, f"a layer index in [0, {buf.num_layers}) of group {group}")
+        entries = (buf.layer_offsets[layer], buf.layer_offsets[layer + 1])
+        return self._value(start, end, block_ids, group=group, block_id=block_id, entries=entries)
+
+    def _value(
+        self,
+        start: int,
+        end: int,
+        block_ids: Sequence[int],
+        *,
+        group: int,
+        block_id: int | None,
+        entries: tuple[int, int] | None,
+    ) -> tuple[list[int], list[int], int]:
         span = self.block_sizes[group]
         if block_id is None:
             idx = start // span
@@ -242,6 +323,11 @@ class ChunkedTokenDatabase:
         buf = self.buffers(group)
         if block_id < 0 or (buf.num_blocks and block_id >= buf.num_blocks):
             raise BlockIdError("block_id", block_id, f"an id in [0, {buf.num_blocks}) of group {group}")
-        addrs = [base + block_id * stride for base, stride in zip(buf.base_addrs, buf.block_strides, strict=True)]
-        sizes = [length * (end - start) // span for length in buf.block_lens]
+        lo, hi = entries if entries is not None else (0, len(buf.base_addrs))
+        addrs = [buf.base_addrs[e] + block_id * buf.block_strides[e] for e in range(lo, hi)]
+        sizes = [buf.block_lens[e] * (end - start) // span for e in range(lo, hi)]
         return addrs, sizes, block_id
+
+    def layer_key(self, chunk: Chunk, layer: int, group: int = 0) -> str:
+        """The per-layer key of a whole chunk (``...@layer_id:{L}@{hash}``, includes ``pp_rank``)."""
+        return self.metadata[group].layer_key(chunk.chunk_hash, layer)

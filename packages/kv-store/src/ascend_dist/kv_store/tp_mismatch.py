@@ -1,7 +1,9 @@
 """Heterogeneous TP between prefill and decode (GQA): sub-keys and strided addresses (spec §4.7).
 
-Runs in: worker processes. Pure planning. Upstream computed this but no longer dispatched to it
-(spec §19.1); here it is a tested planning helper, not yet wired into the worker (README status).
+Runs in: scheduler and worker processes. Pure planning. Upstream computed this but no longer
+dispatched to it (spec §19.1). Here `TpMismatchInfo` decides the pool's key layout (`PoolSpec`) and
+the worker moves sub-keys through `ascend_dist.kv_store.rekey.KeySplit`, whose addresses follow
+`strided_sub_key_addresses`.
 """
 
 from __future__ import annotations

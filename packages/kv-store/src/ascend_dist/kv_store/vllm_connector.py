@@ -9,8 +9,11 @@ Configuration: ``--kv-transfer-config '{"kv_connector": "AscendStoreConnector", 
 "kv_connector_extra_config": {"backend": "mooncake", ...}}'`` with the backend's own config file
 (``MOONCAKE_CONFIG_PATH`` / ``YR_CONFIG_PATH``) or an inline ``store_config`` mapping.
 
+Layer-wise mode (``use_layerwise``): ``wait_for_layer_load``/``save_kv_layer`` move one object per
+layer while the forward pass runs (`ascend_dist.kv_store.layerwise`).
+
 Limits: requests with multimodal inputs or prompt embeddings are not pooled (their token ids do
-not identify their KV); layer-wise mode is refused at construction.
+not identify their KV).
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ascend_dist.kv_store.assembly import PoolSpec, build_scheduler, build_worker
+from ascend_dist.kv_store.assembly import build_scheduler, build_worker
 from ascend_dist.kv_store.backends.factory import create_backend_or_unavailable
 from ascend_dist.kv_store.config import PoolConfig
 from ascend_dist.kv_store.lookup_rpc import LookupClient, LookupServer
 from ascend_dist.kv_store.messages import LookupRequest
 from ascend_dist.kv_store.plan import PoolStepMeta
 from ascend_dist.kv_store.scheduler import KVPoolScheduler, NewRequest, RunningRequest, StepInput
+from ascend_dist.kv_store.vllm_spec import pool_spec_from_vllm
 from ascend_dist.kv_store.worker import ComputeEvent, KVPoolWorker
 
 if TYPE_CHECKING:
@@ -102,32 +106,6 @@ class AscendStoreKVEvents(KVConnectorKVEvents):
         self._events = []
 
 
-def pool_spec_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> PoolSpec:
-    """Derive the instance's `PoolSpec` from vLLM's configs (identical on scheduler and workers)."""
-    par = vllm_config.parallel_config
-    model = vllm_config.model_config
-    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
-    block_sizes = tuple(int(g.kv_cache_spec.block_size) for g in groups) or (int(vllm_config.cache_config.block_size),)
-    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    rank = par.rank
-    pmu = getattr(vllm_config.cache_config, "prefix_match_unit", None)
-    return PoolSpec(
-        model=str(model.model),
-        block_sizes=block_sizes,
-        num_kv_heads=int(model.get_total_num_kv_heads()),
-        use_mla=bool(model.use_mla),
-        tp_size=tp,
-        tp_rank=rank % tp,
-        pp_size=pp,
-        pp_rank=(rank // tp) % pp,
-        pcp_size=getattr(par, "prefill_context_parallel_size", 1),
-        dcp_size=par.decode_context_parallel_size,
-        dp_rank=par.data_parallel_rank,
-        prefix_match_unit=pmu if isinstance(pmu, int) else None,
-        layout_tag=str(vllm_config.cache_config.cache_dtype),
-    )
-
-
 def _compute_event_recorder() -> Callable[[], ComputeEvent] | None:
     """Device runtimes: record an event on the compute stream so saves wait for the forward pass."""
     from ascend_dist.common.device import get_runtime
@@ -169,7 +147,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         unknown = PoolConfig.unknown_keys(extra)
         if unknown:
             logger.warning("AscendStoreConnector ignores unknown kv_connector_extra_config keys %s", unknown)
-        self._spec = pool_spec_from_vllm(vllm_config, kv_cache_config)
+        self._spec = pool_spec_from_vllm(vllm_config, kv_cache_config, self._cfg)
         self._kv_cache_config = kv_cache_config
         self._scheduler: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
@@ -205,7 +183,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _serve_lookup(self, req: LookupRequest) -> int:
         assert self._worker is not None
-        return self._worker.lookup(req.token_len, req.block_hashes, req.group_ids, req.hbm_hit_tokens)
+        return self._worker.lookup(req.token_len, req.block_hashes, req.group_ids, req.hbm_hit_tokens, req.tail_hash)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the paged KV caches with the store (once)."""
@@ -226,18 +204,21 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(self._step())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Whole-request mode: everything was loaded in `start_load_kv`."""
+        """Layer-wise: wait (bounded) for this layer's load; whole-request mode loaded in `start_load_kv`."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """Whole-request mode: saves happen in `wait_for_save`."""
+        """Layer-wise: queue this layer's save; whole-request mode saves in `wait_for_save`."""
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Queue this step's saves; returns at once (completion is reported by `get_finished`)."""
         assert self._worker is not None
-        if self._cfg.can_save:
-            self._worker.wait_for_save(self._step())
+        self._worker.wait_for_save(self._step())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose held blocks may be freed, and async loads that completed."""
@@ -375,7 +356,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layer-wise mode (not implemented) would need piecewise graphs; whole-request does not."""
+        """Layer-wise mode hooks every attention layer, so graphs must be piecewise."""
         return bool(extra_config.get("use_layerwise", False))
 
 

@@ -12,53 +12,33 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from ascend_dist.common.errors import DeadlineExceeded, StoreError
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded, StoreError
 from ascend_dist.common.log import log_once
-from ascend_dist.kv_store.backends.base import PoolBackend, TransferBatch
-from ascend_dist.kv_store.events import BlockStoredEvent, EventCollector
+from ascend_dist.kv_store.backends.base import PoolBackend
+from ascend_dist.kv_store.chunk_plan import ChunkPlanner
+from ascend_dist.kv_store.coordinator import HybridCoordinator
+from ascend_dist.kv_store.events import EventCollector
 from ascend_dist.kv_store.failures import LoadErrorRecorder
 from ascend_dist.kv_store.keys import RankLayout
-from ascend_dist.kv_store.plan import PoolStepMeta, ReqMeta, common_hit, continuous_hits
+from ascend_dist.kv_store.layerwise import LayerwiseTransfers
+from ascend_dist.kv_store.plan import PoolStepMeta, ReqMeta
+from ascend_dist.kv_store.pool_lookup import PoolLookup
 from ascend_dist.kv_store.registration import build_registration
-from ascend_dist.kv_store.sizes import floor_to
-from ascend_dist.kv_store.token_db import Chunk, ChunkedTokenDatabase
+from ascend_dist.kv_store.rekey import KeySplit
+from ascend_dist.kv_store.token_db import ChunkedTokenDatabase
 from ascend_dist.kv_store.transfer import CompletionTracker, TransferThread
+from ascend_dist.kv_store.worker_types import ComputeEvent, WorkerStats
 
-__all__ = ["ComputeEvent", "KVPoolWorker", "WorkerStats"]
+__all__ = ["ComputeEvent", "KVPoolWorker", "WorkerStats"]  # the last two re-exported from worker_types
 
 logger = logging.getLogger(__name__)
-
-
-class ComputeEvent(Protocol):
-    """A device event recorded after the forward pass (``ascend_dist.common.device`` events qualify)."""
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Block until the recorded work finished.
-
-        Raises:
-            DeadlineExceeded: Not finished within ``timeout``.
-        """
-        ...
 
 
 @dataclass(frozen=True)
 class _SaveJob:
     reqs: tuple[ReqMeta, ...]
     event: ComputeEvent | None
-
-
-@dataclass
-class WorkerStats:
-    """Counters for tests, the demo and the benchmark."""
-
-    loaded_keys: int = 0
-    loaded_bytes: int = 0
-    failed_keys: int = 0
-    saved_keys: int = 0
-    saved_bytes: int = 0
-    skipped_existing: int = 0
 
 
 class KVPoolWorker:
@@ -78,7 +58,13 @@ class KVPoolWorker:
         preempt_wait_s: float = 30.0,
         record_compute_event: Callable[[], ComputeEvent] | None = None,
         compute_wait_s: float = 60.0,
+        layer_wait_s: float = 60.0,
         kv_events: bool = False,
+        layerwise: bool = False,
+        prefetch_layers: int = 1,
+        stage_layers: Sequence[int] = (),
+        coordinator: HybridCoordinator | None = None,
+        key_split: KeySplit | None = None,
     ) -> None:
         """Create the worker and start its transfer threads.
 
@@ -96,7 +82,19 @@ class KVPoolWorker:
                 (device runtimes); the sending thread waits for it before reading the KV cache.
                 None on CPU, where the forward pass has finished when ``wait_for_save`` is called.
             compute_wait_s: Bound on that wait; a save whose event misses it is dropped (logged).
+            layer_wait_s: Layer-wise: bound on waiting for one layer's load; its blocks are then
+                reported as load errors (recomputed) instead of stalling the forward pass.
             kv_events: Record a `BlockStoredEvent` per chunk put (drained with ``events.drain()``).
+            layerwise: Move one object per layer, overlapping the forward pass (`LayerwiseTransfers`).
+            prefetch_layers: Layer-wise: loads submitted ahead of the layer being waited for.
+            stage_layers: Layer-wise: layers of each PP stage (default: every stage has this rank's
+                count); rank-0 lookups check every stage's layer keys.
+            coordinator: Hybrid-model (sliding window, Mamba) and EAGLE rules for lookups, store
+                masks and load ranges; None for plain prefix caching.
+            key_split: TP-mismatch sub-keys / PP re-keying of every chunk (single-group models).
+
+        Raises:
+            ConfigError: Layer-wise mode for a model with several KV-cache groups.
         """
         self._db = token_db
         self._layout = layout
@@ -113,12 +111,46 @@ class KVPoolWorker:
         self.stats = WorkerStats()
         self._saves = CompletionTracker()
         self._loads = CompletionTracker()
+        self._stage_layers = tuple(stage_layers)
+        self._split = key_split
+        self._sync_saves = coordinator is not None and coordinator.is_sparse
+        self._plan = ChunkPlanner(
+            token_db,
+            granularity=granularity,
+            tp_rank=tp_rank,
+            put_step=put_step,
+            coordinator=coordinator,
+            split=key_split,
+        )
+        if key_split is not None and key_split.active and (layerwise or token_db.num_groups != 1):
+            raise ConfigError(
+                "prefill_tp_size/prefill_pp_size", key_split, "no TP/PP key split with layer-wise or hybrid"
+            )
+        self._layers: LayerwiseTransfers | None = None
+        if layerwise:
+            if token_db.num_groups != 1:
+                raise ConfigError("use_layerwise", True, "false for models with several KV-cache groups")
+            self._layers = LayerwiseTransfers(
+                token_db=token_db, backend=backend, errors=self.errors, stats=self.stats, saves=self._saves,
+                granularity=granularity, tp_rank=tp_rank, put_step=put_step, can_save=can_save,
+                prefetch_layers=prefetch_layers, record_compute_event=record_compute_event,
+                compute_wait_s=compute_wait_s, layer_wait_s=layer_wait_s,
+                on_stored=(lambda chunks: self.events.add(self._plan.stored_events(chunks))) if kv_events else None,
+            )  # fmt: skip
+        layers = self._layers
+        self._lookup = PoolLookup(
+            token_db=token_db, backend=backend, layout=layout, granularity=granularity, coordinator=coordinator,
+            stage_layers=None if layers is None else self._stages,
+        )  # fmt: skip
+        whole = self._layers is None
         self._sender = (
-            TransferThread[_SaveJob](f"kv-pool-send-{tp_rank}", self._save_job, self._saves) if can_save else None
+            TransferThread[_SaveJob](f"kv-pool-send-{tp_rank}", self._save_job, self._saves)
+            if can_save and whole
+            else None
         )
         self._receiver = (
             TransferThread[Sequence[ReqMeta]](f"kv-pool-recv-{tp_rank}", self._load, self._loads)
-            if load_async
+            if load_async and whole
             else None
         )
         self._awaiting_free: set[str] = set()
@@ -142,6 +174,10 @@ class KVPoolWorker:
         reg = build_registration(kv_caches, num_blocks, group_layers)
         for g, buffers in enumerate(reg.groups):
             self._db.set_buffers(g, buffers)
+        if self._layers is not None:
+            self._layers.set_layers(reg.groups[0].layer_names)
+        if self._split is not None and self._split.active:
+            self._split.check(reg.groups[0], self._db.block_sizes[0])
         self._backend.register_buffer([s for s, _ in reg.regions], [n for _, n in reg.regions])
         self._registered = True
         logger.info(
@@ -154,67 +190,44 @@ class KVPoolWorker:
     # ---- lookup (rank 0, via the lookup RPC) ----
 
     def lookup(
-        self, token_len: int, hashes: Sequence[bytes], group_ids: Sequence[int] = (0,), hbm_hit_tokens: int = 0
+        self,
+        token_len: int,
+        hashes: Sequence[bytes],
+        group_ids: Sequence[int] = (0,),
+        hbm_hit_tokens: int = 0,
+        tail_hash: bytes = b"",
     ) -> int:
-        """Leading tokens of the prompt held by the pool for every rank and group (spec §9.6).
-
-        Chunks inside the HBM hit are taken as present without asking the store (fixes §19.6).
+        """Leading tokens of the prompt held by the pool for every rank and group (`PoolLookup`).
 
         Raises:
             StoreError: The store cannot be asked (the RPC server turns it into 0 hits).
         """
-        per_group: list[list[int]] = []
-        for g in group_ids:
-            span = self._db.block_sizes[g]
-            grouped = self._db.grouped_hashes(hashes, g)
-            n = min(len(grouped), token_len // span)
-            if n == 0:
-                return 0
-            known = min(floor_to(hbm_hit_tokens, span) // span, n)
-            ask = [grouped[i] for i in range(known, n)]
-            variants = self._layout.num_variants(g)
-            codes = self._backend.exists(self._layout.expand(self._db.metadata[g], ask)) if ask else []
-            rows = [[1] * known + codes[v * len(ask) : (v + 1) * len(ask)] for v in range(variants)]
-            ends = [(i + 1) * span for i in range(n)]
-            per_group.append(continuous_hits(ends, rows, self._granularity, token_len))
-        return common_hit(per_group)
+        return self._lookup.lookup(token_len, hashes, group_ids, hbm_hit_tokens, tail_hash)
+
+    def _stages(self) -> tuple[int, ...]:
+        count = self._layers.num_layers if self._layers is not None else 0
+        return self._stage_layers or (count,) * self._layout.pp_size
 
     def safe_lookup(
-        self, token_len: int, hashes: Sequence[bytes], group_ids: Sequence[int] = (0,), hbm_hit_tokens: int = 0
+        self,
+        token_len: int,
+        hashes: Sequence[bytes],
+        group_ids: Sequence[int] = (0,),
+        hbm_hit_tokens: int = 0,
+        tail_hash: bytes = b"",
     ) -> int:
         """`lookup`, with a store failure turned into 0 hits and one warning (a miss, never a crash)."""
         try:
-            return self.lookup(token_len, hashes, group_ids, hbm_hit_tokens)
+            return self.lookup(token_len, hashes, group_ids, hbm_hit_tokens, tail_hash)
         except StoreError as exc:
             log_once(logger, logging.WARNING, "pool lookup failed (%s); reporting misses", exc, key="lookup-store")
             return 0
 
     # ---- loads ----
 
-    def _load_batch(self, req: ReqMeta) -> tuple[TransferBatch, list[int]]:
-        spec = req.load_spec
-        assert spec is not None
-        token_len = spec.load_token_len(self._granularity, req.save_end_token)
-        keys: list[str] = []
-        addrs: list[tuple[int, ...]] = []
-        sizes: list[tuple[int, ...]] = []
-        blocks: list[int] = []
-        for g in range(self._db.num_groups):
-            ids = req.block_ids[g] if g < len(req.block_ids) else ()
-            mask = floor_to(spec.vllm_cached_tokens, self._db.block_sizes[g])
-            for chunk in self._db.iter_chunks(token_len, req.block_hashes, g, mask_num=mask, block_ids=ids):
-                a, s, block = self._db.prepare_value(chunk.start, chunk.end, ids, g, chunk.block_id)
-                keys.append(self._db.key(chunk, g))
-                addrs.append(tuple(a))
-                sizes.append(tuple(s))
-                blocks.append(block)
-        batch = TransferBatch(tuple(keys), tuple(addrs), tuple(sizes))
-        k = self._tp_rank % len(keys) if keys else 0
-        return batch.rotated(k), blocks[k:] + blocks[:k]
-
     def _load(self, reqs: Sequence[ReqMeta]) -> None:
         """Load every request of one step with a single store call; record failed blocks per request."""
-        parts = [(req, *self._load_batch(req)) for req in reqs]
+        parts = [(req, *self._plan.load_batch(req)) for req in reqs]
         keys = tuple(k for _, b, _ in parts for k in b.keys)
         if not keys:
             return
@@ -240,8 +253,14 @@ class KVPoolWorker:
                 self.errors.record(req.req_id, failed, f"get returned {first} for {len(failed)} of {len(own)} keys")
 
     def start_load_kv(self, meta: PoolStepMeta) -> None:
-        """Wait for preempted requests' saves, then load every request whose spec says so."""
+        """Wait for preempted requests' saves, then load every request whose spec says so.
+
+        Layer-wise: plan the step and submit the first layers' loads (see `LayerwiseTransfers`).
+        """
         self._wait_preempted(meta.preempted_req_ids)
+        if self._layers is not None:
+            self._layers.start_step(meta)
+            return
         reqs = [r for r in meta.requests if r.load_spec is not None and r.load_spec.can_load]
         if not reqs:
             return
@@ -278,26 +297,7 @@ class KVPoolWorker:
 
     def _save(self, reqs: Sequence[ReqMeta]) -> None:
         """Save one step's requests: one exists over every chunk, one put of the missing ones."""
-        keys: list[str] = []
-        seen: set[str] = set()
-        chunks = []
-        for req, g in ((r, g) for r in reqs for g in range(self._db.num_groups)):
-            ids = req.block_ids[g] if g < len(req.block_ids) else ()
-            mask = floor_to(req.save_start_token, self._db.block_sizes[g])
-            for chunk in self._db.iter_chunks(
-                req.save_end_token,
-                req.block_hashes,
-                g,
-                mask_num=mask,
-                block_ids=ids,
-                shard_rank=self._tp_rank % self._put_step,
-                shard_size=self._put_step,
-            ):
-                key = self._db.key(chunk, g)
-                if key not in seen:  # two requests of one step may share a prefix
-                    seen.add(key)
-                    keys.append(key)
-                    chunks.append((g, ids, chunk, req))
+        keys, values, chunks = self._plan.save_entries(reqs)
         if not keys:
             return
         try:
@@ -311,11 +311,10 @@ class KVPoolWorker:
         put_addrs: list[list[int]] = []
         put_sizes: list[list[int]] = []
         put_chunks = []
-        for key, (g, ids, chunk, req), here in zip(keys, chunks, present, strict=True):
+        for key, (a, s), (g, chunk, req), here in zip(keys, values, chunks, present, strict=True):
             if here == 1:
                 self.stats.skipped_existing += 1
                 continue
-            a, s, _ = self._db.prepare_value(chunk.start, chunk.end, ids, g, chunk.block_id)
             put_keys.append(key)
             put_addrs.append(a)
             put_sizes.append(s)
@@ -329,33 +328,44 @@ class KVPoolWorker:
             return
         ok = [c == 0 for c in codes]
         if self._kv_events:
-            self.events.add(self._stored_events([pc for pc, good in zip(put_chunks, ok, strict=True) if good]))
+            self.events.add(self._plan.stored_events([pc for pc, good in zip(put_chunks, ok, strict=True) if good]))
         self.stats.saved_keys += sum(ok)
         self.stats.saved_bytes += sum(sum(s) for s, good in zip(put_sizes, ok, strict=True) if good)
 
-    def _stored_events(self, chunks: Sequence[tuple[int, Chunk, ReqMeta]]) -> list[BlockStoredEvent]:
-        out: list[BlockStoredEvent] = []
-        for g, chunk, req in chunks:
-            span = self._db.block_sizes[g]
-            grouped = self._db.grouped_hashes(req.block_hashes, g)
-            index = chunk.start // span
-            parent = grouped[index - 1] if index > 0 else None
-            out.append(BlockStoredEvent(
-                block_hash=bytes.fromhex(chunk.chunk_hash) if isinstance(chunk.chunk_hash, str) else chunk.chunk_hash,
-                parent_block_hash=bytes.fromhex(parent) if isinstance(parent, str) else parent,
-                token_ids=req.token_ids[chunk.start : chunk.end], block_size=span,
-            ))  # fmt: skip
-        return out
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise: block (bounded) until ``layer_name``'s KV is loaded; otherwise a no-op."""
+        if self._layers is not None:
+            self._layers.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer-wise: queue ``layer_name``'s save and return; otherwise a no-op."""
+        if self._layers is not None:
+            self._layers.save_kv_layer(layer_name)
 
     def wait_for_save(self, meta: PoolStepMeta) -> None:
-        """Queue this step's saves; returns without waiting for them."""
+        """Queue this step's saves; returns without waiting for them.
+
+        Hybrid models with sliding-window or Mamba groups wait (bounded) for the step's saves:
+        vLLM frees their out-of-window / stale blocks at the next step's allocation, and a save
+        still reading such a block could copy another request's KV. Layer-wise: the saves were
+        queued layer by layer; wait (bounded) for the step's loads.
+        """
         self._awaiting_free |= meta.delayed_free_req_ids
+        if self._layers is not None:
+            self._layers.finish_step()
+            return
         if self._sender is None:
             return
         reqs = tuple(req for req in meta.requests if req.can_save)
         if reqs:
             event = self._record_event() if self._record_event is not None else None
-            self._sender.submit(tuple(r.req_id for r in reqs), _SaveJob(reqs, event))
+            ids = tuple(r.req_id for r in reqs)
+            self._sender.submit(ids, _SaveJob(reqs, event))
+            if self._sync_saves:
+                try:
+                    self._saves.wait_idle(ids, self._compute_wait_s)
+                except DeadlineExceeded as exc:
+                    logger.warning("saves of a hybrid step still running: %s", exc)
 
     # ---- completion ----
 
@@ -389,4 +399,6 @@ class KVPoolWorker:
         for thread in (self._sender, self._receiver):
             if thread is not None:
                 thread.stop(timeout_s)
+        if self._layers is not None:
+            self._layers.close(timeout_s)
         self._backend.close()

@@ -218,6 +218,11 @@ class MooncakeBackend:
         """
         return self._client("native_client")
 
+    @property
+    def replicate_config(self) -> Any:
+        """The ``ReplicateConfig`` puts use (None before the first connection); benchmarks reuse it."""
+        return self._replicate
+
     def register_buffer(self, ptrs: Sequence[int], lengths: Sequence[int]) -> None:
         """Register regions now if connected, and again after every (re)connect.
 

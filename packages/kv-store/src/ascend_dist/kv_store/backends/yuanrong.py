@@ -9,6 +9,7 @@ alike. Keys are the pool's key strings unchanged (no normalisation, unlike the d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from collections.abc import Callable, Sequence
@@ -43,7 +44,20 @@ class YuanrongKVClient(Protocol):
         ...
 
 
+def _load_mooncake_first() -> None:
+    """Import Mooncake's native module (when installed) before openYuanrong's.
+
+    Measured with mooncake-transfer-engine-non-cuda 0.3.13 and openyuanrong-datasystem 0.8.1: importing
+    ``yr.datasystem`` first makes a later ``import mooncake.store`` in the same process crash with
+    SIGSEGV; the other order works. Both may meet in one process (tests, the demo, a node running
+    both backends), so the safe order is forced here.
+    """
+    with contextlib.suppress(ImportError):  # Mooncake not installed: nothing to order
+        import mooncake.store  # noqa: F401  # pyright: ignore[reportUnusedImport]
+
+
 def _default_factory(cfg: YuanrongConfig) -> YuanrongKVClient:
+    _load_mooncake_first()
     from yr.datasystem import KVClient  # native; imported only when used
 
     return KVClient(
