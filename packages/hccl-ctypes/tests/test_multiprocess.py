@@ -88,6 +88,12 @@ def test_peer_that_never_joins_fails_construction_within_deadline(fake_hccl: str
     assert res["seconds"] < 6
 
 
+def test_a_collective_the_peer_never_joins_fails_within_its_deadline(fake_hccl: str, run_ranks: Any) -> None:
+    res = run_ranks("stall", 2, {"HCCL_SO_PATH": fake_hccl})[0]
+    assert res["broadcast"].startswith("DeadlineExceeded"), res
+    assert res["seconds"] < 4
+
+
 def test_rebuilt_communicators_are_released_and_context_managed(fake_hccl: str, run_ranks: Any) -> None:
     for res in run_ranks("context", 2, {"HCCL_SO_PATH": fake_hccl}):
         assert res["sums"] == [[2.0, 2.0]] * 3

@@ -172,6 +172,21 @@ def scenario_nojoin(rank: int, world: int) -> dict[str, Any]:
         rt.close()
 
 
+def scenario_stall(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 broadcasts through the gloo engine; the peer never joins: the op's own deadline ends it."""
+    rt = create_runtime("cpu")
+    try:
+        comm = PyHcclCommunicator(dist.group.WORLD, backend="gloo", runtime=rt, op_timeout_s=1.0, init_timeout_s=20)  # type: ignore[arg-type]
+        if rank != 0:
+            time.sleep(4)  # in the group, never calls the broadcast
+            return {"skipped": True}
+        start = time.monotonic()
+        error = _err(lambda: (comm.broadcast(torch.ones(4), 0), rt.current_stream().synchronize(30)))
+        return {"broadcast": error, "seconds": time.monotonic() - start}
+    finally:
+        rt.close()
+
+
 def scenario_context(rank: int, world: int) -> dict[str, Any]:
     rt = create_runtime("cpu")
     try:
@@ -229,6 +244,7 @@ SCENARIOS = {
     "comm": scenario_comm,
     "comm_errors": scenario_comm_errors,
     "nojoin": scenario_nojoin,
+    "stall": scenario_stall,
     "context": scenario_context,
     "unregistered": scenario_unregistered,
 }

@@ -107,9 +107,13 @@ def measure(comm: PyHcclCommunicator, group: dist.ProcessGroup, sizes: tuple[int
         for op, (through_comm, direct) in _ops(comm, group, t).items():
             comm_s: list[float] = []
             gloo_s: list[float] = []
-            for _ in range(samples):  # interleaved, so both sides see the same machine load
-                gloo_s.append(_timed(direct, group))
-                comm_s.append(_timed(through_comm, group))
+            for i in range(samples):  # interleaved, so both sides see the same machine load
+                if i % 2:  # and alternating which goes first, so neither always runs on a warmed-up path
+                    comm_s.append(_timed(through_comm, group))
+                    gloo_s.append(_timed(direct, group))
+                else:
+                    gloo_s.append(_timed(direct, group))
+                    comm_s.append(_timed(through_comm, group))
             timings.append(
                 OpTiming(
                     op=op, nbytes=nbytes, comm_s=statistics.median(comm_s), gloo_s=statistics.median(gloo_s),
