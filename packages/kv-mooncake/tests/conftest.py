@@ -63,7 +63,8 @@ def p_server() -> Iterator[PeerProcess]:
 def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
     """Build P/D pairs; pass ``own_process=True`` for a P that the test may kill.
 
-    ``p_cp`` / ``d_cp`` are ``(pcp_size, dcp_size)`` of P and D.
+    ``p_cp`` / ``d_cp`` are ``(pcp_size, dcp_size)`` of P and D; ``p_model`` overrides model
+    fields on P only (for example a larger logical block).
     """
     made: list[tuple[Pair, PeerProcess | None]] = []
 
@@ -77,6 +78,7 @@ def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
         d_engine: Any = None,
         p_cp: tuple[int, int] = (1, 1),
         d_cp: tuple[int, int] = (1, 1),
+        p_model: dict[str, Any] | None = None,
         **model: Any,
     ) -> Pair:
         n = next(_IDS)
@@ -93,7 +95,7 @@ def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
         spec = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32, **model}
         peer = PeerProcess() if own_process else None
         try:
-            p = (peer or p_server).create(f"p{n}", extra, spec)
+            p = (peer or p_server).create(f"p{n}", extra, {**spec, **(p_model or {})})
             d_cfg = {**extra, **(d_extra or {})}
             cfg = PullConfig.from_kv_transfer_config(
                 engine_id=f"D{n}",
@@ -103,7 +105,9 @@ def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
                 model=str(d_cfg.get("model", "synthetic")),
                 dtype="int16",
             )
-            pair = Pair(p, SyntheticInstance(cfg, Model(**spec), engine=d_engine), extra, kv_port)
+            p_block = int((p_model or {}).get("block_size", 0))
+            d = SyntheticInstance(cfg, Model(**spec), engine=d_engine, p_block_size=p_block)
+            pair = Pair(p, d, extra, kv_port)
         except BaseException:
             if peer is not None:
                 peer.close()

@@ -31,6 +31,7 @@ def test_pull_is_byte_exact(make_pair: Callable[..., Any], topo: dict[str, Any])
     pair.d.finish_decode("r1")
     p_state = pair.wait_p_idle()
     assert p_state["blocks_lent"] == 0 and p_state["tracked"] == 0 and p_state["expired"] == 0
+    assert p_state["late_dones"] == 0  # P waited for exactly the DONEs D sent
     assert all(r.worker.receiver is not None and r.worker.receiver.in_flight == 0 for r in pair.d.ranks)
     assert pair.d.scheduler.tracked == 0
 
@@ -86,3 +87,4 @@ def test_cp_pull_is_byte_exact(make_pair: Callable[..., Any], topo: dict[str, An
     pair.d.finish_decode("c1")
     p_state = pair.wait_p_idle()
     assert p_state["blocks_lent"] == 0 and p_state["tracked"] == 0 and p_state["expired"] == 0
+    assert p_state["late_dones"] == 0  # P waited for exactly the DONEs D sent

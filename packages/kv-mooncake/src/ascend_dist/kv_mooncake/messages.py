@@ -138,6 +138,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """``kv_transfer_params`` P returns through the proxy to D (spec §5.2).
 
     ``remote_block_ids`` has one list per KV-cache group (P's logical ids, already trimmed).
+    ``remote_window_blocks`` (blocks kept per sliding-window group, 0 for others) and
+    ``remote_state_groups`` let D refuse to pair groups it sees differently (D then recomputes).
     """
 
     do_remote_prefill: bool = False
@@ -153,6 +155,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     num_computed_tokens: int = 0
     last_token_id: int | None = None
     do_virtual: bool = False
+    remote_window_blocks: list[int] | None = None
+    remote_state_groups: list[int] | None = None
 
 
 _PATH_RE = re.compile(r"at `\$\.?([^`]*)`")

@@ -8,7 +8,8 @@ line each:
   `SyntheticInstance`; several may live in one process and share its Mooncake engine)
 * ``{"cmd": "prefill", "name", "rid", "prompt_len", "seed"}`` -> ``{"params": {...}}``
 * ``{"cmd": "prefill_many", "name", "rids", "prompt_len", "seed"}`` -> ``{"params": [...]}``
-* ``{"cmd": "poll", "name"}`` -> ``{"freed": [...], "tracked": n, "blocks_lent": n, "expired": n}``
+* ``{"cmd": "poll", "name"}`` -> ``{"freed": [...], "tracked": n, "blocks_lent": n, "expired": n,
+  "late_dones": n}``
 * ``{"cmd": "drop", "name"}`` -> ``{"ok": true}`` (shuts that instance's workers down)
 * ``{"cmd": "quit"}`` -> shuts every instance down and exits.
 
@@ -47,6 +48,7 @@ def _poll(inst: SyntheticInstance) -> dict[str, Any]:
         "tracked": trackers + inst.scheduler.tracked,
         "blocks_lent": lent,
         "expired": expired,
+        "late_dones": sum(r.worker.tracker.late_dones for r in inst.ranks),
     }
 
 

@@ -23,20 +23,23 @@ from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.peer_process import PeerProcess, PInstance, free_port_range
 from ascend_dist.kv_mooncake.plan import TensorGeom, build_pull_descriptors, plan_block_pairs, select_sources
+from ascend_dist.kv_mooncake.pull_batch import task_batch
+from ascend_dist.kv_mooncake.scheduler import ReqMeta
 from ascend_dist.kv_mooncake.synthetic import Model, SyntheticInstance
 
-__all__ = ["PdScenario", "make_scenario"]
+__all__ = ["PdHybridScenario", "PdScenario", "make_hybrid_scenario", "make_scenario"]
 
 THROUGHPUT_TARGET = 0.9
 PLANNING_TARGET = 20.0  # planning <= 5 % of the transfer time
 _RAW = "raw batch_transfer_sync_read, same descriptors"
 
 
-def _model(ctx: ScenarioContext) -> dict[str, Any]:
+def _model(ctx: ScenarioContext, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The synthetic model; ``ASCEND_DIST_PD_MODEL`` (JSON, `Model` fields) overrides any size."""
     # 32 tokens x 8 heads x 128 x 2 B = 64 KiB per tensor block; 4 layers, split K/V.
     blocks = 160 if ctx.quick else 640
     model: dict[str, Any] = {"layers": 4, "heads": 8, "head_dim": 128, "block_size": 32, "num_blocks": blocks}
+    model.update(base or {})
     raw = os.environ.get("ASCEND_DIST_PD_MODEL", "")
     if raw:
         try:
@@ -54,13 +57,14 @@ class PdScenario:
 
     name = "pd"
     summary = "P -> D KV pull through MooncakeConnectorV1's scheduler and workers, verified byte for byte"
+    base_model: dict[str, Any] = {}  # noqa: RUF012 (read-only class default)
     modes = frozenset({"demo", "bench"})
 
     def run(self, ctx: ScenarioContext) -> ScenarioReport:
         """Start P, run the requests, verify, measure."""
         os.environ.setdefault("GLOG_minloglevel", "2")
         report = ScenarioReport(self.name, ctx.mode)
-        model = _model(ctx)
+        model = _model(ctx, self.base_model)
         kv_port = free_port_range(1)
         extra = {"engine_id": "pd-P", "kv_port": kv_port, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
         ctx.progress.step("starting the P instance (child process)")
@@ -187,17 +191,25 @@ class PdScenario:
         d: SyntheticInstance, rid: str, params: dict[str, Any], receiver: Any
     ) -> tuple[Descriptors, str]:
         agent = receiver.peer_metadata(params["remote_engine_id"], params["remote_host"], params["remote_port"])
-        layers = d.ranks[0].caches
-        names = list(layers)
-        local = [TensorGeom(*_geom(t)) for n in names for t in layers[n]]
-        remote = [
-            TensorGeom(t.base, t.block_len, t.stride, t.tokens, t.heads, t.head_bytes)
-            for n in names
-            for t in agent.layers[n]
-        ]
-        lids, rids = plan_block_pairs(d.blocks[rid][0], params["remote_block_ids"][0], 0, d.model.block_size)
+        groups = d.model.groups
+        meta = ReqMeta(
+            request_id=rid,
+            local_block_ids=d.blocks[rid],
+            remote_block_ids=params["remote_block_ids"],
+            num_computed_tokens=0,
+            remote_request_id=params["remote_request_id"],
+            remote_engine_id=params["remote_engine_id"],
+            remote_host=params["remote_host"],
+            remote_port=params["remote_port"],
+            remote_ptp_size=1,
+            prompt_len=d.scheduler.loaded_len(d.requests[rid].prompt_len),
+            window_blocks=list(d.model.windows) or [0] * groups,
+            state_groups=list(d.model.state_groups),
+            remote_block_size=params.get("remote_block_size") or 0,
+        )
         slices = select_sources(0, 1, 1, 1 if d.model.mla else d.model.heads, rid)
-        return build_pull_descriptors(local, remote, lids, rids, slices=slices, p_rank=0), agent.te_session
+        batch = task_batch(receiver.cache, agent, meta, p_rank=0, d_rank=0, d_tp=1, slices=slices)
+        return batch.descriptors, agent.te_session
 
     def _planning(self, ctx: ScenarioContext, report: ScenarioReport) -> None:
         layers, tokens, block, heads, dim = 61, 131_072, 128, 1, 128
@@ -256,10 +268,21 @@ class PdScenario:
         )
 
 
-def _geom(t: Any) -> tuple[int, int, int, int, int, int]:
-    elt = t.element_size()
-    _, tokens, heads, dim = t.shape
-    return t.data_ptr(), tokens * heads * dim * elt, t.stride(0) * elt, tokens, heads, dim * elt
+class PdHybridScenario(PdScenario):
+    """The ``pd`` scenario on a hybrid model: attention layers and GDN-shaped state (Mamba) layers."""
+
+    name = "pd-hybrid"
+    summary = "P -> D pull of attention + Mamba state layers (MooncakeHybridConnector's path), verified byte for byte"
+    base_model: dict[str, Any] = {  # noqa: RUF012 (read-only class default)
+        "groups": 2,
+        "state_groups": [1],
+        "state": {"conv_rows": 3, "key_heads": 16, "key_dim": 128, "value_heads": 32, "value_dim": 128},
+    }
+
+
+def make_hybrid_scenario() -> PdHybridScenario:
+    """Entry point ``pd-hybrid`` of ``ascend_dist.scenarios``."""
+    return PdHybridScenario()
 
 
 def make_scenario() -> PdScenario:

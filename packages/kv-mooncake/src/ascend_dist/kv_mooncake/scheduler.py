@@ -21,7 +21,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.ports import PortLayout
 from ascend_dist.common.states import StateTable
 from ascend_dist.kv_mooncake.config import PullConfig
-from ascend_dist.kv_mooncake.messages import parse_transfer_params
+from ascend_dist.kv_mooncake.messages import TransferParams, parse_transfer_params
 from ascend_dist.kv_mooncake.plan import trim_block_ids
 
 __all__ = ["PullMetadata", "PullScheduler", "RecvState", "ReqMeta", "SchedRequest"]
@@ -61,6 +61,9 @@ class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
     do_virtual: bool = False
     prompt_len: int = 0
     window_blocks: list[int] = []
+    state_groups: list[int] = []
+    num_speculative_tokens: int = 0
+    remote_block_size: int = 0
     # Only tells P to free (the request is not waiting on D): never reported in finished_recving, since
     # vLLM asserts that a finished receive belongs to a request it still holds.
     notify_only: bool = False
@@ -90,16 +93,30 @@ RECV_TRANSITIONS: Final = {
 class PullScheduler:
     """The scheduler half of ``MooncakeConnectorV1``."""
 
-    def __init__(self, config: PullConfig, block_sizes: Sequence[int], window_blocks: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        config: PullConfig,
+        block_sizes: Sequence[int],
+        window_blocks: Sequence[int] = (),
+        *,
+        state_groups: Sequence[int] = (),
+        num_speculative_tokens: int = 0,
+    ) -> None:
         """Create the scheduler.
 
         Args:
             config: The connector configuration.
             block_sizes: Tokens per block of each KV-cache group.
             window_blocks: Per group, ``ceil(window / block) + 1`` for sliding-window groups, else 0.
+            state_groups: Indices of the state (Mamba/linear-attention) groups. With any, P drops
+                the last prompt token (a recurrent state cannot be rewound, spec §5.3.2) and D
+                loads ``prompt - 1`` tokens, then recomputes the last one.
+            num_speculative_tokens: Speculative tokens (P's state block is the ``spec + 1``-th last).
 
         Raises:
-            ConfigError: No groups, or the lists differ in length.
+            ConfigError: No groups, the lists differ in length, a group index is out of range,
+                or a combination is unsupported (sliding window with context parallelism, or a
+                window on a state group).
         """
         if not block_sizes or any(b <= 0 for b in block_sizes):
             raise ConfigError("block_sizes", list(block_sizes), "one positive int per KV-cache group")
@@ -108,6 +125,16 @@ class PullScheduler:
             raise ConfigError("window_blocks", windows, f"{len(block_sizes)} entries (one per group)")
         if config.uses_cp and any(windows):
             raise ConfigError("window_blocks", windows, "all 0 with context parallelism (SWA + CP is not supported)")
+        states = sorted(set(state_groups))
+        if any(not 0 <= g < len(block_sizes) for g in states):
+            raise ConfigError("state_groups", states, f"group indices in [0, {len(block_sizes)})")
+        if any(windows[g] for g in states):
+            raise ConfigError("window_blocks", windows, "0 for state groups")
+        if num_speculative_tokens < 0:
+            raise ConfigError("num_speculative_tokens", num_speculative_tokens, "an int >= 0")
+        self._states = states
+        self._attn_block = next((b for g, b in enumerate(block_sizes) if g not in states), block_sizes[0])
+        self._num_spec = num_speculative_tokens
         self._config = config
         self._block_sizes = list(block_sizes)
         self._windows = windows
@@ -140,15 +167,74 @@ class PullScheduler:
         if not request.kv_transfer_params:
             return 0, False
         params = parse_transfer_params(request.kv_transfer_params)
+        if params.do_remote_decode:
+            self.truncate_for_state(request)
         if not params.do_remote_prefill:
             return 0, False
         request.kv_transfer_params["num_computed_tokens"] = num_computed_tokens
-        count = max(request.prompt_len - num_computed_tokens, 0)
+        disagreement = self._disagreement(params)
+        if disagreement:
+            # Pairing blocks with different windows or group kinds would load wrong bytes: D
+            # recomputes the prompt instead, and the empty receive still tells P to free.
+            logger.error("request %s: not loading from P: %s", request.request_id, disagreement)
+            return 0, False
+        count = max(self.loaded_len(request.prompt_len) - num_computed_tokens, 0)
         if count == 0:
             return 0, False
         if request.request_id not in self._recv:
             self._recv.add(request.request_id, RecvState.MATCHED)
         return count, True
+
+    def loaded_len(self, prompt_len: int) -> int:
+        """Prompt tokens D loads from P: all, or all but the last with state groups (D recomputes it)."""
+        return prompt_len - 1 if self._states and prompt_len > 1 else prompt_len
+
+    def _disagreement(self, params: TransferParams) -> str:
+        """Why P's groups cannot be paired with D's (empty when they agree, or P did not say)."""
+        if params.remote_window_blocks is not None and list(params.remote_window_blocks) != self._windows:
+            return (
+                f"kv_transfer_params.remote_window_blocks={params.remote_window_blocks} differs from D's "
+                f"sliding-window blocks per group {self._windows}"
+            )
+        p_block, d_block = params.remote_block_size, self._attn_block
+        if p_block and p_block != d_block and any(self._windows):
+            return (
+                f"kv_transfer_params.remote_block_size={p_block} differs from D's {d_block}: "
+                "not supported with sliding-window groups"
+            )
+        if p_block and p_block != d_block and self._config.uses_cp:
+            ratio = (self._config.prefill.cp_size // self._config.decode.cp_size) or 1
+            if d_block % p_block or ratio % (d_block // p_block):
+                return (
+                    f"kv_transfer_params.remote_block_size={p_block} with D's {d_block} and context parallelism: "
+                    f"D's block must be r x P's with (P cp / D cp) = {ratio} a multiple of r (spec §5.11)"
+                )
+        if params.remote_state_groups is not None and sorted(params.remote_state_groups) != self._states:
+            return (
+                f"kv_transfer_params.remote_state_groups={params.remote_state_groups} differs from D's "
+                f"state groups {self._states}"
+            )
+        return ""
+
+    def truncate_for_state(self, request: SchedRequest) -> bool:
+        """P with state groups: drop the request's last prompt token, once (spec §5.3.2).
+
+        P then computes the state after ``N - 1`` tokens and D recomputes token ``N`` from it.
+        Sets ``prompt_len -= 1`` and ``kv_transfer_params["_p_side_truncated"]`` (the guard
+        against truncating again after a preemption); the caller mirrors the change on its own
+        request object (dropping the token, ``max_tokens = 1``).
+
+        Returns:
+            Whether the request was truncated now.
+        """
+        params = request.kv_transfer_params
+        if not self._states or params is None or params.get("_p_side_truncated") or request.prompt_len <= 1:
+            return False
+        if not params.get("do_remote_decode"):
+            return False
+        request.prompt_len -= 1
+        params["_p_side_truncated"] = True
+        return True
 
     def update_state_after_alloc(
         self, request: SchedRequest, local_block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -173,7 +259,12 @@ class PullScheduler:
         if len(local) != groups:
             raise ConfigError("local_block_ids", f"<{len(local)} groups>", f"{groups} lists (one per KV-cache group)")
         self._pending[request.request_id] = self._req_meta(
-            request.request_id, params, local, raw, prompt_len=request.prompt_len, notify_only=num_external_tokens == 0
+            request.request_id,
+            params,
+            local,
+            raw,
+            prompt_len=self.loaded_len(request.prompt_len),
+            notify_only=num_external_tokens == 0,
         )
         if request.request_id in self._recv:
             self._recv.advance(request.request_id, RecvState.ALLOCATED)
@@ -209,6 +300,9 @@ class PullScheduler:
             do_virtual=params.do_virtual,
             prompt_len=prompt_len,
             window_blocks=list(self._windows),
+            state_groups=list(self._states),
+            num_speculative_tokens=self._num_spec,
+            remote_block_size=params.remote_block_size or 0,
             notify_only=notify_only,
         )
 
@@ -246,8 +340,8 @@ class PullScheduler:
         if not params.do_remote_decode or not request.length_capped:
             return False, None
         trimmed = [
-            trim_block_ids(ids, request.prompt_len, bs * self._p_cp, win)
-            for ids, bs, win in zip(block_ids, self._block_sizes, self._windows, strict=True)
+            list(ids) if g in self._states else trim_block_ids(ids, request.prompt_len, bs * self._p_cp, win)
+            for g, (ids, bs, win) in enumerate(zip(block_ids, self._block_sizes, self._windows, strict=True))
         ]
         delay = any(trimmed)
         if delay:
@@ -261,6 +355,8 @@ class PullScheduler:
             "remote_host": self._config.host,
             "remote_port": self._remote_port,
             "remote_ptp_size": self._config.prefill.tp_size,
-            "remote_block_size": self._block_sizes[0],
-            "num_prompt_blocks": math.ceil(request.prompt_len / self._block_sizes[0]),
+            "remote_block_size": self._attn_block,
+            "num_prompt_blocks": math.ceil(request.prompt_len / self._attn_block),
+            "remote_window_blocks": list(self._windows),
+            "remote_state_groups": list(self._states),
         }

@@ -20,6 +20,7 @@ from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.engine import TransferBackend
 from ascend_dist.kv_mooncake.plan import head_range, pp_layer_ranges
 from ascend_dist.kv_mooncake.scheduler import PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.synthetic_state import StateShape
 from ascend_dist.kv_mooncake.worker import PullWorker
 
 __all__ = ["Model", "SyntheticInstance", "pattern"]
@@ -39,6 +40,10 @@ class Model:
         groups: KV-cache groups (layer i belongs to group ``i % groups``).
         windows: Per group, ``ceil(window / block) + 1`` for a sliding-window group, else 0
             (empty: no sliding window).
+        state_groups: Groups whose layers are state (Mamba/GDN) layers (`synthetic_state`).
+        state: Sizes of a state layer (a dict of `StateShape` fields).
+        kernel_block_size: Tokens of the attention kernel's block (0: ``block_size``); the
+            tensors then hold ``block_size / kernel_block_size`` kernel blocks per logical block.
     """
 
     layers: int = 4
@@ -49,6 +54,18 @@ class Model:
     mla: bool = False
     groups: int = 1
     windows: tuple[int, ...] = ()
+    state_groups: tuple[int, ...] = ()
+    state: dict[str, int] = field(default_factory=dict)
+    kernel_block_size: int = 0
+
+    @property
+    def state_shape(self) -> StateShape:
+        """The state layers' sizes."""
+        return StateShape(**self.state)
+
+    def is_state(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a state layer."""
+        return layer % self.groups in self.state_groups
 
     def layer_name(self, i: int) -> str:
         """vLLM-style layer name."""
@@ -93,6 +110,7 @@ class SyntheticInstance:
     model: Model
     engine: TransferBackend | None = None
     ranks: list[_Rank] = field(default_factory=list)
+    p_block_size: int = 0
 
     def __post_init__(self) -> None:
         topo = self.config.prefill if self.config.is_producer else self.config.decode
@@ -100,9 +118,14 @@ class SyntheticInstance:
         self.pcp, self.dcp = topo.pcp_size, topo.dcp_size
         self.cp = self.pcp * self.dcp  # block i of a request's list on CP index q is block i*cp + q
         self.scheduler = PullScheduler(
-            self.config, [self.model.block_size] * self.model.groups, list(self.model.windows)
+            self.config,
+            [self.model.block_size] * self.model.groups,
+            list(self.model.windows),
+            state_groups=list(self.model.state_groups),
         )
-        self.free: list[list[int]] = [list(range(1, self.model.num_blocks)) for _ in range(self.model.groups)]
+        ids = list(range(1, self.model.num_blocks))
+        # Each group's free list starts elsewhere, so a plan that mixes up groups' ids is caught.
+        self.free: list[list[int]] = [ids[5 * g :] + ids[: 5 * g] for g in range(self.model.groups)]
         self.blocks: dict[str, list[list[int]]] = {}
         self.requests: dict[str, SchedRequest] = {}
         stages = pp_layer_ranges(self.model.layers, self.pp, topo.pp_layer_partition)
@@ -123,17 +146,29 @@ class SyntheticInstance:
         caches: dict[str, tuple[torch.Tensor, ...]] = {}
         offset = 0
         for i in layers:
+            if m.is_state(i):
+                caches[m.layer_name(i)] = m.state_shape.empty(m.num_blocks, self.tp)
+                continue
             parts = []
             for d in dims:
                 n = m.num_blocks * m.block_size * count * d
-                parts.append(storage[offset : offset + n].view(m.num_blocks, m.block_size, count, d))
+                kernel = m.kernel_block_size or m.block_size  # kernel blocks: [blocks * scale, kernel, ...]
+                parts.append(storage[offset : offset + n].view(-1, kernel, count, d))
                 offset += n
             caches[m.layer_name(i)] = tuple(parts)
         worker = PullWorker(
             self.config, tp_rank=tp, pp_rank=pp, pcp_rank=pcp, num_kv_heads=m.heads, use_mla=m.mla, engine=self.engine
         )
         groups = [[m.layer_name(i) for i in layers if i % m.groups == g] for g in range(m.groups)]
-        worker.register_kv_caches(caches, groups=groups, num_blocks=m.num_blocks, block_size=m.block_size)
+        p_tp = self.config.prefill.tp_size
+        worker.register_kv_caches(
+            caches,
+            groups=groups,
+            num_blocks=m.num_blocks,
+            block_size=m.block_size,
+            state_groups=list(m.state_groups),
+            state_layout=m.state_shape.layout(p_tp) if m.state_groups and p_tp > self.tp else None,
+        )
         return _Rank(tp, pp, pcp * self.dcp + tp % self.dcp, layers, caches, worker)
 
     def _alloc(self, rid: str, tokens: int) -> list[list[int]]:
@@ -159,8 +194,8 @@ class SyntheticInstance:
         """P: run a request's prefill (fill its KV with the pattern) and return kv_transfer_params."""
         req = SchedRequest(rid, prompt_len, {"do_remote_decode": True})
         self.requests[rid] = req
-        self.scheduler.get_num_new_matched_tokens(req, 0)
-        ids = self._alloc(rid, prompt_len)
+        self.scheduler.get_num_new_matched_tokens(req, 0)  # a hybrid model drops the last prompt token
+        ids = self._alloc(rid, req.prompt_len)
         self.scheduler.update_state_after_alloc(req, ids, 0)
         self._step()
         self.fill(rid, seed, 0)
@@ -179,9 +214,30 @@ class SyntheticInstance:
             heads = torch.arange(first, first + count)
             for i in r.layers:
                 ids = self.blocks[rid][i % m.groups]
+                if m.is_state(i):
+                    self._fill_state(r, i, ids, seed)
+                    continue
                 pos = self._positions(first_position // m.block_size, r.cp_index, len(ids))
                 for part, t in enumerate(r.caches[m.layer_name(i)]):
-                    t[torch.tensor(ids)] = pattern(seed, i, part, heads, pos, dim=t.shape[3])
+                    t.view(m.num_blocks, m.block_size, *t.shape[2:])[torch.tensor(ids)] = pattern(
+                        seed, i, part, heads, pos, dim=t.shape[3]
+                    )
+
+    def _fill_state(self, r: _Rank, layer: int, ids: Sequence[int], seed: int) -> None:
+        """P's state blocks of a request: the last holds the request's state, the others decoys."""
+        conv, ssm = r.caches[self.model.layer_name(layer)]
+        for j, b in enumerate(ids):
+            s = seed if j == len(ids) - 1 else seed + 7_919 * (j + 1)
+            conv[b], ssm[b] = self.model.state_shape.contents(s, layer, r.tp, self.tp)
+
+    def _verify_state(self, r: _Rank, layer: int, ids: Sequence[int], seed: int) -> int:
+        """D's state block (its first new block) against P's state; returns bytes checked."""
+        conv, ssm = r.caches[self.model.layer_name(layer)]
+        want = self.model.state_shape.contents(seed, layer, r.tp, self.tp)
+        for got, exp in zip((conv[ids[0]], ssm[ids[0]]), want, strict=True):
+            if not torch.equal(got, exp):
+                raise AssertionError(f"layer {layer} state rank tp{r.tp} differs from P's state")
+        return (conv[0].numel() + ssm[0].numel()) * 2
 
     def decode(self, rid: str, prompt_len: int, params: dict[str, object], computed_tokens: int = 0) -> int:
         """D: accept P's params, allocate, queue the pull; returns the tokens to load."""
@@ -240,8 +296,16 @@ class SyntheticInstance:
         blocks = first + torch.arange(n) * self.cp
         return blocks[:, None] * self.model.block_size + torch.arange(self.model.block_size)[None, :]
 
+    @property
+    def _p_block(self) -> int:
+        """P's block size: P filled whole blocks of it (this instance's own when it is P)."""
+        return self.p_block_size or self.model.block_size
+
     def verify(self, rid: str, seed: int, computed_tokens: int = 0) -> int:
-        """D: compare every pulled byte of a request with the pattern; return bytes checked."""
+        """D: compare every pulled byte of a request with the pattern; return bytes checked.
+
+        Bytes up to the end of P's last prompt block are compared (P writes whole blocks).
+        """
         m = self.model
         checked = 0
         first_block = computed_tokens // m.block_size
@@ -250,20 +314,26 @@ class SyntheticInstance:
             heads = torch.arange(first, first + count)
             for i in r.layers:
                 ids = self.blocks[rid][i % m.groups]
+                if m.is_state(i):
+                    checked += self._verify_state(r, i, ids, seed) if ids else 0
+                    continue
                 window = m.windows[i % m.groups] if m.windows else 0
                 skip = max(0, len(ids) - window) if window else 0  # a SWA group: only its window's tail
                 ids = ids[skip:]
                 pos = self._positions(first_block + skip, r.cp_index, len(ids))
-                prompt_blocks = -(-self.requests[rid].prompt_len // m.block_size) if rid in self.requests else 1 << 30
-                keep = int((pos[:, 0] < prompt_blocks * m.block_size).sum())  # CP: a rank's last entry may be past it
-                ids, pos = ids[:keep], pos[:keep]
+                loaded = self.scheduler.loaded_len(self.requests[rid].prompt_len) if rid in self.requests else 1 << 30
+                # Tokens past the loaded prompt were never computed by P (a last, partly filled block).
+                mask = pos < max(loaded, -(-loaded // self._p_block) * self._p_block)
+                keep = int(mask[:, 0].sum())  # CP: a rank's last entry may be past the prompt
+                ids, pos, mask = ids[:keep], pos[:keep], mask[:keep]
                 if not ids:
                     continue
                 for part, t in enumerate(r.caches[m.layer_name(i)]):
-                    got = t[torch.tensor(ids)]
-                    if not torch.equal(got, pattern(seed, i, part, heads, pos, dim=t.shape[3])):
+                    got = t.view(m.num_blocks, m.block_size, *t.shape[2:])[torch.tensor(ids)]
+                    want = pattern(seed, i, part, heads, pos, dim=t.shape[3])
+                    if not torch.equal(got[mask], want[mask]):
                         raise AssertionError(f"{rid}: layer {i} part {part} rank tp{r.tp} differs from P's bytes")
-                    checked += got.numel() * got.element_size()
+                    checked += got[mask].numel() * got.element_size()
         return checked
 
     def finish_decode(self, rid: str) -> None:

@@ -2,7 +2,8 @@
 
 Runs in: D worker processes. `Receiver.submit` plans one task per P rank (and PP stage) and hands
 them to a bounded `ThreadPoolExecutor`. A task fetches (and caches) the P worker's metadata after a
-compatibility handshake, builds descriptors with `ascend_dist.kv_mooncake.plan`, pulls them with
+compatibility handshake (`ascend_dist.kv_mooncake.peers`), builds the descriptors of every KV group
+(attention and state, `ascend_dist.kv_mooncake.pull_batch`), pulls them with
 ``batch_transfer_sync_read`` and always sends DONE to that P rank, even on failure, so P frees its
 blocks (after the request is reported, so DONE's round trip is not on D's critical path). A
 failed task records the logical block ids it was to fill, in every KV group, *before* its request
@@ -24,63 +25,34 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from ascend_dist.common.descriptors import Descriptors
-from ascend_dist.common.errors import ConfigError, IncompatiblePeer, ProtocolError
 from ascend_dist.common.mappings import context_parallel_parameters_check
-from ascend_dist.common.wire import Codec, Handshake, check_compatible
-from ascend_dist.common.zmq_rpc import RpcClient
-from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.cp_plan import CpShard, cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.engine import TransferBackend
-from ascend_dist.kv_mooncake.messages import (
-    Ack,
-    AgentMetadata,
-    Done,
-    GetMeta,
-    MetaReply,
-    Refused,
-    Renew,
-    Reply,
-    Request,
-    reply_codec,
-    request_codec,
-)
-from ascend_dist.kv_mooncake.plan import (
-    HeadSlice,
-    PullMode,
-    TensorGeom,
-    build_pull_descriptors,
-    pull_mode,
-    select_sources,
-)
-from ascend_dist.kv_mooncake.plan_groups import pair_group_blocks
+from ascend_dist.kv_mooncake.messages import AgentMetadata
+from ascend_dist.kv_mooncake.peers import PeerClient
+from ascend_dist.kv_mooncake.plan import HeadSlice, PullMode, pull_mode, select_sources
+from ascend_dist.kv_mooncake.plan_groups import pull_source_ranks, state_source_ranks
+from ascend_dist.kv_mooncake.pull_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 from ascend_dist.kv_mooncake.scheduler import ReqMeta
 
-__all__ = ["LocalCache", "Receiver"]
+__all__ = ["STATE_TASK", "LocalCache", "Receiver"]
+
+STATE_TASK = -2
+"""Shard index of a CP task that reads only the state groups (from P's PCP rank 0)."""
 
 logger = logging.getLogger(__name__)
 
-Reformat = Callable[[str, Sequence[int], int], None]
-"""``reformat(layer_name, local_block_ids, pulls)``: stacked pulls -> token-major heads."""
 
+class Reformat(Protocol):
+    """``reformat(layer_name, local_block_ids, pulls, sub_tokens=0)``: stacked pulls -> token-major heads."""
 
-@dataclass(frozen=True)
-class LocalCache:
-    """D's registered cache as the receiver needs it.
-
-    Attributes:
-        layers: Layer name -> its tensors' geometry.
-        groups: Per KV-cache group, its layer names.
-        block_size: Tokens per logical block.
-        heads: Total KV heads of the model (1 for MLA).
-    """
-
-    layers: dict[str, list[TensorGeom]]
-    groups: list[list[str]]
-    block_size: int
-    heads: int
+    def __call__(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
+        """Reformat the listed blocks (sub-blocks of ``sub_tokens`` tokens when non-zero)."""
+        ...
 
 
 @dataclass
@@ -96,6 +68,7 @@ class _Pull:
     pulled_layers: set[str] = field(default_factory=set)
     hold_until: float = 0.0
     shards: list[CpShard] = field(default_factory=list)
+    group_shards: list[list[CpShard]] = field(default_factory=list)
 
 
 class Receiver:
@@ -119,29 +92,26 @@ class Receiver:
         self._pcp_rank = pcp_rank
         self._use_mla = use_mla
         if config.uses_cp:  # refuse a bad CP layout at registration, not per request
-            if len(cache.groups) != 1:
-                raise ConfigError("kv_cache_groups", len(cache.groups), "1 (one full-attention group) with CP")
             p_info, d_info = cp_layouts(config, use_mla)
             context_parallel_parameters_check(p_info, d_info, cache.heads)
             cp_sources(tp_rank, p_info, d_info, cache.heads)
         self._tp_rank = tp_rank
         self._cache = cache
         self._engine = engine
-        self._handshake = handshake
         self._reformat = reformat
         self._clock = clock
-        self._client = RpcClient(
-            timeout_s=config.rpc_timeout_s, retries=config.rpc_retries, max_reply_bytes=config.max_message_bytes
-        )
-        self._requests: Codec[Request] = request_codec(config.max_message_bytes)
-        self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
+        self._peers = PeerClient(config, handshake, tp_rank)
         self._pool = ThreadPoolExecutor(max_workers=config.recv_workers, thread_name_prefix=f"kv-pull-{tp_rank}")
         self._lock = threading.Lock()
         self._pulls: dict[str, _Pull] = {}
         self._finished: set[str] = set()
         self._quarantined: dict[str, _Pull] = {}
         self._errors: set[int] = set()
-        self._meta_cache: dict[tuple[str, str, int], AgentMetadata] = {}
+
+    @property
+    def cache(self) -> LocalCache:
+        """D's cache as the planner sees it (the benchmark plans the same descriptors with it)."""
+        return self._cache
 
     @property
     def in_flight(self) -> int:
@@ -158,13 +128,11 @@ class Receiver:
     @property
     def cached_peers(self) -> int:
         """P workers whose metadata is cached."""
-        with self._lock:
-            return len(self._meta_cache)
+        return len(self._peers)
 
     def peer_metadata(self, engine_id: str, host: str, port: int) -> AgentMetadata | None:
         """The cached metadata of a P worker, if fetched (the benchmark rebuilds descriptors from it)."""
-        with self._lock:
-            return self._meta_cache.get((engine_id, host, port))
+        return self._peers.cached(engine_id, host, port)
 
     def submit(self, meta: ReqMeta) -> None:
         """Plan a request's pulls and queue them (an empty receive only sends DONEs)."""
@@ -179,7 +147,15 @@ class Receiver:
         slices = select_sources(
             self._tp_rank, p_tp, self._config.decode.tp_size, self._cache.heads, meta.remote_request_id
         )
-        ranks = sorted({s.p_rank for s in slices})
+        ranks = pull_source_ranks(
+            self._tp_rank,
+            p_tp,
+            self._config.decode.tp_size,
+            self._cache.heads,
+            meta.remote_request_id,
+            attention=bool(self._cache.attention_groups),
+            state=self._cache.has_state,
+        )
         tasks = [stage * p_tp + p for stage in range(p_pp) for p in ranks]
         now = self._clock()
         with self._lock:
@@ -191,25 +167,44 @@ class Receiver:
         """Plan with context parallelism (spec §5.11): one task per (P CP rank, P rank) of each shard."""
         p_info, d_info = cp_layouts(self._config, self._use_mla)
         bs = self._cache.block_size
-        shards = plan_cp_pull(
-            p=p_info,
-            d=d_info,
-            heads=self._cache.heads,
-            d_tp_rank=self._tp_rank,
-            d_pcp_rank=self._pcp_rank,
-            remote_block_ids=meta.remote_block_ids[0],
-            local_block_ids=meta.local_block_ids[0],
-            prompt_len=meta.prompt_len,
-            num_external_tokens=max(0, meta.prompt_len - meta.num_computed_tokens) if any(meta.local_block_ids) else 0,
-            p_block_size=bs,
-            d_block_size=bs,
-        )
+        external = max(0, meta.prompt_len - meta.num_computed_tokens) if any(meta.local_block_ids) else 0
+        # Every group shares the prompt and block size, so its shards have the same CP ranks and P
+        # ranks in the same order; only the block ids differ.
+        group_shards = [
+            []  # a state group is not interleaved over CP ranks: its own tasks read it (below)
+            if g in self._cache.state_groups
+            else plan_cp_pull(
+                p=p_info,
+                d=d_info,
+                heads=self._cache.heads,
+                d_tp_rank=self._tp_rank,
+                d_pcp_rank=self._pcp_rank,
+                remote_block_ids=remote,
+                local_block_ids=local,
+                prompt_len=meta.prompt_len,
+                num_external_tokens=external,
+                p_block_size=meta.remote_block_size or bs,
+                d_block_size=bs,
+            )
+            for g, (local, remote) in enumerate(zip(meta.local_block_ids, meta.remote_block_ids, strict=True))
+        ]
+        attn = self._cache.attention_groups
+        shards = group_shards[attn[0]] if attn else []
         tasks = [(i, w) for i, s in enumerate(shards) for w in s.p_world_ranks]
+        if self._cache.has_state:  # the state is replicated over P's CP ranks: read it from P's PCP rank 0
+            p_tp, d_tp = self._config.prefill.tp_size, self._config.decode.tp_size
+            tasks += [(STATE_TASK, w) for w in state_source_ranks(self._tp_rank, p_tp, d_tp)]
         now = self._clock()
         slices = list(shards[0].slices) if shards else []
         with self._lock:
             self._pulls[meta.request_id] = _Pull(
-                meta, slices, len(tasks), now + self._config.pull_timeout_s, now, shards=shards
+                meta,
+                slices,
+                len(tasks),
+                now + self._config.pull_timeout_s,
+                now,
+                shards=shards,
+                group_shards=group_shards,
             )
         for shard, world in tasks:
             self._pool.submit(self._run_task, meta.request_id, world, shard)
@@ -224,93 +219,49 @@ class Receiver:
         ok = True
         try:
             if shard >= 0:
-                if pull.shards[shard].local_ids:
-                    self._pull(pull, port, global_rank % meta.remote_ptp_size, pull.shards[shard])
+                if any(gs[shard].local_ids for gs in pull.group_shards if gs):
+                    self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
+            elif shard == STATE_TASK:
+                if any(meta.local_block_ids[g] for g in self._cache.state_groups):
+                    self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
             elif any(meta.local_block_ids):
                 self._pull(pull, port, global_rank % meta.remote_ptp_size)
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
             logger.error("request %s: pull from %s:%d failed: %s", request_id, meta.remote_host, port, exc)
-            with self._lock:
-                self._meta_cache.pop((meta.remote_engine_id, meta.remote_host, port), None)
+            self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
             self._fail(pull)
         finally:
             # Report the request first (D's latency), then release P's blocks with DONE.
             self._task_done(pull)
-            self._send_done(meta, port, ok)
+            self._peers.send_done(meta.remote_host, port, meta.remote_request_id, ok)
 
-    def _pull(self, pull: _Pull, port: int, p_rank: int, shard: CpShard | None = None) -> None:
+    def _pull(self, pull: _Pull, port: int, p_rank: int, shard: int = -1) -> None:
         meta = pull.meta
-        agent = self._metadata(meta.remote_engine_id, meta.remote_host, port)
+        agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
+        stage = 0 if shard >= 0 or shard == STATE_TASK else (port - meta.remote_port) // meta.remote_ptp_size
+        check_peer_rank(agent, port=port, pp_rank=stage, tp_rank=p_rank)
         if self._clock() - pull.submitted > self._config.lease_s / 3:
-            self._rpc(meta.remote_host, port, Renew(request_ids=[meta.remote_request_id]))
-        batches: list[Descriptors] = []
-        layers: list[str] = []
-        for g, names in enumerate(self._cache.groups):
-            if shard is None:
-                local_ids, remote_ids = pair_group_blocks(meta, g, self._cache.block_size)
-                slices = pull.slices
-            else:
-                local_ids, remote_ids, slices = list(shard.local_ids), list(shard.remote_ids), list(shard.slices)
-            if remote_ids and max(remote_ids) >= agent.num_blocks:
-                raise ProtocolError(f"remote block id {max(remote_ids)} >= P's {agent.num_blocks} blocks")
-            here = [n for n in names if n in agent.layers]
-            local = [geom for n in here for geom in self._cache.layers[n]]
-            remote = [
-                TensorGeom(t.base, t.block_len, t.stride, t.tokens, t.heads, t.head_bytes)
-                for n in here
-                for t in agent.layers[n]
-            ]
-            batches.append(build_pull_descriptors(local, remote, local_ids, remote_ids, slices=slices, p_rank=p_rank))
-            layers.extend(here)
+            self._peers.renew(meta.remote_host, port, meta.remote_request_id)
+        batch = task_batch(
+            self._cache,
+            agent,
+            meta,
+            p_rank=p_rank,
+            d_rank=self._tp_rank,
+            d_tp=self._config.decode.tp_size,
+            slices=pull.slices,
+            shards=None if shard < 0 else [gs[shard] if gs else None for gs in pull.group_shards],
+            state_only=shard == STATE_TASK,
+        )
         try:
-            self._engine.read(
-                agent.te_session, Descriptors.concat(batches), timeout_s=max(0.1, pull.deadline - self._clock())
-            )
+            self._engine.read(agent.te_session, batch.descriptors, timeout_s=max(0.1, pull.deadline - self._clock()))
         except BaseException:
             with self._lock:  # the engine may still write into these blocks: quarantine them
                 pull.hold_until = max(pull.hold_until, self._clock() + self._config.quarantine_s)
             raise
         with self._lock:
-            pull.pulled_layers.update(layers)
-
-    def _metadata(self, engine_id: str, host: str, port: int) -> AgentMetadata:
-        key = (engine_id, host, port)
-        with self._lock:
-            cached = self._meta_cache.get(key)
-        if cached is not None:
-            return cached
-        if engine_id == self._config.engine_id:
-            raise IncompatiblePeer("engine_id", self._config.engine_id, engine_id)
-        reply = self._rpc(host, port, GetMeta(handshake=self._handshake, engine_id=self._config.engine_id))
-        if isinstance(reply, Refused):
-            raise IncompatiblePeer(reply.field, reply.remote, reply.local)
-        if not isinstance(reply, MetaReply):
-            raise ProtocolError(f"expected metadata from {host}:{port}, got {type(reply).__name__}")
-        check_compatible(self._handshake, reply.handshake)
-        if reply.metadata.engine_id != engine_id:
-            raise IncompatiblePeer("remote_engine_id", engine_id, reply.metadata.engine_id)
-        with self._lock:
-            self._meta_cache[key] = reply.metadata
-        return reply.metadata
-
-    def _rpc(self, host: str, port: int, message: Request) -> Reply:
-        body = self._client.request(tcp_endpoint(host, port), self._requests.encode(message))
-        return self._replies.decode(body)
-
-    def _send_done(self, meta: ReqMeta, port: int, ok: bool) -> None:
-        try:
-            reply = self._rpc(
-                meta.remote_host, port, Done(request_id=meta.remote_request_id, d_rank=self._tp_rank, ok=ok)
-            )
-            if not isinstance(reply, Ack):
-                logger.warning(
-                    "DONE for %s to port %d answered by %s", meta.remote_request_id, port, type(reply).__name__
-                )
-        except Exception as exc:  # P's lease frees its blocks if DONE is lost
-            logger.warning(
-                "DONE for %s to %s:%d not delivered: %s", meta.remote_request_id, meta.remote_host, port, exc
-            )
+            pull.pulled_layers.update(batch.layers)
 
     def _fail(self, pull: _Pull) -> None:
         with self._lock:
@@ -347,21 +298,24 @@ class Receiver:
                 self._finished.add(pull.meta.request_id)
 
     def _reformat_all(self, pull: _Pull) -> None:
-        first = (
-            self._cache.layers[self._cache.groups[0][0]][0] if self._cache.groups and self._cache.groups[0] else None
-        )
-        if first is None:
+        attn = [g for g in self._cache.attention_groups if self._cache.groups[g]]
+        if not attn or not pull.slices:
             return
-        p_heads = pull.slices[0].n_heads
-        if pull_mode(pull.slices, p_heads, first.heads) is not PullMode.STACKED:
+        first = self._cache.layers[self._cache.groups[attn[0]][0]][0]
+        if pull_mode(pull.slices, pull.slices[0].n_heads, first.heads) is not PullMode.STACKED:
             return
-        for g, names in enumerate(self._cache.groups):
-            if pull.shards:
-                ids = [b for s in pull.shards for b in s.local_ids]
+        p_block = pull.meta.remote_block_size or self._cache.block_size
+        for g in attn:
+            sub = 0
+            if pull.group_shards and pull.group_shards[g]:
+                ids = [b for s in pull.group_shards[g] for b in s.local_ids]
+                sub = p_block if p_block < self._cache.block_size else 0  # sub-block ids
             else:
-                ids, _ = pair_group_blocks(pull.meta, g, self._cache.block_size)
-            for name in names:
-                if ids:
+                ids, _ = group_pairs(self._cache, pull.meta, g)
+            for name in self._cache.groups[g]:
+                if ids and sub:
+                    self._reformat(name, ids, len(pull.slices), sub)
+                elif ids:
                     self._reformat(name, ids, len(pull.slices))
 
     def take_finished(self) -> set[str]:
@@ -405,4 +359,4 @@ class Receiver:
     def close(self) -> None:
         """Wait for running pulls (each bounded by the engine's timeout), then close sockets."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._client.close()
+        self._peers.close()

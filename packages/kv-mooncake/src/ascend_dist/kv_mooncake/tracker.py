@@ -51,6 +51,7 @@ class SendTracker:
         self._dones: dict[str, int] = {}
         self._deadline: dict[str, float] = {}
         self._expired = 0
+        self._late_dones = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -60,6 +61,11 @@ class SendTracker:
     def expired_count(self) -> int:
         """Requests force-freed by an expired lease since start."""
         return self._expired
+
+    @property
+    def late_dones(self) -> int:
+        """DONEs for requests already freed or never seen since start (too low a fan-in shows here)."""
+        return self._late_dones
 
     def add_processing(self, request_id: str) -> None:
         """A request entered a batch on this rank (idempotent)."""
@@ -104,6 +110,7 @@ class SendTracker:
                 self._dones[request_id] = self._dones.get(request_id, 0) + 1
                 return True
             logger.debug("DONE for unknown or finished request %s ignored", request_id)
+            self._late_dones += 1
             return False
 
     def _finish(self, request_id: str) -> None:

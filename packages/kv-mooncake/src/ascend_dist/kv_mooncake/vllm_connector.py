@@ -19,10 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.scheduler import PullMetadata, PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.worker import PullWorker
 
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["MooncakeConnectorV1", "MooncakeConnectorV1Metadata"]
+__all__ = ["MooncakeConnectorV1", "MooncakeConnectorV1Metadata", "MooncakeHybridConnector"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,54 @@ def _ranks() -> tuple[int, int, int]:
     )
 
 
+def _state_layout(vllm_config: VllmConfig, spec: MambaSpec | None) -> StateLayout | None:
+    """Per-P-rank conv sub-projection sizes (needed only to split a state over ``P_tp > D_tp``).
+
+    ``kv_connector_extra_config.state_conv_segments`` (elements of each sub-projection in one P
+    rank's conv row, e.g. Mamba2's ``[x, B, C]``) wins; else GDN's ``[Q, K, V]`` from the HF
+    config's ``linear_*`` sizes; else None (a state then transfers only with equal TP).
+
+    Raises:
+        ConfigError: ``state_conv_segments`` is not a list of positive ints, or the heads do not
+            divide over P's TP.
+    """
+    if spec is None:
+        return None
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+    elt = spec.dtypes[0].itemsize
+    raw = extra.get("state_conv_segments")
+    if raw is not None:
+        if (
+            not isinstance(raw, list | tuple)
+            or not raw
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in raw)
+        ):
+            raise ConfigError("kv_connector_extra_config.state_conv_segments", raw, "a list of positive ints")
+        return StateLayout(tuple(raw), elt)
+    hf = vllm_config.model_config.hf_text_config
+    names = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim")
+    values = [getattr(hf, n, None) for n in names]
+    if any(not isinstance(v, int) for v in values):
+        return None
+    nk, dk, nv, dv = (int(v) for v in values)  # type: ignore[arg-type]
+    p_tp = int(extra.get("prefill", {}).get("tp_size", 1))
+    if nk % p_tp or nv % p_tp:
+        raise ConfigError("prefill.tp_size", p_tp, f"a divisor of the linear-attention heads ({nk}, {nv})")
+    return StateLayout.gdn(nk // p_tp * dk, nv // p_tp * dv, elt)
+
+
+def _truncate_prompt(request: Request) -> None:
+    """Mirror `PullScheduler.truncate_for_state` on vLLM's request: drop the last prompt token."""
+    if request.prompt_token_ids is not None:
+        request.prompt_token_ids.pop()
+    elif request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:-1]
+    request._all_token_ids.pop()
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+
+
 def _sched_request(request: Request) -> SchedRequest:
     return SchedRequest(
         request_id=request.request_id,
@@ -108,6 +158,11 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self._groups = [list(g.layer_names) for g in groups]
         self._num_blocks = kv_cache_config.num_blocks
+        self._state_groups = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+        attn = [i for i in range(len(groups)) if i not in self._state_groups]
+        self._block_size = self._block_sizes[attn[0]] if attn else self._block_sizes[0]
+        mamba = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+        self._state_layout = _state_layout(vllm_config, mamba[0] if mamba else None)
         self._scheduler: PullScheduler | None = None
         self._worker: PullWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -115,7 +170,13 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
                 math.ceil(w / bs) + 1 if (w := getattr(g.kv_cache_spec, "sliding_window", None)) else 0
                 for g, bs in zip(groups, self._block_sizes, strict=True)
             ]
-            self._scheduler = PullScheduler(self._pull_config, self._block_sizes, windows)
+            self._scheduler = PullScheduler(
+                self._pull_config,
+                self._block_sizes,
+                windows,
+                state_groups=self._state_groups,
+                num_speculative_tokens=max((m.num_speculative_blocks for m in mamba), default=0),
+            )
         else:
             model = vllm_config.model_config
             tp_rank, pp_rank, pcp_rank = _ranks()
@@ -135,8 +196,14 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         return self._scheduler
 
+    def on_new_request(self, request: Request) -> None:
+        """P with state (Mamba) groups: drop the request's last prompt token once (spec §5.3.2)."""
+        if self._scheduler is not None and self._scheduler.truncate_for_state(_sched_request(request)):
+            _truncate_prompt(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens D loads from P (async)."""
+        """Tokens D loads from P (async); P truncates a hybrid request here if `on_new_request` did not."""
+        self.on_new_request(request)
         return self._sched().get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -158,6 +225,14 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         """Delayed free and P's kv_transfer_params (spec §5.2)."""
         return self._sched().request_finished(_sched_request(request), list(block_ids))
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Accept every (pp_rank, tp_rank) worker, PP stages > 0 included (PP on P is supported).
+
+        vLLM's default refuses ``pp_rank > 0``. Nothing needs storing: D fetches each P worker's
+        metadata over the side channel and checks it is the (pp, tp) rank it planned for.
+        """
+        logger.debug("handshake metadata of %d workers (pp, tp): %s", len(metadata), sorted(metadata))
+
     # ---- worker side ----------------------------------------------------------------------------
 
     def _work(self) -> PullWorker:
@@ -177,7 +252,12 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
                 parts[name] = list(t)
         groups = [[n for n in g if n in parts] for g in self._groups]
         self._work().register_kv_caches(
-            parts, groups=groups, num_blocks=self._num_blocks, block_size=self._block_sizes[0]
+            parts,
+            groups=groups,
+            num_blocks=self._num_blocks,
+            block_size=self._block_size,
+            state_groups=self._state_groups,
+            state_layout=self._state_layout,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -209,3 +289,16 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         """Stop threads, sockets and registrations."""
         if self._worker is not None:
             self._worker.shutdown()
+
+
+class MooncakeHybridConnector(MooncakeConnectorV1):
+    """vllm-ascend's ``MooncakeHybridConnector`` name, served by the section-5 pull planner (spec §6).
+
+    Upstream this is an older pull variant (flat metadata, no CP); the spec recommends mapping the
+    name to the current planner, which handles what it was for: attention plus state (Mamba/GDN)
+    groups, sliding-window groups, heterogeneous TP and PP on P. Differences that remain against
+    the legacy connector: the wire format is this package's (the handshake refuses a legacy peer),
+    prefixes are skipped by D's prefix hit (tail alignment only for sliding-window groups),
+    failures are reported as load errors of every group, and context parallelism is accepted (the
+    legacy connector asserted it off).
+    """

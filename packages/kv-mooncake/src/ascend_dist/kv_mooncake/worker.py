@@ -37,12 +37,14 @@ from ascend_dist.kv_mooncake.messages import (
     reply_codec,
     request_codec,
 )
-from ascend_dist.kv_mooncake.plan import PLAN_VERSION, TensorGeom, p_rank_fan_in
+from ascend_dist.kv_mooncake.plan import PLAN_VERSION, TensorGeom
+from ascend_dist.kv_mooncake.plan_groups import StateLayout, source_fan_in, state_source_ranks
+from ascend_dist.kv_mooncake.pull_batch import LocalCache
 from ascend_dist.kv_mooncake.scheduler import PullMetadata
-from ascend_dist.kv_mooncake.threads import LocalCache, Receiver
+from ascend_dist.kv_mooncake.threads import Receiver
 from ascend_dist.kv_mooncake.tracker import SendTracker
 
-__all__ = ["KVCaches", "PullWorker", "tensor_geometry"]
+__all__ = ["KVCaches", "PullWorker", "state_geometry", "tensor_geometry"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
 def tensor_geometry(name: str, t: torch.Tensor, num_blocks: int) -> TensorGeom:
     """Geometry of ``[blocks, tokens, heads, head_dim]`` (or ``[blocks, tokens, dim]``: one head).
 
+    ``blocks`` may be ``scale * num_blocks`` kernel blocks of ``block_size / scale`` tokens each
+    (spec §5.4.3: the attention kernel's block is smaller than vLLM's logical block); the geometry
+    then describes one kernel block.
+
     Raises:
         LayoutError: Wrong rank, block count, or inner dimensions not contiguous.
     """
@@ -59,15 +65,29 @@ def tensor_geometry(name: str, t: torch.Tensor, num_blocks: int) -> TensorGeom:
         t = t.unsqueeze(2)
     if t.dim() != 4:
         raise LayoutError(f"{name}.shape", tuple(t.shape), "[blocks, tokens, heads, head_dim] or [blocks, tokens, dim]")
-    if t.shape[0] != num_blocks:
+    if num_blocks <= 0 or t.shape[0] % num_blocks:
         raise LayoutError(
-            f"{name}.shape[0]", t.shape[0], f"num_blocks ({num_blocks}); kernel block scaling is not supported"
+            f"{name}.shape[0]", t.shape[0], f"a multiple of num_blocks ({num_blocks}): kernel blocks per logical block"
         )
     _, tokens, heads, dim = t.shape
     if t.stride(3) != 1 or t.stride(2) != dim or t.stride(1) != heads * dim:
         raise LayoutError(f"{name}.stride", t.stride(), "contiguous [tokens, heads, head_dim] inside each block")
     elt = t.element_size()
     return TensorGeom(t.data_ptr(), tokens * heads * dim * elt, t.stride(0) * elt, tokens, heads, dim * elt)
+
+
+def state_geometry(name: str, t: torch.Tensor, num_blocks: int) -> TensorGeom:
+    """Geometry of a state (Mamba conv or ssm) tensor ``[blocks, ...]``: one opaque block of bytes.
+
+    Raises:
+        LayoutError: Wrong block count, or a block that is not contiguous.
+    """
+    if t.dim() < 2 or t.shape[0] != num_blocks:
+        raise LayoutError(f"{name}.shape", tuple(t.shape), f"[num_blocks={num_blocks}, ...] (a state tensor)")
+    if not t[0].is_contiguous():
+        raise LayoutError(f"{name}.stride", t.stride(), "each state block contiguous")
+    block_len = t[0].numel() * t.element_size()
+    return TensorGeom(t.data_ptr(), block_len, t.stride(0) * t.element_size(), 1, 1, block_len)
 
 
 def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,6 +142,8 @@ class PullWorker:
         self._requests: Codec[Request] = request_codec(config.max_message_bytes)
         self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
         self._layout = "mla" if use_mla else "split_kv"
+        self._state_groups: list[int] = []
+        self._has_attention = True
 
     @property
     def handshake_port(self) -> int:
@@ -149,8 +171,14 @@ class PullWorker:
         """D's receiver (None on P or before registration)."""
         return self._receiver
 
-    def make_handshake(self, block_size: int) -> Handshake:
-        """This side's handshake: everything P and D must agree on."""
+    def make_handshake(self, block_size: int, kernel_block_size: int = 0) -> Handshake:
+        """This side's handshake: everything P and D must agree on.
+
+        The logical block sizes may differ between P and D (D pairs kernel blocks, spec §5.10);
+        the kernel block (``kernel_block_size`` tokens, default ``block_size``) must match. With
+        context parallelism D may read its blocks as P-sized sub-blocks (spec §5.11), so the
+        kernel block is left out and every pull checks both sides' block geometry instead.
+        """
         c = self._config
         return make_handshake(
             PROTOCOL,
@@ -158,7 +186,8 @@ class PullWorker:
             sender=f"{c.engine_id}/tp{self._tp_rank}",
             model=c.model,
             dtype=c.dtype,
-            block_size=block_size,
+            # With CP, D may read its blocks as P-sized sub-blocks: each pull checks the geometry.
+            **({} if c.uses_cp else {"kernel_block_size": kernel_block_size or block_size}),
             num_kv_heads=self._heads,
             layout=self._layout,
             prefill_tp=c.prefill.tp_size,
@@ -166,33 +195,65 @@ class PullWorker:
             decode_tp=c.decode.tp_size,
             cp=f"P{c.prefill.pcp_size}x{c.prefill.dcp_size}/D{c.decode.pcp_size}x{c.decode.dcp_size}",
             plan_version=PLAN_VERSION,
+            **({"state_groups": ",".join(map(str, self._state_groups))} if self._state_groups else {}),
         )
 
     def register_kv_caches(
-        self, kv_caches: KVCaches, *, groups: Sequence[Sequence[str]], num_blocks: int, block_size: int
+        self,
+        kv_caches: KVCaches,
+        *,
+        groups: Sequence[Sequence[str]],
+        num_blocks: int,
+        block_size: int,
+        state_groups: Sequence[int] = (),
+        state_layout: StateLayout | None = None,
     ) -> None:
         """Register the KV cache, then start the server (P) or the receiver (D).
 
         Args:
-            kv_caches: Layer name -> tensor or tuple of tensors (K, V, or MLA parts).
+            kv_caches: Layer name -> tensor or tuple of tensors (K, V, or MLA parts; a state
+                layer's conv and ssm tensors).
             groups: Per KV-cache group, its layer names.
             num_blocks: Logical blocks per tensor.
             block_size: Tokens per block.
+            state_groups: Indices of the state (Mamba) groups in ``groups``.
+            state_layout: D with ``P_tp > D_tp`` and state groups: the conv row's sub-projection
+                sizes per P rank (spec §5.13.3).
 
         Raises:
             LayoutError: A tensor's layout is unsupported.
-            ConfigError: A layer of ``groups`` is missing from ``kv_caches``.
+            ConfigError: A layer of ``groups`` is missing from ``kv_caches``, a state group index
+                is out of range, or state groups are combined with context parallelism.
         """
-        layers = {name: [tensor_geometry(name, t, num_blocks) for t in _tensors(v)] for name, v in kv_caches.items()}
+        states = sorted(set(state_groups))
+        if any(not 0 <= g < len(groups) for g in states):
+            raise ConfigError("state_groups", states, f"group indices in [0, {len(groups)})")
+        if states:
+            state_source_ranks(0, self._config.prefill.tp_size, self._config.decode.tp_size)  # P_tp = k * D_tp
+        state_layers = {n for g in states for n in groups[g]}
+        layers = {
+            name: [
+                (state_geometry if name in state_layers else tensor_geometry)(name, t, num_blocks) for t in _tensors(v)
+            ]
+            for name, v in kv_caches.items()
+        }
         for names in groups:
             for n in names:
                 if n not in layers:
                     raise ConfigError("groups", n, f"layer names present in kv_caches ({len(layers)} layers)")
+        self._state_groups = states
+        self._has_attention = len(states) < len(groups)
         engine = self._engine or get_engine(self._config.host, self._config.protocol)
         self._engine = engine
         self._regions = collect_storage_merged_register_regions([_tensors(v) for v in kv_caches.values()])
         engine.register(self._regions)
-        self._handshake = self.make_handshake(block_size)
+        attn_geoms = [geoms[0] for n, geoms in layers.items() if n not in state_layers and geoms]
+        kernels = {g.tokens for g in attn_geoms}
+        if len(kernels) > 1 or (kernels and block_size % min(kernels)):
+            raise LayoutError("kernel block tokens", sorted(kernels), f"one size dividing block_size={block_size}")
+        if kernels and min(kernels) != block_size and self._config.uses_cp:
+            raise LayoutError("kernel block tokens", min(kernels), f"= block_size ({block_size}) with CP")
+        self._handshake = self.make_handshake(block_size, min(kernels) if kernels else block_size)
         self._tensors = {name: _tensors(v) for name, v in kv_caches.items()}
         if self._config.is_producer:
             self._metadata = AgentMetadata(
@@ -216,7 +277,9 @@ class PullWorker:
             )
             self._server.start()
         else:
-            cache = LocalCache(layers, [list(g) for g in groups], block_size, self._heads)
+            cache = LocalCache(
+                layers, [list(g) for g in groups], block_size, self._heads, frozenset(states), state_layout
+            )
             self._receiver = Receiver(
                 self._config,
                 self._tp_rank,
@@ -247,28 +310,52 @@ class PullWorker:
         assert isinstance(msg, Done)
         return self._replies.encode(Ack(known=self._tracker.done(msg.request_id)))
 
-    def _reformat(self, layer: str, block_ids: Sequence[int], pulls: int) -> None:
-        """Stacked pulls ``[pull][token][h]`` -> ``[token][pull*h]`` in each listed block."""
+    def _reformat(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
+        """Stacked pulls ``[pull][token][h]`` -> ``[token][pull*h]`` in each listed block.
+
+        ``sub_tokens``: the ids are sub-blocks of that many tokens (CP with D's block a multiple
+        of P's); the tensor is then viewed as ``[blocks * r, sub_tokens, heads, dim]``.
+        """
         idx = torch.tensor(list(block_ids), dtype=torch.long)
         for t in self._tensors[layer]:
             view = t if t.dim() == 4 else t.unsqueeze(2)
+            if sub_tokens:
+                view = view.view(-1, sub_tokens, *view.shape[2:])
             _, tokens, heads, dim = view.shape
             blocks = view.index_select(0, idx).reshape(len(block_ids), pulls, tokens, heads // pulls, dim)
             view.index_copy_(0, idx, blocks.transpose(1, 2).reshape(len(block_ids), tokens, heads, dim).contiguous())
+
+    def _fan_in(self, remote_request_id: str) -> int:
+        """DONEs this P worker waits for: one per D task reading it (attention and state)."""
+        c = self._config
+        if not c.uses_cp:
+            return source_fan_in(
+                self._tp_rank,
+                c.prefill.tp_size,
+                c.decode.tp_size,
+                self._heads,
+                remote_request_id,
+                attention=self._has_attention,
+                state=bool(self._state_groups),
+            )
+        p_info, d_info = cp_layouts(c, self._use_mla)
+        world = self._pcp_rank * c.prefill.tp_size + self._tp_rank
+        fan_in = cp_p_fan_in(world, p=p_info, d=d_info, heads=self._heads) if self._has_attention else 0
+        if self._state_groups and self._pcp_rank == 0:  # the state is read from P's PCP rank 0 only
+            readers = sum(
+                self._tp_rank in state_source_ranks(d, c.prefill.tp_size, c.decode.tp_size)
+                for d in range(c.decode.tp_size)
+            )
+            fan_in += readers * c.decode.pcp_size  # every D PCP rank reads its own copy
+        return fan_in
 
     def start_load_kv(self, meta: PullMetadata) -> None:
         """Apply one step's metadata: P tracks lent blocks, D queues pulls."""
         if self._config.is_producer:
             for rid in meta.in_batch:
                 self._tracker.add_processing(rid)
-            d_tp = self._config.decode.tp_size
             for rid in meta.to_send:
-                if self._config.uses_cp:
-                    p_info, d_info = cp_layouts(self._config, self._use_mla)
-                    world = self._pcp_rank * self._config.prefill.tp_size + self._tp_rank
-                    fan_in = cp_p_fan_in(world, p=p_info, d=d_info, heads=self._heads)
-                else:
-                    fan_in = p_rank_fan_in(self._tp_rank, self._config.prefill.tp_size, d_tp, self._heads, rid)
+                fan_in = self._fan_in(rid)
                 self._tracker.add_delayed(rid, fan_in)
             return
         if self._receiver is None:
