@@ -126,6 +126,7 @@ STORE_REQUIRED: dict[str, Any] = {
 }
 CASES: dict[str, Case] = {
     "MooncakeConnectorV1": Case(PD_ROLES, _pd_extra, required="prefill", kv_port=True, bad_role="kv_both"),
+    "MooncakeHybridConnector": Case(PD_ROLES, _pd_extra, required="prefill", kv_port=True, bad_role="kv_both"),
     "MooncakeLayerwiseConnector": Case(PD_ROLES, _pd_extra, required="prefill", kv_port=True, bad_role="kv_both"),
     "SfaRemoteD2HConnector": Case(PD_ROLES, _sfa_extra, required="prefill", kv_port=True, bad_role="kv_both"),
     "AscendStoreConnector": Case(("kv_both",), _store_extra, **STORE_REQUIRED),

@@ -47,6 +47,9 @@ FACTORIES: dict[str, tuple[str, str, str]] = {
 COMPONENTS: tuple[Component, ...] = (
     Component("kv_connector", "MooncakeConnectorV1", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeConnectorV1"),
     Component(
+        "kv_connector", "MooncakeHybridConnector", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeHybridConnector"
+    ),
+    Component(
         "kv_connector",
         "MooncakeLayerwiseConnector",
         "ascend_dist.kv_mooncake.layerwise.vllm_connector",
