@@ -288,3 +288,62 @@ def test_bad_state_conv_segments_are_a_typed_error(model_dir: Path) -> None:
     config = make_config(model_dir, "kv_consumer", "D-seg", 40000, state_conv_segments=[8, 0])
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.state_conv_segments"):
         MooncakeHybridConnector(config, KVConnectorRole.WORKER, hybrid_kv_cache_config())
+
+
+def test_a_failed_load_with_a_mamba_group_is_reported_by_request_and_recomputed(model_dir: Path) -> None:
+    """vLLM 0.33 raises on block-level failures with several KV groups: the pull reports the request instead."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    fast = {"rpc_timeout_s": 0.3, "rpc_retries": 1}
+    port = free_port_range(1)
+    p = Side(make_config(model_dir, "kv_producer", "P-hf", port, **fast), seed=5)
+    d_config = make_config(model_dir, "kv_consumer", "D-hf", port, **fast)
+    d_config.kv_transfer_config.kv_load_failure_policy = "recompute"  # type: ignore[union-attr]
+    d = Side(d_config, seed=6)
+    sched = Scheduler(
+        vllm_config=d_config,
+        kv_cache_config=hybrid_kv_cache_config(),
+        structured_output_manager=StructuredOutputManager(d_config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+    p_open = True
+    try:
+        req_p = request("p-req", 41, {"do_remote_decode": True})
+        p.sched.on_new_request(req_p)
+        p.sched.update_state_after_alloc(req_p, blocks([4, 5, 6], [9]), 0)
+        p.step()
+        req_p.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = p.sched.request_finished_all_groups(req_p, ([4, 5, 6], [9]))
+        assert params is not None
+        p.close()  # P is gone before D pulls
+        p_open = False
+        req_d = request("d-req", 41, params)
+        sched.add_request(req_d)
+        out = sched.schedule()
+        assert req_d.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        d.worker.bind_connector_metadata(out.kv_connector_metadata)
+        d.worker.start_load_kv(None)  # type: ignore[arg-type]
+        d.worker.clear_connector_metadata()
+        results = d.worker.get_transfer_results(set())
+        deadline = time.monotonic() + 20
+        while "d-req" not in results.finished_recving and time.monotonic() < deadline:
+            time.sleep(0.01)
+            results = d.worker.get_transfer_results(set())
+        assert results.finished_recving == {"d-req"} and results.failed_recving == {"d-req"}
+        assert d.worker.get_block_ids_with_load_errors() == set()  # never block ids with two groups
+        connector_output = KVConnectorOutput(
+            finished_recving=results.finished_recving, failed_recving=results.failed_recving
+        )
+        sched.update_from_output(
+            out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=connector_output)
+        )
+        out = sched.schedule()
+        assert out.num_scheduled_tokens == {"d-req": 41}  # recomputed from the start, nothing pulled again
+    finally:
+        sched.shutdown()
+        d.close()
+        if p_open:
+            p.close()

@@ -203,3 +203,42 @@ def test_invalid_config_is_a_typed_error_naming_the_field(model_dir: Path) -> No
     config = make_config(model_dir, "kv_producer", "P-bad", 40000, tls_config={"ssl_enable": 1})
     with pytest.raises(ConfigError, match=r"tls_config\.ssl_enable"):
         MooncakeLayerwiseConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+
+
+def test_a_request_p_never_pushes_is_failed_by_request_with_two_kv_groups(model_dir: Path) -> None:
+    """vLLM 0.33 raises on block-level failures with several KV groups: D reports the request instead."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metaserver)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/metaserver"
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    page = spec.page_size_bytes
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS
+        ],
+        kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], spec), KVCacheGroupSpec([LAYERS[1]], spec)],
+    )
+    config = make_config(model_dir, "kv_consumer", "D-lw2", free_port_range(1), first_layer_timeout_s=1.0)
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+    worker.register_kv_caches({n: torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.float16) for n in LAYERS})
+    try:
+        req = request("lw-2g", 40, {"do_remote_prefill": True, "metaserver": url})
+        assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
+        sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in (3, 4, 5)],) * 2), 40)
+        worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.clear_connector_metadata()
+        deadline = time.monotonic() + 20
+        results = worker.get_transfer_results(set())
+        while "lw-2g" not in results.finished_recving and time.monotonic() < deadline:
+            time.sleep(0.02)
+            results = worker.get_transfer_results(set())
+        assert results.finished_recving == {"lw-2g"} and results.failed_recving == {"lw-2g"}
+        assert worker.get_block_ids_with_load_errors() == set()  # never block ids with two groups
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        server.shutdown()
+        server.server_close()

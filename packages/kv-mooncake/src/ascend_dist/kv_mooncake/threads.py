@@ -107,6 +107,7 @@ class Receiver:
         self._finished: set[str] = set()
         self._quarantined: dict[str, _Pull] = {}
         self._errors: set[int] = set()
+        self._failed_rids: set[str] = set()  # failed requests, reported with their finish (multi-group models)
 
     @property
     def cache(self) -> LocalCache:
@@ -268,6 +269,7 @@ class Receiver:
             if pull.failed:  # reported once (a timed-out request's late task fails again)
                 return
             pull.failed = True
+            self._failed_rids.add(pull.meta.request_id)
             for ids in pull.meta.local_block_ids:
                 self._errors.update(ids)
 
@@ -328,6 +330,7 @@ class Receiver:
                         "request %s: pulls not done within %.1f s; reported failed", rid, self._config.pull_timeout_s
                     )
                     pull.failed = True
+                    self._failed_rids.add(rid)
                     for ids in pull.meta.local_block_ids:
                         self._errors.update(ids)
                     del self._pulls[rid]
@@ -355,6 +358,13 @@ class Receiver:
         with self._lock:
             out, self._errors = self._errors, set()
             return out
+
+    def take_failed(self, finished: set[str]) -> set[str]:
+        """Which of ``finished`` (just taken by `take_finished`) failed; vLLM's per-request failure report."""
+        with self._lock:
+            failed = self._failed_rids & finished
+            self._failed_rids -= failed
+            return failed
 
     def close(self) -> None:
         """Wait for running pulls (each bounded by the engine's timeout), then close sockets."""

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -281,9 +282,28 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self._work().get_finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus, on D with several KV groups, the failed loads by request.
+
+        With one group the failed block ids (`get_block_ids_with_load_errors`) say more: vLLM then
+        recomputes from the first bad block instead of from the start.
+        """
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._work().take_failed(recving) if recving else set()
+        if len(self._groups) == 1:
+            failed = set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Logical block ids (every KV group) whose pull failed."""
-        return self._work().get_block_ids_with_load_errors()
+        """Logical block ids whose pull failed, with one KV group.
+
+        Block ids repeat across groups, so vLLM 0.33 refuses block-level reports for a model with
+        several (it raises); those failures go by request in `get_transfer_results` instead.
+        """
+        errors = self._work().get_block_ids_with_load_errors()
+        return errors if len(self._groups) == 1 else set()
 
     def shutdown(self) -> None:
         """Stop threads, sockets and registrations."""

@@ -373,6 +373,10 @@ class PullWorker:
         """D: logical block ids (every KV group) whose load failed; reported before or with the request."""
         return self._receiver.take_load_errors() if self._receiver else set()
 
+    def take_failed(self, finished: set[str]) -> set[str]:
+        """D: which of ``finished`` (from `get_finished`) failed to load, for per-request reporting."""
+        return self._receiver.take_failed(finished) if self._receiver else set()
+
     def shutdown(self) -> None:
         """Stop the server or receiver, then release the registration. Idempotent."""
         if self._server is not None:

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -234,9 +235,24 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self._work().get_finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus, on D with several KV groups, the failed requests among them."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._work().take_failed()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed if len(self._groups) > 1 else set(),
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Logical block ids (every KV group) of the requests `get_finished` reported failed."""
-        return self._work().get_block_ids_with_load_errors()
+        """Logical block ids of the requests `get_finished` reported failed, with one KV group.
+
+        vLLM 0.33 raises on block-level reports for a model with several groups (ids repeat across
+        groups); those failures go by request in `get_transfer_results`.
+        """
+        errors = self._work().get_block_ids_with_load_errors()
+        return errors if len(self._groups) == 1 else set()
 
     def shutdown(self) -> None:
         """Stop threads, sockets and registrations."""

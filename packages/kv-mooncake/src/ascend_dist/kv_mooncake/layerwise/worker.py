@@ -119,6 +119,7 @@ class LayerwiseWorker:
         self._handshake: Handshake | None = None
         self._agent: DAgentMetadata | None = None
         self._load_errors: set[int] = set()
+        self._failed_rids: set[str] = set()
         self.failure_reasons: dict[str, str] = {}
 
     @property
@@ -326,8 +327,14 @@ class LayerwiseWorker:
             return set(), set()
         done, errors, reasons = self._receiver.take_finished()
         self._load_errors |= errors
+        self._failed_rids |= set(reasons)
         self.failure_reasons.update(reasons)
         return set(), done
+
+    def take_failed(self) -> set[str]:
+        """D: the requests `get_finished` just reported that failed (vLLM's per-request report)."""
+        out, self._failed_rids = self._failed_rids, set()
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """D: logical block ids (every group) of the requests `get_finished` just reported failed.
