@@ -1,7 +1,7 @@
 """ascend_dist.common: the substrate every ascend-dist package builds on.
 
-Import the submodule you need; this package itself imports only the error types, so that
-`import ascend_dist.common` stays cheap (no torch, no numpy).
+Import the submodule you need (the error types are in `errors`); this package itself imports
+nothing, so that `import ascend_dist.common` stays cheap (no torch, no numpy).
 
 Planning (pure): `blocks`, `descriptors`, `chunk_descriptors`, `regions`, `layouts`, `block_views`,
 `mappings`, `transfer_mappings`, `ports`, `memory`, `units`, `timeouts`, `hashing`.
@@ -11,48 +11,9 @@ Runtime: `device` (NPU, CUDA or CPU simulation), `states`, `log`, `scenarios`.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ascend_dist.common.errors import (
-    AscendDistError,
-    BatchCopyError,
-    BlockIdError,
-    ConfigError,
-    DeadlineExceeded,
-    DeviceError,
-    DeviceUnavailable,
-    IncompatiblePeer,
-    InvalidTransition,
-    LayoutError,
-    MessageTooLarge,
-    NativeLibraryError,
-    ProtocolError,
-    RegionError,
-    StoreError,
-    TransferError,
-    TransferTimeout,
-)
-
 try:
     __version__ = version("ascend-dist-common")
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0+unknown"
 
-__all__ = [
-    "AscendDistError",
-    "BatchCopyError",
-    "BlockIdError",
-    "ConfigError",
-    "DeadlineExceeded",
-    "DeviceError",
-    "DeviceUnavailable",
-    "IncompatiblePeer",
-    "InvalidTransition",
-    "LayoutError",
-    "MessageTooLarge",
-    "NativeLibraryError",
-    "ProtocolError",
-    "RegionError",
-    "StoreError",
-    "TransferError",
-    "TransferTimeout",
-    "__version__",
-]
+__all__ = ["__version__"]
