@@ -135,6 +135,21 @@ def test_pool_config_defaults_and_errors() -> None:
     assert consumer.can_load and not consumer.can_save
 
 
+def test_several_kv_groups_load_asynchronously(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM takes a multi-group model's load failures only per request, from async loads."""
+    cfg = PoolConfig.from_extra({})
+    assert cfg.for_groups(1) is cfg and not cfg.async_loads  # one group: unchanged (block-level reports)
+    with caplog.at_level("INFO", logger="ascend_dist.kv_store.config"):
+        hybrid = cfg.for_groups(4)  # 4: no other test's model (the once-per-process key holds the count)
+        assert cfg.for_groups(4) is not cfg
+    assert sum("load_async=true" in r.getMessage() for r in caplog.records) == 1
+    assert hybrid.async_loads and hybrid.load_async and hybrid.backend == cfg.backend
+    assert hybrid.for_groups(4) is hybrid
+    with pytest.raises(ConfigError, match=r"use_layerwise.*load_async"):
+        PoolConfig.from_extra({"use_layerwise": True}).for_groups(3)
+    assert PoolConfig.from_extra({"use_layerwise": True}).for_groups(1).use_layerwise
+
+
 @pytest.mark.parametrize(
     ("size", "expected"), [("1GB", 1 << 30), ("1.5 mb", 1572864), ("1024", 1024), (2048, 2048), ("512 MiB", 512 << 20)]
 )

@@ -242,3 +242,93 @@ def test_two_kv_groups_report_failures_of_every_group(backend: InMemoryBackend, 
     finally:
         wa.close()
         wb.close()
+
+
+def test_two_groups_async_failure_is_reported_by_request_once(backend: InMemoryBackend, kvtools) -> None:
+    """Several KV groups: an async load that failed is named with its completion; the next lookup is skipped."""
+    spec = PoolSpec(model="hybrid", block_sizes=(16, 16), num_kv_heads=2)
+    cfg = PoolConfig.from_extra({"load_async": True})
+    caches_a, caches_b = kvtools.make(num_blocks=16, seed=1), kvtools.make(num_blocks=16, seed=2)
+    layers = [[n] for n in caches_a]
+    wa, wb = build_worker(spec, cfg, backend), build_worker(spec, cfg, backend)
+    try:
+        wa.register_kv_caches(caches_a, 16, layers)
+        wb.register_kv_caches(caches_b, 16, layers)
+        assert wb.num_groups == 2
+        sa, sb = build_scheduler(spec, cfg, wa.safe_lookup), build_scheduler(spec, cfg, wb.safe_lookup)
+        prompt = list(range(48))
+        sa.get_num_new_matched_tokens("a", prompt, 48, 0)
+        wa.wait_for_save(sa.build_meta(StepInput(new=[NewRequest("a", prompt, [[1, 2, 3], [4, 5, 6]], 0, 48)])))
+        wa.drain(10)
+        for req in ("ok", "bad"):
+            assert sb.get_num_new_matched_tokens(req, prompt, 48, 0) == (47, True)
+        backend.remove([k for k in backend.stored_keys() if "group:1" in k][:1])
+        sb.update_state_after_alloc("bad", [[7, 8, 9], [10, 11, 12]], 47)
+        wb.start_load_kv(sb.build_meta(StepInput()))
+        wb.drain(10)
+        assert wb.get_transfer_results(set()) == (set(), {"bad"}, {"bad"})
+        assert wb.get_transfer_results(set()) == (set(), set(), set())  # reported once
+        assert len(wb.get_block_ids_with_load_errors()) == 1  # still recorded (the vLLM adapter drops them)
+        assert wb.errors.total_failed_requests == 1
+
+        lookups = sb.lookups
+        sb.mark_load_failed({"bad"})
+        assert sb.get_num_new_matched_tokens("bad", prompt, 48, 0) == (0, False)  # recompute: no retry loop
+        assert sb.lookups == lookups
+        meta = sb.build_meta(StepInput(new=[NewRequest("bad", prompt, [[13, 14, 15], [10, 11, 12]], 0, 48)]))
+        assert meta.requests[0].load_spec is None and meta.requests[0].save_start_token == 0  # saved again
+        sb.get_num_new_matched_tokens("bad", prompt, 48, 0)  # a later attempt (after a preemption) asks again
+        assert sb.lookups == lookups + 1
+    finally:
+        wa.close()
+        wb.close()
+
+
+class _FailingGet(InMemoryBackend):
+    """The reference backend whose ``get`` raises an unexpected (non-store) error when ``broken``."""
+
+    broken = False
+
+    def get(self, keys, addrs, sizes):  # type: ignore[override]
+        if self.broken:
+            raise RuntimeError("unexpected failure below the worker")
+        return super().get(keys, addrs, sizes)
+
+
+def test_unexpected_async_load_error_fails_the_load(kvtools) -> None:
+    """An exception on the receiving thread must not report the request as loaded."""
+    backend = _FailingGet()
+    a = Instance(backend, kvtools, seed=1)
+    b = Instance(backend, kvtools, seed=2, extra={"load_async": True})
+    try:
+        prompt = list(range(48))
+        run_prefill(a, "ra", prompt, [1, 2, 3])
+        need, _ = b.scheduler.get_num_new_matched_tokens("rb", prompt, 48, 0)
+        b.scheduler.update_state_after_alloc("rb", [[4, 5, 6]], need)
+        backend.broken = True
+        b.worker.start_load_kv(b.scheduler.build_meta(StepInput()))
+        b.worker.drain(10)
+        assert b.worker.get_transfer_results(set()) == (set(), {"rb"}, {"rb"})
+        assert b.worker.get_block_ids_with_load_errors() == {4, 5, 6}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sync_load_failures_are_forgotten_after_the_step(backend: InMemoryBackend, kvtools) -> None:
+    """A sync load's failed request is never reported by request: it is dropped once its blocks are taken."""
+    a, b = Instance(backend, kvtools, seed=1), Instance(backend, kvtools, seed=2)
+    try:
+        prompt = list(range(48))
+        run_prefill(a, "ra", prompt, [1, 2, 3])
+        need, _ = b.scheduler.get_num_new_matched_tokens("rb", prompt, 48, 0)
+        backend.remove(backend.stored_keys()[:1])
+        b.scheduler.update_state_after_alloc("rb", [[4, 5, 6]], need)
+        b.worker.start_load_kv(b.scheduler.build_meta(StepInput(new=[NewRequest("rb", prompt, [[4, 5, 6]], 47, 1)])))
+        assert b.worker.errors.failed_request_ids == {"rb"}
+        assert b.worker.get_transfer_results(set()) == (set(), set(), set())
+        assert b.worker.get_block_ids_with_load_errors() == {4}
+        assert b.worker.errors.failed_request_ids == frozenset()
+    finally:
+        a.close()
+        b.close()

@@ -107,8 +107,8 @@ def kv_cache_config() -> KVCacheConfig:
 class Instance:
     """A vLLM scheduler plus a worker-role connector over CPU caches."""
 
-    def __init__(self, config: VllmConfig, seed: int) -> None:
-        self.kcc = kv_cache_config()
+    def __init__(self, config: VllmConfig, seed: int, kcc: KVCacheConfig | None = None) -> None:
+        self.kcc = kcc or kv_cache_config()
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
         gen = torch.Generator().manual_seed(seed)
         self.caches = {
@@ -296,3 +296,168 @@ def test_kv_events_reach_the_scheduler(model_dir, mooncake_master, kvtools) -> N
         assert list(connector.take_events()) == []
     finally:
         inst.close()
+
+
+# ---- hybrid model (full attention + sliding window): loads are async, failures go by request ----
+
+
+def hybrid_kv_cache_config(window: int = 32) -> KVCacheConfig:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=window)
+    page = full.page_size_bytes
+    tensors = [
+        KVCacheTensor(size=page * NUM_BLOCKS, layers=[name], layer_stride=0, block_stride=page) for name in LAYERS
+    ]
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], swa)],
+    )
+
+
+def layer_block(inst: Instance, layer: str, block_id: int) -> bytes:
+    return b"".join(inst.caches[layer][kv, block_id].numpy().tobytes() for kv in (0, 1))
+
+
+def wait_recving(inst: Instance, want: set[str], timeout_s: float = 20.0) -> tuple[set[str], set[str]]:
+    """Poll ``get_transfer_results`` (as vLLM does once per step) until ``want`` finished receiving."""
+    import time
+
+    finished: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not want <= finished and time.monotonic() < deadline:
+        results = inst.worker.get_transfer_results(set())
+        finished |= results.finished_recving
+        failed |= results.failed_recving
+        assert results.failed_recving <= results.finished_recving  # vLLM's contract: failed ones also finished
+        assert inst.worker.get_block_ids_with_load_errors() == set()  # never block ids with two groups
+        if not want <= finished:
+            time.sleep(0.01)
+    assert want <= finished, f"async loads of {want - finished} not finished in {timeout_s}s"
+    return finished, failed
+
+
+def pool_keys(inst: Instance, prompt: list[int]) -> list[str]:
+    """Every pool key (both groups) of ``prompt``'s chunks for this instance."""
+    connector = inst.scheduler.connector
+    assert isinstance(connector, AscendStoreConnector) and connector._scheduler is not None
+    hashes = connector._scheduler.hashes_for(prompt, salt="\x00")[1]  # no LoRA, no cache salt
+    return [meta.pool_key(h) for meta in connector._spec.key_metadata() for h in hashes]
+
+
+def test_hybrid_model_async_load_failure_is_reported_by_request_and_recomputed(
+    model_dir, mooncake_master, kvtools, caplog
+) -> None:
+    """vLLM 0.33 raises on block-level load errors with two KV groups: the load is async, failing per request."""
+    from mooncake.store import MooncakeDistributedStore
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    with caplog.at_level(logging.INFO, logger="ascend_dist"):
+        a = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), 11, hybrid_kv_cache_config())
+        b_config = make_config(model_dir, mooncake_master.address, kvtools.free_port())
+        b_config.kv_transfer_config.kv_load_failure_policy = "recompute"  # type: ignore[union-attr]
+        b = Instance(b_config, 12, hybrid_kv_cache_config())
+    admin = MooncakeDistributedStore()
+    assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_master.address) == 0
+    try:
+        assert sum("load_async=true" in r.getMessage() for r in caplog.records) == 1  # logged once per process
+        assert b.worker._cfg.async_loads and b.scheduler.connector._cfg.async_loads  # both roles agree
+        good, bad = list(range(1000, 1048)), list(range(2000, 2048))  # 3 chunks each
+        a.scheduler.add_request(request("a-good", good))
+        a.scheduler.add_request(request("a-bad", bad))
+        out_a = a.step()  # a hybrid model's saves finish inside the step
+        blocks_a = {r.req_id: r.block_ids for r in out_a.scheduled_new_reqs}
+        assert all(x == 1 for x in b.worker._worker.backend.exists(pool_keys(b, good)[:3]))
+
+        b.scheduler.add_request(request("b-good", good))
+        b.scheduler.add_request(request("b-bad", bad))
+        out = b.scheduler.schedule()  # the lookup hits both prompts: both wait for remote KV
+        reqs = b.scheduler.requests
+        assert {reqs["b-good"].status, reqs["b-bad"].status} == {RequestStatus.WAITING_FOR_REMOTE_KVS}
+        assert out.num_scheduled_tokens == {}
+        for key in pool_keys(b, bad):  # evicted between the lookup and the load (force: the lookup leased them)
+            admin.remove(key, True)
+        b.worker.bind_connector_metadata(out.kv_connector_metadata)
+        b.worker.start_load_kv(None)  # type: ignore[arg-type]
+        b.worker.wait_for_save()
+        b.worker.clear_connector_metadata()
+        finished, failed = wait_recving(b, {"b-good", "b-bad"})
+        assert finished == {"b-good", "b-bad"} and failed == {"b-bad"}
+
+        with pytest.raises(RuntimeError, match="multiple KV cache groups"):  # what a block-level report does
+            b.scheduler._handle_invalid_blocks({1}, {})
+        invalid = b.worker.get_block_ids_with_load_errors()
+        connector_output = KVConnectorOutput(
+            finished_recving=finished, failed_recving=failed, invalid_block_ids=invalid
+        )
+        b.scheduler.update_from_output(  # raised RuntimeError with block-level reports and two groups
+            out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=connector_output)
+        )
+        lookups = b.scheduler.connector._scheduler.lookups
+        out = b.step()
+        assert out.num_scheduled_tokens == {"b-good": 1, "b-bad": 48}  # the good hit kept, the failed one recomputed
+        assert b.scheduler.connector._scheduler.lookups == lookups  # the pool is not asked again for b-bad
+        new = {r.req_id: r for r in out.scheduled_new_reqs}
+        assert new["b-good"].num_computed_tokens == 47 and new["b-bad"].num_computed_tokens == 0
+        ids_a, ids_b = blocks_a["a-good"], new["b-good"].block_ids
+        full, swa = LAYERS
+        assert [layer_block(b, full, x) for x in ids_b[0]] == [layer_block(a, full, x) for x in ids_a[0]]
+        assert layer_block(b, swa, ids_b[1][-1]) == layer_block(a, swa, ids_a[1][-1])  # the window's last block
+        assert b.worker._worker.stats.failed_keys > 0
+        b.worker._worker.drain(20)
+        assert all(x == 1 for x in b.worker._worker.backend.exists(pool_keys(b, bad)[:3]))  # saved again
+    finally:
+        admin.close()
+        a.close()
+        b.close()
+
+
+def test_one_group_async_load_failure_still_reports_blocks(model_dir, mooncake_master, kvtools) -> None:
+    """One KV group: the failed block ids go to vLLM (it keeps the good prefix), no request-level failure."""
+    from mooncake.store import MooncakeDistributedStore
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    a = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=13)
+    b_config = make_config(model_dir, mooncake_master.address, kvtools.free_port(), load_async=True)
+    b_config.kv_transfer_config.kv_load_failure_policy = "recompute"  # type: ignore[union-attr]
+    b = Instance(b_config, seed=14)
+    admin = MooncakeDistributedStore()
+    assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_master.address) == 0
+    try:
+        prompt = list(range(3000, 3048))
+        a.scheduler.add_request(request("a1", prompt))
+        a.step()
+        a.worker._worker.drain(20)
+        b.scheduler.add_request(request("b1", prompt))
+        out = b.scheduler.schedule()
+        assert admin.remove(pool_keys(b, prompt)[1], True) == 0  # the second chunk is gone before the load
+        b.worker.bind_connector_metadata(out.kv_connector_metadata)
+        b.worker.start_load_kv(None)  # type: ignore[arg-type]
+        b.worker.clear_connector_metadata()
+        b.worker._worker.drain(20)
+        results = b.worker.get_transfer_results(set())
+        assert results.finished_recving == {"b1"} and results.failed_recving == set()
+        bad = b.worker.get_block_ids_with_load_errors()
+        assert bad == {b.scheduler.kv_cache_manager.get_block_ids("b1")[0][1]}
+        connector_output = KVConnectorOutput(finished_recving=results.finished_recving, invalid_block_ids=bad)
+        b.scheduler.update_from_output(
+            out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=connector_output)
+        )
+        out = b.step()
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 16  # recomputed from the first bad block
+        assert out.num_scheduled_tokens == {"b1": 32}
+    finally:
+        admin.close()
+        a.close()
+        b.close()
+
+
+def test_hybrid_model_refuses_layerwise_loads(model_dir, kvtools) -> None:
+    config = make_config(model_dir, "127.0.0.1:1", kvtools.free_port(), use_layerwise=True)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=r"use_layerwise.*load_async"):
+            KVConnectorFactory.create_connector(config, role, hybrid_kv_cache_config())

@@ -16,7 +16,9 @@ Sizes accept ``ascend_dist.common.units`` byte strings (``"1GB"``, ``"512 MiB"``
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Final
 
 from ascend_dist.common.errors import ConfigError, format_allowed
+from ascend_dist.common.log import log_once
 from ascend_dist.common.units import parse_byte_size
 
 __all__ = [
@@ -113,6 +116,34 @@ class PoolConfig:
     def async_loads(self) -> bool:
         """Loads run on the receiving thread (``load_async``; layer-wise loads are never async)."""
         return self.load_async and not self.use_layerwise
+
+    def for_groups(self, num_groups: int) -> PoolConfig:
+        """This config with the load mode vLLM can recover from for a model with ``num_groups`` KV groups.
+
+        One group: unchanged (a failed block is reported by id, sync or async). Several groups:
+        vLLM 0.33 takes their load failures only per request, from async loads, so ``load_async``
+        is turned on (logged once at INFO); layer-wise loads, which are synchronous, are refused.
+
+        Raises:
+            ConfigError: ``use_layerwise`` with several KV groups.
+        """
+        if num_groups <= 1 or self.async_loads:
+            return self
+        if self.use_layerwise:
+            raise ConfigError(
+                "use_layerwise",
+                True,
+                f"false for a model with {num_groups} KV-cache groups (its loads must be asynchronous, load_async)",
+            )
+        log_once(
+            logging.getLogger(__name__),
+            logging.INFO,
+            "model has %d KV-cache groups: pool loads run asynchronously (load_async=true), the only mode "
+            "in which vLLM can recompute a request whose load failed",
+            num_groups,
+            key=("hybrid-async-loads", num_groups),
+        )
+        return dataclasses.replace(self, load_async=True)
 
     @property
     def is_consumer(self) -> bool:

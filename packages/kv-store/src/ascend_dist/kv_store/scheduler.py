@@ -4,7 +4,8 @@ Runs in: the scheduler process. Order of calls, as vLLM makes them:
 ``get_num_new_matched_tokens`` when a request is considered (asks the rank-0 worker over the lookup
 RPC), ``update_state_after_alloc`` once its blocks are allocated, ``build_meta`` once per step,
 ``request_finished`` when a request ends (True = hold its blocks until the workers' saves finished),
-``mark_sent`` with the ids the workers reported in ``finished_sending``.
+``mark_sent`` with the ids the workers reported in ``finished_sending``, ``mark_load_failed`` with
+those reported in ``failed_recving`` (their next lookup is skipped: vLLM recomputes them).
 
 Differences from upstream (spec §19): the delayed-free set shrinks (ids are sent to the workers once
 and forgotten, §19.4); a running request is re-examined every step, so the chunk a step completes
@@ -117,6 +118,7 @@ class KVPoolScheduler:
         self._async_loads: set[str] = set()
         self._new_delayed: set[str] = set()
         self._held: set[str] = set()
+        self._load_failed: set[str] = set()
         self.lookups = 0
 
     @property
@@ -140,6 +142,11 @@ class KVPoolScheduler:
     ) -> tuple[int, bool]:
         """Tokens beyond ``num_computed`` vLLM can load from the pool, and whether asynchronously."""
         if not self._cfg.can_load:
+            return 0, False
+        if req_id in self._load_failed:  # its pool load failed: recompute, do not retry the pool (no loop)
+            self._load_failed.discard(req_id)
+            self._pending.pop(req_id, None)
+            self._async_loads.discard(req_id)
             return 0, False
         token_len = floor_to(len(prompt), self._g)
         partial = not self._cfg.discard_partial_chunks and self._num_groups == 1 and token_len < len(prompt)
@@ -178,6 +185,17 @@ class KVPoolScheduler:
         for table in (self._pending, self._trackers, self._roots):
             table.pop(req_id, None)
         self._async_loads.discard(req_id)
+
+    def mark_load_failed(self, req_ids: Sequence[str] | set[str] | frozenset[str]) -> None:
+        """The workers reported these async loads failed (``failed_recving``); vLLM recomputes them.
+
+        Their stale load state is dropped and their next lookup answers 0 hits, so a load that keeps
+        failing (a key present but unreadable) cannot loop; the recomputed chunks are saved again.
+        """
+        for req_id in req_ids:
+            self._pending.pop(req_id, None)
+            self._async_loads.discard(req_id)
+            self._load_failed.add(req_id)
 
     def _new_tracker(self, req: NewRequest, pending: _Pending | None) -> tuple[RequestTracker, LoadSpec | None]:
         tokens = list(req.all_token_ids if req.all_token_ids is not None else req.prompt_token_ids)
@@ -270,6 +288,7 @@ class KVPoolScheduler:
     def request_finished(self, req_id: str) -> bool:
         """Whether vLLM must hold the request's blocks until the workers report its saves done."""
         self._pending.pop(req_id, None)
+        self._load_failed.discard(req_id)
         if not self._cfg.can_save or req_id not in self._saved_any:
             return False
         self._saved_any.discard(req_id)

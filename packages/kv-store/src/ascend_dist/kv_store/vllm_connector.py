@@ -12,6 +12,12 @@ Configuration: ``--kv-transfer-config '{"kv_connector": "AscendStoreConnector", 
 Layer-wise mode (``use_layerwise``): ``wait_for_layer_load``/``save_kv_layer`` move one object per
 layer while the forward pass runs (`ascend_dist.kv_store.layerwise`).
 
+Hybrid models (several KV-cache groups: full attention with sliding window or Mamba) load
+asynchronously: vLLM 0.33 takes a failed load of such a model only per request, through
+``get_transfer_results(...).failed_recving``, which exists for async loads alone (it raises on
+block-level reports, as block ids repeat across groups). ``load_async`` is therefore turned on for
+them (logged once at INFO); ``use_layerwise`` (whose loads are synchronous) is refused.
+
 Limits: requests with multimodal inputs or prompt embeddings are not pooled (their token ids do
 not identify their KV).
 """
@@ -27,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -148,6 +155,8 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if unknown:
             logger.warning("AscendStoreConnector ignores unknown kv_connector_extra_config keys %s", unknown)
         self._spec = pool_spec_from_vllm(vllm_config, kv_cache_config, self._cfg)
+        self._num_groups = len(self._spec.block_sizes)
+        self._cfg = self._cfg.for_groups(self._num_groups)  # same rule on the scheduler and workers
         self._kv_cache_config = kv_cache_config
         self._scheduler: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
@@ -226,10 +235,27 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed this step (every KV group)."""
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves and async loads that completed; with several KV groups, the failed loads among them.
+
+        With one group the failed block ids (`get_block_ids_with_load_errors`) say more: vLLM then
+        recomputes from the first bad block instead of the whole request.
+        """
         assert self._worker is not None
-        return self._worker.get_block_ids_with_load_errors()
+        sending, recving, failed = self._worker.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed if self._num_groups > 1 else set()
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed this step, with one KV group; always empty with several.
+
+        Block ids repeat across groups, so vLLM 0.33 raises on a block-level report for a model with
+        several; their loads are asynchronous and fail by request in `get_transfer_results`.
+        """
+        assert self._worker is not None
+        failed = self._worker.get_block_ids_with_load_errors()  # drained either way
+        return failed if self._num_groups == 1 else set()
 
     def get_kv_connector_kv_cache_events(self) -> AscendStoreKVEvents | None:
         """This worker's ``BlockStored`` events since the last call (None when there are none)."""
@@ -340,9 +366,11 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.request_finished(request.request_id), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Forget held requests the workers reported as saved; collect their KV events."""
+        """Forget held requests the workers reported as saved or failed to load; collect their KV events."""
         if self._scheduler is not None and connector_output.finished_sending:
             self._scheduler.mark_sent(connector_output.finished_sending)
+        if self._scheduler is not None and connector_output.failed_recving:
+            self._scheduler.mark_load_failed(connector_output.failed_recving)
         reported = connector_output.kv_cache_events
         if reported is not None:
             self._events.add_events(reported.get_all_events())

@@ -3,7 +3,8 @@
 Runs in: each worker process (one per TP/PP/CP rank). Order of calls per step, as vLLM makes them:
 ``start_load_kv(meta)`` before the forward pass (synchronous loads, or queued to the receiving
 thread with ``load_async``), ``wait_for_save(meta)`` after it (queues saves and returns at once),
-``get_finished(finished_ids)`` and ``get_block_ids_with_load_errors()`` at the end of the step.
+``get_transfer_results(finished_ids)`` (``get_finished`` plus the failed async loads) and
+``get_block_ids_with_load_errors()`` at the end of the step.
 At start-up: ``register_kv_caches`` once.
 """
 
@@ -149,7 +150,7 @@ class KVPoolWorker:
             else None
         )
         self._receiver = (
-            TransferThread[Sequence[ReqMeta]](f"kv-pool-recv-{tp_rank}", self._load, self._loads)
+            TransferThread[Sequence[ReqMeta]](f"kv-pool-recv-{tp_rank}", self._load_async, self._loads)
             if load_async and whole
             else None
         )
@@ -161,6 +162,11 @@ class KVPoolWorker:
     def backend(self) -> PoolBackend:
         """The store client."""
         return self._backend
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups of the model (more than one: failures are reported by request)."""
+        return self._db.num_groups
 
     def register_kv_caches(
         self, kv_caches: Mapping[str, object], num_blocks: int, group_layers: Sequence[Sequence[str]] | None = None
@@ -251,6 +257,15 @@ class KVPoolWorker:
             if failed:
                 first = next(c for c in own if c != 0)
                 self.errors.record(req.req_id, failed, f"get returned {first} for {len(failed)} of {len(own)} keys")
+
+    def _load_async(self, reqs: Sequence[ReqMeta]) -> None:
+        """`_load` on the receiving thread: an unexpected error fails the requests' loads, never passes them."""
+        try:
+            self._load(reqs)
+        except Exception as exc:  # the request is reported finished next: it must not look loaded
+            logger.exception("async load of %s failed", [r.req_id for r in reqs])
+            for req in reqs:
+                self.errors.record(req.req_id, [b for ids in req.block_ids for b in ids if b > 0], repr(exc))
 
     def start_load_kv(self, meta: PoolStepMeta) -> None:
         """Wait for preempted requests' saves, then load every request whose spec says so.
@@ -381,8 +396,18 @@ class KVPoolWorker:
         self._loading -= done_recving
         return done_sending, done_recving
 
+    def get_transfer_results(self, finished_req_ids: set[str] | frozenset[str]) -> tuple[set[str], set[str], set[str]]:
+        """`get_finished` plus ``failed_recving``: the completed async loads that failed (a subset of them)."""
+        done_sending, done_recving = self.get_finished(finished_req_ids)
+        return done_sending, done_recving, self.errors.take_failed_requests(done_recving)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Block ids whose load failed since the last call (every KV group)."""
+        """Block ids whose load failed since the last call (every KV group).
+
+        Failed requests that are no longer loading asynchronously (sync and layer-wise loads, or
+        async ones already reported) are forgotten here, once per step.
+        """
+        self.errors.retain_requests(self._loading)
         return self.errors.take()
 
     def drain(self, timeout_s: float = 30.0) -> None:
