@@ -9,7 +9,7 @@ real Mooncake engine (TCP, loopback). P drops the last prompt token (``on_new_re
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -21,22 +21,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
+_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parent / "vllm_builders.py")
+vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    MambaSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
@@ -46,72 +40,40 @@ from ascend_dist.kv_mooncake.vllm_connector import MooncakeHybridConnector  # no
 MODULE = "ascend_dist.kv_mooncake.vllm_connector"
 ATTN = "model.layers.0.self_attn.attn"
 MAMBA = "model.layers.1.linear_attn"
-NUM_BLOCKS = 32
-BLOCK = 16
+NUM_BLOCKS = vb.NUM_BLOCKS
+BLOCK = vb.BLOCK
+blocks = vb.blocks
 NK, DK, NV, DV, ROWS = 2, 4, 2, 8, 3
 CONV_W = 2 * NK * DK + NV * DV
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-hybrid")
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 1024,
-                "torch_dtype": "float16",
-                "linear_num_key_heads": NK,
-                "linear_key_head_dim": DK,
-                "linear_num_value_heads": NV,
-                "linear_value_head_dim": DV,
-            }
-        )
+    return vb.write_model_dir(
+        tmp_path_factory.mktemp("tiny-hybrid"),
+        linear_num_key_heads=NK,
+        linear_key_head_dim=DK,
+        linear_num_value_heads=NV,
+        linear_value_head_dim=DV,
     )
-    return d
 
 
 def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
-    ktc = KVTransferConfig(
-        kv_connector="MooncakeHybridConnector",
-        kv_role=role,
-        kv_connector_module_path=MODULE,
+    return vb.make_vllm_config(
+        model_dir,
+        connector="MooncakeHybridConnector",
+        module=MODULE,
+        role=role,
         engine_id=engine_id,
         kv_port=kv_port,
-        kv_connector_extra_config={"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, **extra},
+        extra=extra,
+        enable_prefix_caching=False,  # Mamba "none" mode
     )
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),  # Mamba "none" mode
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
 
 
 def hybrid_kv_cache_config() -> KVCacheConfig:
-    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
     mamba = MambaSpec(block_size=BLOCK, shapes=((ROWS, CONV_W), (NV, DV, DK)), dtypes=(torch.float16, torch.float16))
-    tensors = [
-        KVCacheTensor(size=attn.page_size_bytes * NUM_BLOCKS, layers=[ATTN], layer_stride=0, block_stride=0),
-        KVCacheTensor(size=mamba.page_size_bytes * NUM_BLOCKS, layers=[MAMBA], layer_stride=0, block_stride=0),
-    ]
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=tensors,
-        kv_cache_groups=[KVCacheGroupSpec([ATTN], attn), KVCacheGroupSpec([MAMBA], mamba)],
-    )
+    return vb.kv_cache_config([([ATTN], vb.attention_spec(2, 16)), ([MAMBA], mamba)], block_stride=False)
 
 
 class Side:
@@ -144,14 +106,8 @@ class Side:
         self.sched.shutdown()
 
 
-def blocks(*groups: list[int]) -> KVCacheBlocks:
-    return KVCacheBlocks(tuple([KVCacheBlock(i) for i in ids] for ids in groups))
-
-
 def request(rid: str, n: int, params: dict[str, Any]) -> Request:
-    return Request(
-        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": params}), None
-    )
+    return vb.request(rid, n, params, max_tokens=8)
 
 
 def wait(fn: Any, rid: str, deadline: float) -> set[str]:
@@ -204,13 +160,7 @@ def test_sliding_window_with_context_parallelism_is_refused_naming_the_field(mod
 
     config = make_config(model_dir, "kv_consumer", "D-cp", 40000, prefill={"tp_size": 1, "pcp_size": 2})
     swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
-    kcc = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(size=swa.page_size_bytes * NUM_BLOCKS, layers=[ATTN], layer_stride=0, block_stride=0)
-        ],
-        kv_cache_groups=[KVCacheGroupSpec([ATTN], swa)],
-    )
+    kcc = vb.kv_cache_config([([ATTN], swa)], block_stride=False)
     with pytest.raises(ConfigError, match="window_blocks"):
         MooncakeHybridConnector(config, KVConnectorRole.SCHEDULER, kcc)
     MooncakeHybridConnector(config, KVConnectorRole.SCHEDULER, hybrid_kv_cache_config())  # Mamba + CP is fine

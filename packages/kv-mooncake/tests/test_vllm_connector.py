@@ -8,7 +8,7 @@ blocks byte-exact into the blocks D allocated, and P frees its blocks after D's 
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -20,16 +20,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
+_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parent / "vllm_builders.py")
+vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
@@ -38,97 +39,42 @@ from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1, Mooncake
 
 MODULE = "ascend_dist.kv_mooncake.vllm_connector"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-NUM_BLOCKS = 32
-BLOCK = 16
+NUM_BLOCKS = vb.NUM_BLOCKS
+BLOCK = vb.BLOCK
+blocks = vb.blocks
+request = vb.request
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 1024,
-                "torch_dtype": "float16",
-            }
-        )
-    )
-    return d
+    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
-    ktc = KVTransferConfig(
-        kv_connector="MooncakeConnectorV1",
-        kv_role=role,
-        kv_connector_module_path=MODULE,
+    return vb.make_vllm_config(
+        model_dir,
+        connector="MooncakeConnectorV1",
+        module=MODULE,
+        role=role,
         engine_id=engine_id,
         kv_port=kv_port,
-        kv_connector_extra_config={"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, **extra},
+        extra=extra,
     )
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
 
 
 def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    page = spec.page_size_bytes
-    tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-    )
+    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))])
 
 
-class Side:
+class Side(vb.Side):
     """One instance: scheduler-role and worker-role connectors from vLLM's factory, CPU caches."""
 
     def __init__(self, config: VllmConfig, seed: int) -> None:
-        kcc = kv_cache_config()
-        self.sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
-        gen = torch.Generator().manual_seed(seed)
-        self.caches = {n: torch.randn(2, NUM_BLOCKS, BLOCK, 2, 16, generator=gen).to(torch.float16) for n in LAYERS}
-        self.worker.register_kv_caches(self.caches)
+        super().__init__(config, seed, LAYERS, kv_cache_config(), MooncakeConnectorV1Metadata)
 
     def step(self) -> None:
-        meta = self.sched.build_connector_meta(SchedulerOutput.make_empty())
-        assert isinstance(meta, MooncakeConnectorV1Metadata)
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        self.run_step(SchedulerOutput.make_empty())
         self.worker.clear_connector_metadata()
-
-    def block(self, block_id: int) -> bytes:
-        return b"".join(self.caches[n][kv, block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
-
-    def close(self) -> None:
-        self.worker.shutdown()
-        self.sched.shutdown()
-
-
-def blocks(ids: list[int]) -> KVCacheBlocks:
-    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
-
-
-def request(rid: str, n: int, params: dict[str, Any]) -> Request:
-    return Request(
-        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
-    )
 
 
 def test_p_to_d_pull_through_the_vllm_connector(model_dir: Path) -> None:

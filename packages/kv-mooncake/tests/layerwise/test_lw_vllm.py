@@ -10,6 +10,7 @@ at ``save_kv_layer``, and D's worker reports the request received with P's bytes
 from __future__ import annotations
 
 import http.server
+import importlib.util
 import json
 import os
 import threading
@@ -23,17 +24,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
+_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parents[1] / "vllm_builders.py")
+vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
 from ascend_dist.kv_mooncake.layerwise.vllm_connector import (  # noqa: E402
@@ -44,96 +44,41 @@ from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.layerwise.vllm_connector"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-NUM_BLOCKS = 32
-BLOCK = 16
+NUM_BLOCKS = vb.NUM_BLOCKS
+BLOCK = vb.BLOCK
+blocks = vb.blocks
+request = vb.request
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama-lw")
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 1024,
-                "torch_dtype": "float16",
-            }
-        )
-    )
-    return d
+    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama-lw"))
 
 
 def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
-    ktc = KVTransferConfig(
-        kv_connector="MooncakeLayerwiseConnector",
-        kv_role=role,
-        kv_connector_module_path=MODULE,
+    return vb.make_vllm_config(
+        model_dir,
+        connector="MooncakeLayerwiseConnector",
+        module=MODULE,
+        role=role,
         engine_id=engine_id,
         kv_port=kv_port,
-        kv_connector_extra_config={"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, **extra},
+        extra=extra,
     )
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
 
 
 def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    page = spec.page_size_bytes
-    tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-    )
+    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))])
 
 
-class Side:
+class Side(vb.Side):
     """Scheduler-role and worker-role connectors from vLLM's factory, with CPU caches."""
 
     def __init__(self, config: VllmConfig, seed: int) -> None:
-        kcc = kv_cache_config()
-        self.sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
-        gen = torch.Generator().manual_seed(seed)
-        self.caches = {n: torch.randn(2, NUM_BLOCKS, BLOCK, 2, 16, generator=gen).to(torch.float16) for n in LAYERS}
-        self.worker.register_kv_caches(self.caches)
+        super().__init__(config, seed, LAYERS, kv_cache_config(), MooncakeLayerwiseMetadata)
 
     def step(self, out: SchedulerOutput) -> None:
-        meta = self.sched.build_connector_meta(out)
-        assert isinstance(meta, MooncakeLayerwiseMetadata)
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)  # type: ignore[arg-type]
-
-    def block(self, block_id: int) -> bytes:
-        return b"".join(self.caches[n][kv, block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
-
-    def close(self) -> None:
-        self.worker.shutdown()
-        self.sched.shutdown()
-
-
-def blocks(ids: list[int]) -> KVCacheBlocks:
-    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
-
-
-def request(rid: str, n: int, params: dict[str, Any]) -> Request:
-    return Request(
-        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
-    )
+        self.run_step(out)
 
 
 class _Metaserver(http.server.BaseHTTPRequestHandler):
@@ -210,15 +155,8 @@ def test_a_request_p_never_pushes_is_failed_by_request_with_two_kv_groups(model_
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metaserver)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/v1/metaserver"
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    page = spec.page_size_bytes
-    kcc = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS
-        ],
-        kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], spec), KVCacheGroupSpec([LAYERS[1]], spec)],
-    )
+    spec = vb.attention_spec(2, 16)
+    kcc = vb.kv_cache_config([([LAYERS[0]], spec), ([LAYERS[1]], spec)])
     config = make_config(model_dir, "kv_consumer", "D-lw2", free_port_range(1), first_layer_timeout_s=1.0)
     sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
@@ -226,7 +164,7 @@ def test_a_request_p_never_pushes_is_failed_by_request_with_two_kv_groups(model_
     try:
         req = request("lw-2g", 40, {"do_remote_prefill": True, "metaserver": url})
         assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
-        sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in (3, 4, 5)],) * 2), 40)
+        sched.update_state_after_alloc(req, blocks([3, 4, 5], [3, 4, 5]), 40)
         worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput.make_empty()))
         worker.start_load_kv(None)  # type: ignore[arg-type]
         worker.clear_connector_metadata()

@@ -9,6 +9,7 @@ threads fill the host pool and the indexer caches, checked byte for byte against
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import threading
@@ -24,16 +25,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
+_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parents[1] / "vllm_builders.py")
+vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError, DeviceUnavailable  # noqa: E402
@@ -43,30 +46,13 @@ from ascend_dist.kv_mooncake.sfa.vllm_connector import SfaRemoteD2HConnector, Sf
 MODULE = "ascend_dist.kv_mooncake.sfa.vllm_connector"
 MAIN = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 INDEXER = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(2)]
-NUM_BLOCKS = 32
-BLOCK = 16
+NUM_BLOCKS = vb.NUM_BLOCKS
+BLOCK = vb.BLOCK
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 1,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 1024,
-                "torch_dtype": "float16",
-            }
-        )
-    )
-    return d
+    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"), num_key_value_heads=1)
 
 
 class _Metaserver:
@@ -105,45 +91,19 @@ def metaserver() -> Iterator[_Metaserver]:
 
 
 def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
-    ktc = KVTransferConfig(
-        kv_connector="SfaRemoteD2HConnector",
-        kv_role=role,
-        kv_connector_module_path=MODULE,
+    return vb.make_vllm_config(
+        model_dir,
+        connector="SfaRemoteD2HConnector",
+        module=MODULE,
+        role=role,
         engine_id=engine_id,
         kv_port=kv_port,
-        kv_connector_extra_config={
-            "prefill": {"tp_size": 1},
-            "decode": {"tp_size": 1},
-            "transfer_backend": "mooncake",
-            **extra,
-        },
+        extra={"transfer_backend": "mooncake", **extra},
     )
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
 
 
 def kv_cache_config() -> KVCacheConfig:
-    main = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16)
-    idx = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float16)
-    tensors = [
-        KVCacheTensor(size=s.page_size_bytes * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=s.page_size_bytes)
-        for names, s in ((MAIN, main), (INDEXER, idx))
-        for n in names
-    ]
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=tensors,
-        kv_cache_groups=[KVCacheGroupSpec(list(MAIN), main), KVCacheGroupSpec(list(INDEXER), idx)],
-    )
+    return vb.kv_cache_config([(MAIN, vb.attention_spec(1, 64)), (INDEXER, vb.attention_spec(1, 16))])
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
@@ -155,7 +115,7 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
 
 
 def blocks(main: list[int], idx: list[int]) -> KVCacheBlocks:
-    return KVCacheBlocks(([KVCacheBlock(i) for i in main], [KVCacheBlock(i) for i in idx]))
+    return vb.blocks(main, idx)
 
 
 def bind(connector: Any, meta: Any) -> None:

@@ -18,22 +18,16 @@ It exits by itself when stdin closes, so it never outlives its parent.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.peer_serve import serve
 from ascend_dist.kv_mooncake.synthetic import Model, SyntheticInstance
 
 __all__ = ["main"]
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 def _poll(inst: SyntheticInstance) -> dict[str, Any]:
@@ -65,11 +59,6 @@ def _create(msg: dict[str, Any]) -> SyntheticInstance:
     return SyntheticInstance(config, Model(**msg["model"]))
 
 
-def _drop(instances: dict[str, SyntheticInstance], msg: dict[str, Any]) -> dict[str, Any]:
-    instances.pop(msg["name"]).shutdown()
-    return {"ok": True}
-
-
 _COMMANDS: dict[str, Callable[[SyntheticInstance, dict[str, Any]], dict[str, Any]]] = {
     "prefill": lambda inst, m: {"params": inst.prefill(m["rid"], int(m["prompt_len"]), int(m["seed"]))},
     "prefill_many": lambda inst, m: {
@@ -79,38 +68,9 @@ _COMMANDS: dict[str, Callable[[SyntheticInstance, dict[str, Any]], dict[str, Any
 }
 
 
-def _serve(instances: dict[str, SyntheticInstance], msg: dict[str, Any]) -> dict[str, Any]:
-    cmd = msg.get("cmd")
-    if cmd == "create":
-        instances[msg["name"]] = _create(msg)
-        return {"ok": True}
-    inst = instances.get(msg.get("name", ""))
-    if inst is None:
-        return {"error": f"unknown instance {msg.get('name')!r} for cmd {cmd!r}"}
-    if cmd == "drop":
-        return _drop(instances, msg)
-    handler = _COMMANDS.get(str(cmd))
-    return handler(inst, msg) if handler else {"error": f"unknown cmd {cmd!r}"}
-
-
 def main() -> int:
     """Serve commands until ``quit`` or end of input."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    instances: dict[str, SyntheticInstance] = {}
-    _reply({"ready": True})
-    try:
-        for line in sys.stdin:
-            msg = json.loads(line)
-            if msg.get("cmd") == "quit":
-                break
-            try:
-                _reply(_serve(instances, msg))
-            except Exception as exc:  # a bad command is reported, the process keeps serving
-                _reply({"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        for inst in instances.values():
-            inst.shutdown()
-    return 0
+    return serve(_create, _COMMANDS)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Start and drive a `pd_peer` child (P instance) with a deadline on every reply.
+"""Start and drive a peer child (P instances) with a deadline on every reply.
 
-Runs in: the ``pd`` scenario and the tests (the parent side). The child is always terminated,
-then killed if needed, by `PeerProcess.close`.
+Runs in: the ``pd``, ``pd-layerwise`` and ``pd-sfa`` scenarios and the tests (the parent side). The
+child is a JSON-lines server (`pd_peer`, `layerwise.peer` or `sfa.peer`, see `peer_serve`); it is
+always terminated, then killed if needed, by `PeerProcess.close`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 from contextlib import closing
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, ProtocolError
 
@@ -46,13 +47,13 @@ def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> 
 
 
 class PeerProcess:
-    """A ``python -m ascend_dist.kv_mooncake.pd_peer`` child speaking JSON lines."""
+    """A ``python -m <module>`` child speaking JSON lines (the pull's `pd_peer` by default)."""
 
-    def __init__(self, *, ready_timeout_s: float = 60.0) -> None:
-        """Start the child and wait until it reports ready."""
+    def __init__(self, *, module: str = "ascend_dist.kv_mooncake.pd_peer", ready_timeout_s: float = 60.0) -> None:
+        """Start ``python -m module`` and wait until it reports ready."""
         env = {**os.environ, "GLOG_minloglevel": "2"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ascend_dist.kv_mooncake.pd_peer"],
+            [sys.executable, "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -128,7 +129,7 @@ class PeerProcess:
                 if pipe is not None:
                     pipe.close()
 
-    def __enter__(self) -> PeerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

@@ -9,17 +9,17 @@ can verify every byte it pulled without seeing P's memory.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ascend_dist.common.errors import ConfigError, DeadlineExceeded
+from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.engine import TransferBackend
 from ascend_dist.kv_mooncake.plan import head_range, pp_layer_ranges
 from ascend_dist.kv_mooncake.scheduler import PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake.synthetic_state import StateShape
 from ascend_dist.kv_mooncake.worker import PullWorker
 
@@ -264,31 +264,12 @@ class SyntheticInstance:
             recving.append(v)
         self._seen_s = getattr(self, "_seen_s", {})
         self._seen_r = getattr(self, "_seen_r", {})
-        return self._aggregate(self._seen_s, sending), self._aggregate(self._seen_r, recving), errors
-
-    def _aggregate(self, seen: dict[str, int], reports: Sequence[set[str]]) -> set[str]:
-        done = set()
-        for rep in reports:
-            for rid in rep:
-                seen[rid] = seen.get(rid, 0) + 1
-                if seen[rid] == len(self.ranks):
-                    done.add(rid)
-                    del seen[rid]
-        return done
+        n = len(self.ranks)
+        return aggregate_ranks(self._seen_s, sending, n), aggregate_ranks(self._seen_r, recving, n), errors
 
     def wait_recv(self, rids: set[str], timeout_s: float) -> set[int]:
         """D: poll until every request in ``rids`` finished receiving; return load errors seen."""
-        deadline = time.monotonic() + timeout_s
-        pending, errors = set(rids), set()
-        while pending:
-            _, recv, errs = self.poll()
-            errors |= errs
-            pending -= recv
-            if pending and time.monotonic() > deadline:
-                raise DeadlineExceeded(f"requests {sorted(pending)[:4]} not received within {timeout_s} s")
-            if pending:
-                time.sleep(0.001)
-        return errors
+        return wait_received(lambda: self.poll()[1:], rids, timeout_s)
 
     def _positions(self, first_block: int, cp_index: int, n: int) -> torch.Tensor:
         """Token positions ``[n, block]`` of a CP rank's list entries from global block ``first_block`` on."""

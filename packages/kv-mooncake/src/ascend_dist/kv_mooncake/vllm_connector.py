@@ -27,6 +27,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.scheduler import PullMetadata, PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.vllm_common import connector_config, parallel_ranks, split_kv_caches
 from ascend_dist.kv_mooncake.worker import PullWorker
 
 if TYPE_CHECKING:
@@ -48,39 +49,6 @@ class MooncakeConnectorV1Metadata(KVConnectorMetadata):
     def __init__(self, inner: PullMetadata) -> None:
         """Wrap one step's metadata."""
         self.inner = inner
-
-
-def _config(vllm_config: VllmConfig) -> PullConfig:
-    ktc = vllm_config.kv_transfer_config
-    if ktc is None:
-        raise ConfigError("kv_transfer_config", None, "set (MooncakeConnectorV1 needs kv_role, kv_port, engine_id)")
-    extra = dict(ktc.kv_connector_extra_config or {})
-    extra.setdefault("dp_rank", vllm_config.parallel_config.data_parallel_rank)
-    return PullConfig.from_kv_transfer_config(
-        engine_id=ktc.engine_id,
-        kv_role=ktc.kv_role,
-        kv_port=ktc.kv_port,
-        extra=extra,
-        model=str(vllm_config.model_config.model),
-        dtype=str(
-            vllm_config.cache_config.cache_dtype
-            if vllm_config.cache_config.cache_dtype != "auto"
-            else vllm_config.model_config.dtype
-        ),
-    )
-
-
-def _ranks() -> tuple[int, int, int]:
-    """(tp_rank, pp_rank, pcp_rank) of this worker; zeros when vLLM's parallel groups are not initialised."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 0, 0
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pp_group().rank_in_group,
-        parallel_state.get_pcp_group().rank_in_group,
-    )
 
 
 def _state_layout(vllm_config: VllmConfig, spec: MambaSpec | None) -> StateLayout | None:
@@ -154,7 +122,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         if kv_cache_config is None:
             raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
-        self._pull_config = _config(vllm_config)
+        self._pull_config = connector_config(vllm_config, type(self).__name__, PullConfig.from_kv_transfer_config)
         groups = kv_cache_config.kv_cache_groups
         self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self._groups = [list(g.layer_names) for g in groups]
@@ -180,7 +148,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             model = vllm_config.model_config
-            tp_rank, pp_rank, pcp_rank = _ranks()
+            tp_rank, pp_rank, pcp_rank = parallel_ranks()
             self._worker = PullWorker(
                 self._pull_config,
                 tp_rank=tp_rank,
@@ -243,14 +211,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register vLLM's caches: ``[2, blocks, ...]`` split K/V, or one MLA tensor per layer."""
-        parts: dict[str, list[torch.Tensor]] = {}
-        for name, t in kv_caches.items():
-            if isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[0] == 2:
-                parts[name] = [t[0], t[1]]
-            elif isinstance(t, torch.Tensor):
-                parts[name] = [t]
-            else:
-                parts[name] = list(t)
+        parts = split_kv_caches(kv_caches)
         groups = [[n for n in g if n in parts] for g in self._groups]
         self._work().register_kv_caches(
             parts,

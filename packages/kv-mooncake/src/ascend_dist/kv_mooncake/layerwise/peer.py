@@ -23,20 +23,16 @@ It exits by itself when stdin closes, so it never outlives its parent.
 from __future__ import annotations
 
 import datetime
-import json
-import logging
 import os
-import selectors
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from ascend_dist.common.errors import ProtocolError
 from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.layerwise.reshard import AllToAll, GlooAllToAll
 from ascend_dist.kv_mooncake.layerwise.synthetic import LwInstance
 from ascend_dist.kv_mooncake.peer_process import PeerProcess
+from ascend_dist.kv_mooncake.peer_serve import serve
 from ascend_dist.kv_mooncake.synthetic import Model
 
 __all__ = ["LwPeerProcess", "main"]
@@ -47,30 +43,7 @@ class LwPeerProcess(PeerProcess):
 
     def __init__(self, *, ready_timeout_s: float = 60.0) -> None:
         """Start the child and wait until it reports ready."""
-        env = {**os.environ, "GLOG_minloglevel": "2"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ascend_dist.kv_mooncake.layerwise.peer"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self._sel = selectors.DefaultSelector()
-        assert self.proc.stdout is not None
-        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
-        try:
-            reply = self.read(ready_timeout_s)
-            if not reply.get("ready"):
-                raise ProtocolError(f"peer did not start: {reply}")
-        except BaseException:
-            self.close()
-            raise
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+        super().__init__(module="ascend_dist.kv_mooncake.layerwise.peer", ready_timeout_s=ready_timeout_s)
 
 
 def _gloo(spec: dict[str, Any] | None, config: LayerwiseConfig, heads: int, mla: bool) -> AllToAll | None:
@@ -135,39 +108,9 @@ _COMMANDS: dict[str, Callable[[LwInstance, dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-def _serve(instances: dict[str, LwInstance], msg: dict[str, Any]) -> dict[str, Any]:
-    cmd = msg.get("cmd")
-    if cmd == "create":
-        instances[msg["name"]] = _create(msg)
-        return {"ok": True}
-    inst = instances.get(msg.get("name", ""))
-    if inst is None:
-        return {"error": f"unknown instance {msg.get('name')!r} for cmd {cmd!r}"}
-    if cmd == "drop":
-        instances.pop(msg["name"]).shutdown()
-        return {"ok": True}
-    handler = _COMMANDS.get(str(cmd))
-    return handler(inst, msg) if handler else {"error": f"unknown cmd {cmd!r}"}
-
-
 def main() -> int:
     """Serve commands until ``quit`` or end of input."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    instances: dict[str, LwInstance] = {}
-    _reply({"ready": True})
-    try:
-        for line in sys.stdin:
-            msg = json.loads(line)
-            if msg.get("cmd") == "quit":
-                break
-            try:
-                _reply(_serve(instances, msg))
-            except Exception as exc:  # a bad command is reported, the process keeps serving
-                _reply({"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        for inst in instances.values():
-            inst.shutdown()
-    return 0
+    return serve(_create, _COMMANDS)
 
 
 if __name__ == "__main__":

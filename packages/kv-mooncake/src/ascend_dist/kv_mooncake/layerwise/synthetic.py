@@ -30,6 +30,7 @@ from ascend_dist.kv_mooncake.layerwise.worker import LayerwiseWorker
 from ascend_dist.kv_mooncake.plan import head_range
 from ascend_dist.kv_mooncake.scheduler import SchedRequest
 from ascend_dist.kv_mooncake.synthetic import Model, pattern
+from ascend_dist.kv_mooncake.synthetic_common import aggregate_ranks, wait_received
 
 __all__ = ["CollectingMetaserver", "LwInstance"]
 
@@ -157,31 +158,16 @@ class LwInstance:
 
     def poll(self) -> tuple[set[str], set[int]]:
         """D: ``(finished_recving, load-error block ids)`` aggregated over ranks (as vLLM does)."""
-        recving: set[str] = set()
         errors: set[int] = set()
+        reports: list[set[str]] = []
         for r in self.ranks:
-            _, done = r.worker.get_finished()
+            reports.append(r.worker.get_finished()[1])
             errors |= r.worker.get_block_ids_with_load_errors()
-            for rid in done:
-                self._seen[rid] = self._seen.get(rid, 0) + 1
-                if self._seen[rid] == len(self.ranks):
-                    recving.add(rid)
-                    del self._seen[rid]
-        return recving, errors
+        return aggregate_ranks(self._seen, reports, len(self.ranks)), errors
 
     def wait_recv(self, rids: set[str], timeout_s: float) -> set[int]:
         """D: poll until every request finished receiving (or failed); return the load errors."""
-        deadline = time.monotonic() + timeout_s
-        pending, errors = set(rids), set()
-        while pending:
-            done, errs = self.poll()
-            errors |= errs
-            pending -= done
-            if pending and time.monotonic() > deadline:
-                raise DeadlineExceeded(f"requests {sorted(pending)[:4]} not received within {timeout_s} s")
-            if pending:
-                time.sleep(0.001)
-        return errors
+        return wait_received(self.poll, rids, timeout_s)
 
     def verify(self, rid: str, seed: int, computed_tokens: int = 0) -> int:
         """D: compare every pushed byte of a request with P's pattern; return the bytes checked."""

@@ -30,6 +30,7 @@ from ascend_dist.kv_mooncake.layerwise.reshard import AllToAll, GlooAllToAll
 from ascend_dist.kv_mooncake.layerwise.scheduler import LayerwiseMetadata, LayerwiseScheduler, Scheduled
 from ascend_dist.kv_mooncake.layerwise.worker import LayerwiseWorker
 from ascend_dist.kv_mooncake.scheduler import SchedRequest
+from ascend_dist.kv_mooncake.vllm_common import connector_config, parallel_ranks, split_kv_caches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,32 +51,6 @@ class MooncakeLayerwiseMetadata(KVConnectorMetadata):
     def __init__(self, inner: LayerwiseMetadata) -> None:
         """Wrap one step's metadata."""
         self.inner = inner
-
-
-def _config(vllm_config: VllmConfig) -> LayerwiseConfig:
-    ktc = vllm_config.kv_transfer_config
-    if ktc is None:
-        raise ConfigError("kv_transfer_config", None, "set (MooncakeLayerwiseConnector needs kv_role, kv_port)")
-    extra = dict(ktc.kv_connector_extra_config or {})
-    extra.setdefault("dp_rank", vllm_config.parallel_config.data_parallel_rank)
-    cache = vllm_config.cache_config
-    return LayerwiseConfig.from_kv_transfer_config(
-        engine_id=ktc.engine_id,
-        kv_role=ktc.kv_role,
-        kv_port=ktc.kv_port,
-        extra=extra,
-        model=str(vllm_config.model_config.model),
-        dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else vllm_config.model_config.dtype),
-    )
-
-
-def _ranks() -> tuple[int, int]:
-    """(tp_rank, pcp_rank) of this worker; zeros when vLLM's parallel groups are not initialised."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 0
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pcp_group().rank_in_group
 
 
 def _all_to_all(ratio: int) -> AllToAll | None:
@@ -133,7 +108,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         if kv_cache_config is None:
             raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
-        self._lw_config = _config(vllm_config)
+        self._lw_config = connector_config(vllm_config, type(self).__name__, LayerwiseConfig.from_kv_transfer_config)
         groups = kv_cache_config.kv_cache_groups
         self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self._groups = [list(g.layer_names) for g in groups]
@@ -146,7 +121,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = LayerwiseScheduler(self._lw_config, self._block_sizes)
         else:
-            self._tp_rank, self._pcp_rank = _ranks()
+            self._tp_rank, _, self._pcp_rank = parallel_ranks()
 
     # ---- scheduler side -------------------------------------------------------------------------
 
@@ -188,12 +163,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         """Register vLLM's caches (``[2, blocks, ...]`` split K/V, or one MLA tensor per layer)."""
         if self._scheduler is not None:
             raise ConfigError("role", "SCHEDULER", "WORKER for register_kv_caches")
-        parts: dict[str, list[torch.Tensor]] = {}
-        for name, t in kv_caches.items():
-            if isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[0] == 2:
-                parts[name] = [t[0], t[1]]
-            else:
-                parts[name] = [t] if isinstance(t, torch.Tensor) else list(t)
+        parts = split_kv_caches(kv_caches)
         ratio = self._lw_config.parallel_infos(1 if self._use_mla else self._heads, self._use_mla)[0].pd_head_ratio
         self._worker = LayerwiseWorker(
             self._lw_config,

@@ -11,8 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.zmq_server import tcp_endpoint
-from ascend_dist.kv_mooncake.config import PROTOCOLS, Role, Topology
+from ascend_dist.kv_mooncake.config_common import (
+    ConnectorConfig,
+    Role,
+    bool_field,
+    int_field,
+    parse_common,
+    seconds_field,
+)
 
 __all__ = ["BACKENDS", "SfaConfig"]
 
@@ -20,41 +26,19 @@ BACKENDS = ("memfabric", "mooncake")
 """Remote-read engines: MemFabric (Ascend, upstream's only choice) or Mooncake (any machine)."""
 
 
-def _seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(name, value, "a number of seconds " + (">= 0" if allow_zero else "> 0"))
-    return float(value)
-
-
-def _int(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(name, value, f"an int in [{low}, {high}]")
-    return value
-
-
-def _bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(name, value, "true or false")
-    return value
-
-
 @dataclass(frozen=True)
-class SfaConfig:
+class SfaConfig(ConnectorConfig):
     """Everything the SFA remote-D2H connector reads from the ``kv_transfer_config``.
 
+    The shared fields are `ConnectorConfig`'s; the ones listed here are specific or say more.
+
     Attributes:
-        engine_id: This instance's id (a peer with the same id is refused).
-        role: Producer (P, prefill) or consumer (D, decode).
         kv_port: Base of the side channel: D rank r of global DP rank g binds
             ``kv_port + g * decode.tp_size + r``.
         prefill: P's topology (``tp_size`` must be a multiple of ``decode.tp_size``).
-        decode: D's topology.
         dp_rank: This instance's GLOBAL data-parallel rank (spec §4.3).
         host: Interface D binds and advertises (never a wildcard).
         transfer_backend: ``memfabric`` (Ascend driver needed) or ``mooncake``.
-        protocol: Mooncake transport when ``transfer_backend`` is ``mooncake``.
         use_layerwise: D reads each layer as soon as P wrote it (the only mode implemented).
         hello_timeout_s: How long P waits for D to accept its metadata (upstream: 10 s).
         read_timeout_s: How long P waits for D's answer to one layer's read request; P's reuse
@@ -69,20 +53,9 @@ class SfaConfig:
             #4209: the first TCP transfer after an idle gap may fail once).
         endpoint_retry_s: After a D endpoint missed a deadline, P fails new reads to it at once for
             this long instead of stalling every layer (then it sends a fresh hello).
-        max_message_bytes: Largest side-channel message accepted.
-        model: Model name (compatibility field).
-        dtype: KV dtype name (compatibility field).
     """
 
-    engine_id: str
-    role: Role
-    kv_port: int
-    prefill: Topology
-    decode: Topology
-    dp_rank: int = 0
-    host: str = "127.0.0.1"
     transfer_backend: str = "memfabric"
-    protocol: str = "tcp"
     use_layerwise: bool = True
     hello_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
@@ -91,23 +64,16 @@ class SfaConfig:
     quarantine_s: float = 1.0
     endpoint_retry_s: float = 5.0
     read_retries: int = 1
-    max_message_bytes: int = 4 * 1024 * 1024
-    model: str = ""
-    dtype: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.engine_id, str) or not self.engine_id:
-            raise ConfigError("engine_id", self.engine_id, "a non-empty str unique per instance")
+        super().__post_init__()
         if self.transfer_backend not in BACKENDS:
             raise ConfigError(
                 "kv_connector_extra_config.transfer_backend", self.transfer_backend, " or ".join(BACKENDS)
             )
-        if self.protocol not in PROTOCOLS:
-            raise ConfigError("mooncake_protocol", self.protocol, f"one of {', '.join(PROTOCOLS)}")
         if not self.use_layerwise:
             raise ConfigError("kv_connector_extra_config.use_layerwise", False, "true (whole-request reads: not built)")
-        tcp_endpoint(self.host, 0)  # refuses wildcards and malformed hosts
         p_tp, d_tp = self.prefill.tp_size, self.decode.tp_size
         if p_tp < d_tp or p_tp % d_tp:
             raise ConfigError("prefill.tp_size", p_tp, f"a multiple of decode.tp_size={d_tp} (P_tp >= D_tp)")
@@ -119,11 +85,6 @@ class SfaConfig:
         top = self.kv_port + self.decode.dp_size * d_tp - 1
         if top > 65535:
             raise ConfigError("kv_port", self.kv_port, f"a base whose highest D port ({top}) is <= 65535")
-
-    @property
-    def is_producer(self) -> bool:
-        """Whether this process is on P."""
-        return self.role is Role.PRODUCER
 
     @property
     def tp_ratio(self) -> int:
@@ -158,31 +119,28 @@ class SfaConfig:
             ConfigError: Any field is missing or invalid; the error names it.
         """
         extra = dict(extra or {})
-        roles = {r.value: r for r in Role}
-        if kv_role not in roles:
-            raise ConfigError("kv_role", kv_role, "kv_producer or kv_consumer")
-        for key in ("prefill", "decode"):
-            if key not in extra:
-                raise ConfigError(f"kv_connector_extra_config.{key}", None, "a dict with tp_size (and dp_size)")
+        common = parse_common(
+            engine_id=engine_id,
+            kv_role=kv_role,
+            kv_port=kv_port,
+            extra=extra,
+            topology_expected="a dict with tp_size (and dp_size)",
+        )
         return cls(
-            engine_id=engine_id if isinstance(engine_id, str) else "",
-            role=roles[str(kv_role)],
-            kv_port=_int("kv_port", kv_port, 1, 65535),
-            prefill=Topology.parse("prefill", extra["prefill"]),
-            decode=Topology.parse("decode", extra["decode"]),
-            dp_rank=_int("dp_rank", extra.get("dp_rank", 0), 0, 65535),
-            host=str(extra.get("host", "127.0.0.1")),
+            **common,
+            dp_rank=int_field("dp_rank", extra.get("dp_rank", 0), 0, 65535),
             transfer_backend=str(extra.get("transfer_backend", "memfabric")),
-            protocol=str(extra.get("mooncake_protocol", "tcp")),
-            use_layerwise=_bool("kv_connector_extra_config.use_layerwise", extra.get("use_layerwise", True)),
-            hello_timeout_s=_seconds("hello_timeout_s", extra.get("hello_timeout_s", 10.0)),
-            read_timeout_s=_seconds("read_timeout_s", extra.get("read_timeout_s", 60.0)),
-            recv_timeout_s=_seconds("recv_timeout_s", extra.get("recv_timeout_s", 300.0)),
-            dest_wait_s=_seconds("dest_wait_s", extra.get("dest_wait_s", 2.0), allow_zero=True),
-            quarantine_s=_seconds("quarantine_s", extra.get("quarantine_s", 1.0), allow_zero=True),
-            endpoint_retry_s=_seconds("endpoint_retry_s", extra.get("endpoint_retry_s", 5.0), allow_zero=True),
-            read_retries=_int("read_retries", extra.get("read_retries", 1), 0, 3),
-            max_message_bytes=_int("max_message_bytes", extra.get("max_message_bytes", 4 * 1024 * 1024), 1024, 1 << 30),
+            use_layerwise=bool_field("kv_connector_extra_config.use_layerwise", extra.get("use_layerwise", True)),
+            hello_timeout_s=seconds_field("hello_timeout_s", extra.get("hello_timeout_s", 10.0)),
+            read_timeout_s=seconds_field("read_timeout_s", extra.get("read_timeout_s", 60.0)),
+            recv_timeout_s=seconds_field("recv_timeout_s", extra.get("recv_timeout_s", 300.0)),
+            dest_wait_s=seconds_field("dest_wait_s", extra.get("dest_wait_s", 2.0), allow_zero=True),
+            quarantine_s=seconds_field("quarantine_s", extra.get("quarantine_s", 1.0), allow_zero=True),
+            endpoint_retry_s=seconds_field("endpoint_retry_s", extra.get("endpoint_retry_s", 5.0), allow_zero=True),
+            read_retries=int_field("read_retries", extra.get("read_retries", 1), 0, 3),
+            max_message_bytes=int_field(
+                "max_message_bytes", extra.get("max_message_bytes", 4 * 1024 * 1024), 1024, 1 << 30
+            ),
             model=model,
             dtype=dtype,
             extra=extra,

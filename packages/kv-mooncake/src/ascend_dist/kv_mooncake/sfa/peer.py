@@ -18,8 +18,6 @@ It exits by itself when stdin closes, so it never outlives its parent.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -27,6 +25,7 @@ from typing import Any
 
 from ascend_dist.kv_mooncake.config import Role
 from ascend_dist.kv_mooncake.engine import get_engine
+from ascend_dist.kv_mooncake.peer_serve import serve
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.synthetic import Job, SfaModel, SfaPInstance
 
@@ -80,46 +79,14 @@ _COMMANDS: dict[str, Callable[[SfaPInstance, dict[str, Any]], dict[str, Any]]] =
 }
 
 
-def _serve(state: dict[str, SfaPInstance], msg: dict[str, Any]) -> dict[str, Any]:
-    cmd = msg.get("cmd")
-    if cmd == "create":
-        config = producer_config(msg["config"])
-        engine = get_engine(config.host, config.protocol)
-        state[str(msg["name"])] = SfaPInstance(config, _model(msg["model"]), engine)
-        return {"ok": True}
-    inst = state.get(str(msg.get("name")))
-    if inst is None:
-        return {"error": f"no instance {msg.get('name')!r} for cmd {cmd!r}"}
-    if cmd == "drop":
-        state.pop(str(msg["name"])).shutdown()
-        return {"ok": True}
-    handler = _COMMANDS.get(str(cmd))
-    if handler is not None:
-        return handler(inst, msg)
-    return {"error": f"unknown cmd {cmd!r}"}
+def _create(msg: dict[str, Any]) -> SfaPInstance:
+    config = producer_config(msg["config"])
+    return SfaPInstance(config, _model(msg["model"]), get_engine(config.host, config.protocol))
 
 
 def main() -> int:
     """Serve commands until ``quit`` or end of input."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    state: dict[str, SfaPInstance] = {}
-    sys.stdout.write(json.dumps({"ready": True}) + "\n")
-    sys.stdout.flush()
-    try:
-        for line in sys.stdin:
-            msg = json.loads(line)
-            if msg.get("cmd") == "quit":
-                break
-            try:
-                reply = _serve(state, msg)
-            except Exception as exc:  # a bad command is reported, the process keeps serving
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
-    finally:
-        for inst in state.values():
-            inst.shutdown()
-    return 0
+    return serve(_create, _COMMANDS)
 
 
 if __name__ == "__main__":

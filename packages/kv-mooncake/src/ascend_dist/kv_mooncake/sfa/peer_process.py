@@ -6,13 +6,8 @@ Runs in: the ``pd-sfa`` scenario and the tests (the parent side). Reuses the pul
 
 from __future__ import annotations
 
-import os
-import selectors
-import subprocess
-import sys
 from typing import Any
 
-from ascend_dist.common.errors import ProtocolError
 from ascend_dist.kv_mooncake.peer_process import PeerProcess
 
 __all__ = ["SfaP", "SfaPeer"]
@@ -21,29 +16,9 @@ __all__ = ["SfaP", "SfaPeer"]
 class SfaPeer(PeerProcess):
     """A ``python -m ascend_dist.kv_mooncake.sfa.peer`` child."""
 
-    def __init__(self, *, ready_timeout_s: float = 60.0) -> None:  # pyright: ignore[reportMissingSuperCall]
-        """Start the child and wait until it reports ready (the parent's __init__ starts another module)."""
-        env = {**os.environ, "GLOG_minloglevel": "2"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ascend_dist.kv_mooncake.sfa.peer"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self._sel = selectors.DefaultSelector()
-        assert self.proc.stdout is not None
-        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
-        try:
-            if not self.read(ready_timeout_s).get("ready"):
-                raise ProtocolError("sfa peer did not start")
-        except BaseException:
-            self.close()
-            raise
-
-    def __enter__(self) -> SfaPeer:
-        return self
+    def __init__(self, *, ready_timeout_s: float = 60.0) -> None:
+        """Start the child and wait until it reports ready."""
+        super().__init__(module="ascend_dist.kv_mooncake.sfa.peer", ready_timeout_s=ready_timeout_s)
 
     def create_p(self, name: str, config: dict[str, Any], model: dict[str, Any]) -> SfaP:
         """Create a P instance in the child."""

@@ -10,14 +10,13 @@ next request's writes away from blocks D is still reading.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
-from ascend_dist.common.errors import ConfigError, DeadlineExceeded
+from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.sfa.backend import MooncakeReadBackend
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
@@ -31,6 +30,7 @@ from ascend_dist.kv_mooncake.sfa.scheduler import (
     SfaRequest,
     StepRequest,
 )
+from ascend_dist.kv_mooncake.synthetic_common import aggregate_ranks, wait_received
 
 __all__ = ["ContactLog", "Job", "SfaDInstance", "SfaModel", "SfaPInstance", "sfa_pattern"]
 
@@ -290,30 +290,16 @@ class SfaDInstance:
 
     def poll(self) -> tuple[set[str], set[int]]:
         """Requests every rank reported finished (as vLLM aggregates), and the load errors seen."""
-        done: set[str] = set()
         errors: set[int] = set()
+        reports: list[set[str]] = []
         for w in self.workers:
             errors |= w.get_block_ids_with_load_errors()
-            for rid in w.get_finished()[1]:
-                self._seen[rid] = self._seen.get(rid, 0) + 1
-                if self._seen[rid] == len(self.workers):
-                    done.add(rid)
-                    del self._seen[rid]
-        return done, errors
+            reports.append(w.get_finished()[1])
+        return aggregate_ranks(self._seen, reports, len(self.workers)), errors
 
     def wait_recv(self, rids: set[str], timeout_s: float = 15.0) -> set[int]:
         """Poll until every request in ``rids`` finished; return the load errors seen."""
-        deadline = time.monotonic() + timeout_s
-        pending, errors = set(rids), set()
-        while pending:
-            done, errs = self.poll()
-            errors |= errs
-            pending -= done
-            if pending and time.monotonic() > deadline:
-                raise DeadlineExceeded(f"requests {sorted(pending)[:4]} not received within {timeout_s} s")
-            if pending:
-                time.sleep(0.002)
-        return errors
+        return wait_received(self.poll, rids, timeout_s, interval_s=0.002)
 
     def verify(self, rid: str, seed: int, computed: int = 0) -> int:
         """Compare every byte D holds for the request's tokens from ``computed`` on; return bytes checked."""

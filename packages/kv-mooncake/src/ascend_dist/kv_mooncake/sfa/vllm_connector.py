@@ -43,6 +43,7 @@ from ascend_dist.kv_mooncake.sfa.scheduler import (
     SfaRequest,
     StepRequest,
 )
+from ascend_dist.kv_mooncake.vllm_common import connector_config, parallel_ranks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,31 +73,6 @@ class SfaRemoteD2HMetadata(KVConnectorMetadata):
         self.inner = inner
 
 
-def _config(vllm_config: VllmConfig) -> SfaConfig:
-    ktc = vllm_config.kv_transfer_config
-    if ktc is None:
-        raise ConfigError("kv_transfer_config", None, "set (SfaRemoteD2HConnector needs kv_role, kv_port, engine_id)")
-    extra = dict(ktc.kv_connector_extra_config or {})
-    extra.setdefault("dp_rank", vllm_config.parallel_config.data_parallel_rank)  # the GLOBAL DP rank
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    return SfaConfig.from_kv_transfer_config(
-        engine_id=ktc.engine_id,
-        kv_role=ktc.kv_role,
-        kv_port=ktc.kv_port,
-        extra=extra,
-        model=str(vllm_config.model_config.model),
-        dtype=str(cache_dtype if cache_dtype != "auto" else vllm_config.model_config.dtype),
-    )
-
-
-def _tp_rank() -> int:
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0
-    return parallel_state.get_tensor_model_parallel_rank()
-
-
 def _request(request: Request) -> SfaRequest:
     return SfaRequest(
         request.request_id, external_id(request.request_id), request.num_prompt_tokens, request.kv_transfer_params
@@ -122,7 +98,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         if kv_cache_config is None:
             raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
-        self._sfa = _config(vllm_config)
+        self._sfa = connector_config(vllm_config, type(self).__name__, SfaConfig.from_kv_transfer_config)
         groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         self._group_ids = infer_groups(groups)
         self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
@@ -147,9 +123,9 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         side = "Prefill" if self._sfa.is_producer else "Decode"
         backend = make_backend(self._sfa.transfer_backend, self._sfa.host, protocol=self._sfa.protocol, role=side)
         if self._sfa.is_producer:
-            self._producer = ProducerWorker(self._sfa, tp_rank=_tp_rank(), backend=backend)
+            self._producer = ProducerWorker(self._sfa, tp_rank=parallel_ranks()[0], backend=backend)
         else:
-            self._consumer = ConsumerWorker(self._sfa, tp_rank=_tp_rank(), backend=backend)
+            self._consumer = ConsumerWorker(self._sfa, tp_rank=parallel_ranks()[0], backend=backend)
 
     # ---- scheduler side -------------------------------------------------------------------------
 
