@@ -1,8 +1,9 @@
 """vLLM glue shared by the three adapters (`vllm_connector`, `layerwise.vllm_connector`, `sfa.vllm_connector`).
 
 Runs in: vLLM's scheduler and worker processes. An adapter module (it imports vLLM and torch): it
-reads the ``kv_transfer_config`` into a connector's config, finds this worker's parallel ranks and
-splits vLLM's per-layer caches into the tensors the workers register.
+reads the ``kv_transfer_config`` into a connector's config, finds this worker's parallel ranks,
+splits vLLM's per-layer caches into the tensors the workers register, and applies one rule to how
+D's failed loads reach vLLM.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ascend_dist.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["connector_config", "parallel_ranks", "split_kv_caches"]
+__all__ = ["block_load_errors", "connector_config", "parallel_ranks", "split_kv_caches", "transfer_results"]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -73,3 +75,24 @@ def split_kv_caches(kv_caches: Mapping[str, Any]) -> dict[str, list[torch.Tensor
         else:
             parts[name] = [t] if isinstance(t, torch.Tensor) else list(t)
     return parts
+
+
+# How D's failed loads reach vLLM 0.33. Block ids repeat across KV-cache groups, so for a model with
+# several groups vLLM raises on block-level reports and wants failed requests instead; with one
+# group block ids say more (vLLM recomputes from the first bad block, not from the start).
+
+
+def transfer_results(
+    sending: set[str] | None, recving: set[str] | None, failed: set[str], num_groups: int
+) -> KVConnectorTransferResults:
+    """VLLM's per-step report: ``failed`` (already in ``recving``) is passed on only with several groups."""
+    return KVConnectorTransferResults(
+        finished_sending=set(sending or ()),
+        finished_recving=set(recving or ()),
+        failed_recving=failed if num_groups > 1 else set(),
+    )
+
+
+def block_load_errors(errors: set[int], num_groups: int) -> set[int]:
+    """The failed block ids vLLM may be given: all of them with one group, none with several."""
+    return errors if num_groups == 1 else set()

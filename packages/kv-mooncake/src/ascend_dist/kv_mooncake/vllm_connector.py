@@ -27,7 +27,13 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.scheduler import PullMetadata, PullScheduler, SchedRequest
-from ascend_dist.kv_mooncake.vllm_common import connector_config, parallel_ranks, split_kv_caches
+from ascend_dist.kv_mooncake.vllm_common import (
+    block_load_errors,
+    connector_config,
+    parallel_ranks,
+    split_kv_caches,
+    transfer_results,
+)
 from ascend_dist.kv_mooncake.worker import PullWorker
 
 if TYPE_CHECKING:
@@ -244,27 +250,14 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished` plus, on D with several KV groups, the failed loads by request.
-
-        With one group the failed block ids (`get_block_ids_with_load_errors`) say more: vLLM then
-        recomputes from the first bad block instead of from the start.
-        """
+        """`get_finished` plus D's failed loads by request (see `vllm_common.transfer_results`)."""
         sending, recving = self.get_finished(finished_req_ids)
         failed = self._work().take_failed(recving) if recving else set()
-        if len(self._groups) == 1:
-            failed = set()
-        return KVConnectorTransferResults(
-            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
-        )
+        return transfer_results(sending, recving, failed, len(self._groups))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Logical block ids whose pull failed, with one KV group.
-
-        Block ids repeat across groups, so vLLM 0.33 refuses block-level reports for a model with
-        several (it raises); those failures go by request in `get_transfer_results` instead.
-        """
-        errors = self._work().get_block_ids_with_load_errors()
-        return errors if len(self._groups) == 1 else set()
+        """Logical block ids whose pull failed (see `vllm_common.block_load_errors`)."""
+        return block_load_errors(self._work().get_block_ids_with_load_errors(), len(self._groups))
 
     def shutdown(self) -> None:
         """Stop threads, sockets and registrations."""

@@ -30,7 +30,13 @@ from ascend_dist.kv_mooncake.layerwise.reshard import AllToAll, GlooAllToAll
 from ascend_dist.kv_mooncake.layerwise.scheduler import LayerwiseMetadata, LayerwiseScheduler, Scheduled
 from ascend_dist.kv_mooncake.layerwise.worker import LayerwiseWorker
 from ascend_dist.kv_mooncake.scheduler import SchedRequest
-from ascend_dist.kv_mooncake.vllm_common import connector_config, parallel_ranks, split_kv_caches
+from ascend_dist.kv_mooncake.vllm_common import (
+    block_load_errors,
+    connector_config,
+    parallel_ranks,
+    split_kv_caches,
+    transfer_results,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -206,23 +212,13 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished` plus, on D with several KV groups, the failed requests among them."""
+        """`get_finished` plus D's failed requests (see `vllm_common.transfer_results`)."""
         sending, recving = self.get_finished(finished_req_ids)
-        failed = self._work().take_failed()
-        return KVConnectorTransferResults(
-            finished_sending=set(sending or ()),
-            finished_recving=set(recving or ()),
-            failed_recving=failed if len(self._groups) > 1 else set(),
-        )
+        return transfer_results(sending, recving, self._work().take_failed(), len(self._groups))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Logical block ids of the requests `get_finished` reported failed, with one KV group.
-
-        vLLM 0.33 raises on block-level reports for a model with several groups (ids repeat across
-        groups); those failures go by request in `get_transfer_results`.
-        """
-        errors = self._work().get_block_ids_with_load_errors()
-        return errors if len(self._groups) == 1 else set()
+        """Block ids of the requests `get_finished` reported failed (see `vllm_common.block_load_errors`)."""
+        return block_load_errors(self._work().get_block_ids_with_load_errors(), len(self._groups))
 
     def shutdown(self) -> None:
         """Stop threads, sockets and registrations."""

@@ -43,7 +43,12 @@ from ascend_dist.kv_mooncake.sfa.scheduler import (
     SfaRequest,
     StepRequest,
 )
-from ascend_dist.kv_mooncake.vllm_common import connector_config, parallel_ranks
+from ascend_dist.kv_mooncake.vllm_common import (
+    block_load_errors,
+    connector_config,
+    parallel_ranks,
+    transfer_results,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,9 +107,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         self._group_ids = infer_groups(groups)
         self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
-        # vLLM 0.33 refuses block-level load errors with several KV-cache groups (ids are per group):
-        # failures then go by request id only (`get_transfer_results().failed_recving`).
-        self._block_errors = len(groups) == 1
+        self._num_groups = len(groups)
         self._producer_sched: ProducerScheduler | None = None
         self._consumer_sched: ConsumerScheduler | None = None
         self._metaserver: MetaserverClient | None = None
@@ -267,17 +270,15 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         return None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished` plus the failed receives by request (unambiguous when pools' ids overlap)."""
+        """`get_finished` plus D's failed receives by request (see `vllm_common.transfer_results`)."""
         sending, recving = self.get_finished(finished_req_ids)
         failed = self._consumer.take_failed_recving() if self._consumer else set()
-        return KVConnectorTransferResults(
-            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
-        )
+        return transfer_results(sending, recving, failed, self._num_groups)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """D: block ids of failed requests with one KV-cache group; empty with several (see `failed_recving`)."""
+        """D: block ids of failed requests (see `vllm_common.block_load_errors`)."""
         errors = self._consumer.get_block_ids_with_load_errors() if self._consumer else set()
-        return errors if self._block_errors else set()
+        return block_load_errors(errors, self._num_groups)
 
     def shutdown(self) -> None:
         """Stop threads, sockets and registrations."""
