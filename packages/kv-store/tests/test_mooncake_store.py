@@ -101,7 +101,9 @@ def test_two_processes_share_the_pool_over_tcp(mooncake_master, kvtools) -> None
             SPEC.compat_hash(),
             port=kvtools.free_port(),
         )
-        client = LookupClient(SPEC.compat_hash(), port=int(server.endpoint.rsplit(":", 1)[1]), timeout_s=5)
+        client = LookupClient(  # over the RPC as from a scheduler process (same-process clients call directly)
+            SPEC.compat_hash(), port=int(server.endpoint.rsplit(":", 1)[1]), timeout_s=5, in_process=False
+        )
         scheduler = build_scheduler(SPEC, cfg, client.lookup)
         prompt = list(range(1000, 1070))
         need, _ = scheduler.get_num_new_matched_tokens("rb", prompt, 70, 0)

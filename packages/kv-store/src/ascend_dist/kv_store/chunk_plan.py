@@ -69,20 +69,30 @@ class ChunkPlanner:
             return parts
         return [(f"{key}@partial:{num_tokens}", a, s) for key, a, s in parts]  # same rule as ChunkedTokenDatabase.key
 
+    def entries(
+        self, chunks: Sequence[Chunk], ids: Sequence[int], group: int
+    ) -> list[tuple[Chunk, str, list[int], list[int]]]:
+        """`values` of many chunks: ``(chunk, key, addrs, sizes)`` in chunk order."""
+        split = self._split
+        if split is None or not split.active:
+            keys, addrs, sizes = self._db.chunk_values(chunks, group)
+            return list(zip(chunks, keys, addrs, sizes, strict=True))
+        return [(chunk, key, a, s) for chunk in chunks for key, a, s in self.values(chunk, ids, group)]
+
     def load_batch(self, req: ReqMeta) -> tuple[TransferBatch, list[int]]:
         """Keys, pieces and block ids one request loads, rotated by the TP rank (spec §9.4)."""
         spec = req.load_spec
         assert spec is not None
         token_len = spec.load_token_len(self._granularity, req.save_end_token)
         keys: list[str] = []
-        addrs: list[tuple[int, ...]] = []
-        sizes: list[tuple[int, ...]] = []
+        addrs: list[list[int]] = []
+        sizes: list[list[int]] = []
         blocks: list[int] = []
         for g in range(self._db.num_groups):
             ids = req.block_ids[g] if g < len(req.block_ids) else ()
             mask = floor_to(spec.vllm_cached_tokens, self._db.block_sizes[g])
             keep, skip_null = self.chunk_rules(g, token_len, load=True)
-            for chunk in self._db.iter_chunks(
+            chunks = self._db.iter_chunks(
                 token_len,
                 req.block_hashes,
                 g,
@@ -91,12 +101,12 @@ class ChunkPlanner:
                 chunk_filter=keep,
                 skip_null_blocks=skip_null,
                 tail=req.tail_hash,
-            ):
-                for key, a, s in self.values(chunk, ids, g):
-                    keys.append(key)
-                    addrs.append(tuple(a))
-                    sizes.append(tuple(s))
-                    blocks.append(chunk.block_id)
+            )
+            for chunk, key, a, s in self.entries(list(chunks), ids, g):
+                keys.append(key)
+                addrs.append(a)
+                sizes.append(s)
+                blocks.append(chunk.block_id)
         batch = TransferBatch(tuple(keys), tuple(addrs), tuple(sizes))
         k = self._tp_rank % len(keys) if keys else 0
         return batch.rotated(k), blocks[k:] + blocks[:k]
@@ -113,7 +123,7 @@ class ChunkPlanner:
             ids = req.block_ids[g] if g < len(req.block_ids) else ()
             mask = floor_to(req.save_start_token, self._db.block_sizes[g])
             keep, skip_null = self.chunk_rules(g, req.save_end_token, load=False)
-            for chunk in self._db.iter_chunks(
+            planned = self._db.iter_chunks(
                 req.save_end_token,
                 req.block_hashes,
                 g,
@@ -124,13 +134,13 @@ class ChunkPlanner:
                 tail=req.tail_hash,
                 shard_rank=self._tp_rank % self._put_step,
                 shard_size=self._put_step,
-            ):
-                for key, a, s in self.values(chunk, ids, g):
-                    if key not in seen:  # two requests of one step may share a prefix
-                        seen.add(key)
-                        keys.append(key)
-                        values.append((a, s))
-                        chunks.append((g, chunk, req))
+            )
+            for chunk, key, a, s in self.entries(list(planned), ids, g):
+                if key not in seen:  # two requests of one step may share a prefix
+                    seen.add(key)
+                    keys.append(key)
+                    values.append((a, s))
+                    chunks.append((g, chunk, req))
         return keys, values, chunks
 
     def stored_events(self, chunks: Sequence[tuple[int, Chunk, ReqMeta]]) -> list[BlockStoredEvent]:

@@ -10,6 +10,13 @@ Endpoint discovery: with ``lookup_rpc_port`` set the server binds ``127.0.0.1:po
 with 0 (the default) it binds an OS-assigned port (no "address in use" when instances start
 together, upstream issues #8938/#15358) and writes the endpoint to
 ``{VLLM_RPC_BASE_PATH or tmp}/lookup_rpc_port_{port}_dp_rank{dp}.endpoint``, which the client reads.
+
+Same process: with vLLM's single-process executor (TP=1, the default on one device) the scheduler
+and the rank-0 worker share a process. The client then finds the server in a per-process registry
+and calls it directly, with the same compatibility check and error handling but without the
+loopback round trip (~0.15-0.3 ms of a ~0.5 ms lookup here). A forked child never uses its parent's
+servers (the registry is keyed by pid). The direct call has no RPC deadline: it is bounded by the
+store client's own timeouts and the backend's circuit breaker, like the server thread it replaces.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -30,6 +38,17 @@ __all__ = ["LookupClient", "LookupServer", "endpoint_file"]
 logger = logging.getLogger(__name__)
 
 LookupFn = Callable[[LookupRequest], int]
+
+_local_lock = threading.Lock()
+_local_servers: dict[str, tuple[int, LookupServer]] = {}  # endpoint -> (pid that bound it, server)
+
+
+def _local_server(endpoint: str) -> LookupServer | None:
+    """The live server of this process bound to ``endpoint``, if any."""
+    entry = _local_servers.get(endpoint)
+    if entry is None or entry[0] != os.getpid():
+        return None
+    return entry[1]
 
 
 def endpoint_file(port: int, dp_rank: int, env: Mapping[str, str] | None = None) -> Path:
@@ -65,6 +84,8 @@ class LookupServer:
         tmp.write_text(self._server.endpoint, encoding="utf-8")
         tmp.replace(self._file)
         self._server.start()
+        with _local_lock:
+            _local_servers[self._server.endpoint] = (os.getpid(), self)
 
     @property
     def endpoint(self) -> str:
@@ -77,22 +98,29 @@ class LookupServer:
         except ProtocolError as exc:
             logger.warning("lookup server dropped an undecodable request: %s", exc)
             return ReplyCodec.encode(LookupReply(hit_tokens=0, error="undecodable request"))
+        return ReplyCodec.encode(self.answer(req))
+
+    def answer(self, req: LookupRequest) -> LookupReply:
+        """Check ``req``'s key scheme and run the lookup; any failure is 0 hits with the reason."""
         if req.protocol_version != PROTOCOL_VERSION or req.compat_hash != self._compat:
             error = (
                 f"incompatible key scheme: protocol {req.protocol_version} vs {PROTOCOL_VERSION}, "
                 f"compat {req.compat_hash[:12]} vs {self._compat[:12]}"
             )
             log_once(logger, logging.WARNING, "lookup refused: %s", error, key=("compat", req.compat_hash))
-            return ReplyCodec.encode(LookupReply(hit_tokens=0, error=error))
+            return LookupReply(hit_tokens=0, error=error)
         try:
             hits = self._lookup(req)
         except Exception as exc:  # the store client may raise anything: a lookup failure is a miss
             logger.warning("lookup failed (%s: %s); answering 0 hits", type(exc).__name__, exc)
-            return ReplyCodec.encode(LookupReply(hit_tokens=0, error=f"{type(exc).__name__}: {exc}"))
-        return ReplyCodec.encode(LookupReply(hit_tokens=hits))
+            return LookupReply(hit_tokens=0, error=f"{type(exc).__name__}: {exc}")
+        return LookupReply(hit_tokens=hits)
 
     def close(self) -> None:
         """Stop the server thread, close the socket and remove the endpoint file. Idempotent."""
+        with _local_lock:
+            if _local_server(self._server.endpoint) is self:
+                del _local_servers[self._server.endpoint]
         self._server.stop()
         try:
             if self._file.read_text(encoding="utf-8") == self._server.endpoint:
@@ -113,13 +141,20 @@ class LookupClient:
         host: str = "127.0.0.1",
         timeout_s: float = 1.0,
         env: Mapping[str, str] | None = None,
+        in_process: bool = True,
     ) -> None:
-        """Create the client; nothing is connected until the first lookup."""
+        """Create the client; nothing is connected until the first lookup.
+
+        ``in_process=False`` always goes over the RPC, even to a server of this process.
+        """
         self._compat = compat_hash
         self._fixed = f"tcp://{host}:{port + dp_rank}" if port else None
         self._file = endpoint_file(port, dp_rank, env)
         self._rpc = RpcClient(timeout_s=timeout_s, retries=2, retry_delay_s=0.05)
+        self._in_process = in_process
         self.failures = 0
+        self.rpc_lookups = 0
+        self.local_lookups = 0
 
     def _endpoint(self) -> str | None:
         if self._fixed is not None:
@@ -157,6 +192,11 @@ class LookupClient:
             block_hashes=block_hashes,
             tail_hash=tail_hash,
         )
+        server = _local_server(endpoint) if self._in_process else None
+        if server is not None:
+            self.local_lookups += 1
+            return self._hits(server.answer(req), token_len)
+        self.rpc_lookups += 1
         try:
             reply = ReplyCodec.decode(self._rpc.request(endpoint, LookupCodec.encode(req)))
         except (DeadlineExceeded, ProtocolError) as exc:
@@ -170,6 +210,9 @@ class LookupClient:
                 key=("lookup-failed", endpoint),
             )
             return 0
+        return self._hits(reply, token_len)
+
+    def _hits(self, reply: LookupReply, token_len: int) -> int:
         if reply.error:
             self.failures += 1
             log_once(logger, logging.WARNING, "KV pool lookup refused: %s", reply.error, key=("refused", reply.error))

@@ -76,21 +76,29 @@ class PoolLookup:
         present = [i < known for i in range(n)]
         if not ask:
             return present
-        first_keys = self._keys(group, [grouped[ask[0]]]) if mask is None and len(ask) > 1 else []
-        if first_keys and len(ask) * len(first_keys) >= PROBE_MIN_KEYS:
+        variants = self._variants(group)
+        if mask is None and len(ask) > 1 and len(ask) * variants >= PROBE_MIN_KEYS:
             # Prefix rule: the first missing chunk ends the hit, so ask for the first chunk alone
             # first. A miss then costs one key per rank instead of one per chunk and rank; a hit
             # costs one more round trip, which only pays off for long prompts.
-            first = self._backend.exists(first_keys)
+            first = self._backend.exists(self._keys(group, [grouped[ask[0]]]))
             if not all(c == 1 for c in first):
                 return present
             present[ask[0]] = True
             ask = ask[1:]
         codes = self._backend.exists(self._keys(group, [grouped[i] for i in ask]))
         width = len(ask)
-        for j, i in enumerate(ask):
-            present[i] = all(codes[v + j] == 1 for v in range(0, len(codes), width))
+        # codes hold one row of `width` flags per rank variant; a chunk is present when every row has it
+        rows = [codes[v : v + width] for v in range(0, len(codes), width)]
+        for i, flags in zip(ask, zip(*rows, strict=True), strict=True):
+            present[i] = min(flags) == 1
         return present
+
+    def _variants(self, group: int) -> int:
+        variants = self._layout.num_variants(group)
+        if self._stage_layers is None:
+            return variants
+        return variants * max(self._stage_layers(), default=1)
 
     def lookup(
         self,

@@ -119,6 +119,7 @@ class KVPoolScheduler:
         self._new_delayed: set[str] = set()
         self._held: set[str] = set()
         self._load_failed: set[str] = set()
+        self._root_by_salt: dict[str, bytes] = {}
         self.lookups = 0
 
     @property
@@ -128,7 +129,9 @@ class KVPoolScheduler:
 
     def hashes_for(self, prompt: Sequence[int], salt: str = "") -> tuple[bytes, list[bytes]]:
         """The chain root and prefix hashes of ``prompt``."""
-        root = hash_root(*self._namespace, self._hb, salt)
+        root = self._root_by_salt.get(salt)
+        if root is None:  # the root hashes the whole namespace (~20 us): once per salt
+            root = self._root_by_salt.setdefault(salt, hash_root(*self._namespace, self._hb, salt))
         return root, prefix_hashes(prompt, self._hb, root)
 
     def tail_for(self, prompt: Sequence[int], root: bytes, hashes: Sequence[bytes]) -> bytes | None:

@@ -323,10 +323,48 @@ class ChunkedTokenDatabase:
         buf = self.buffers(group)
         if block_id < 0 or (buf.num_blocks and block_id >= buf.num_blocks):
             raise BlockIdError("block_id", block_id, f"an id in [0, {buf.num_blocks}) of group {group}")
-        lo, hi = entries if entries is not None else (0, len(buf.base_addrs))
-        addrs = [buf.base_addrs[e] + block_id * buf.block_strides[e] for e in range(lo, hi)]
-        sizes = [buf.block_lens[e] * (end - start) // span for e in range(lo, hi)]
+        bases, strides, lens = buf.base_addrs, buf.block_strides, buf.block_lens
+        if entries is not None:
+            lo, hi = entries
+            bases, strides, lens = bases[lo:hi], strides[lo:hi], lens[lo:hi]
+        addrs = [base + block_id * stride for base, stride in zip(bases, strides, strict=True)]
+        num = end - start
+        sizes = list(lens) if num == span else [n * num // span for n in lens]
         return addrs, sizes, block_id
+
+    def chunk_values(
+        self, chunks: Sequence[Chunk], group: int = 0
+    ) -> tuple[list[str], list[list[int]], list[list[int]]]:
+        """Keys, addresses and sizes of many chunks at once: `key` and `prepare_value` per chunk.
+
+        The per-chunk calls cost ~3 us each, which adds up to a millisecond per step of a few
+        8k-token prompts; this does the same arithmetic in comprehensions (~1 us per chunk).
+        Whole chunks share one sizes list (callers must not mutate it).
+
+        Raises:
+            BlockIdError: A chunk's block id is outside the registered cache.
+        """
+        if not chunks:
+            return [], [], []
+        buf = self.buffers(group)
+        ids = [c.block_id for c in chunks]
+        low, high = min(ids), max(ids)
+        if low < 0 or (buf.num_blocks and high >= buf.num_blocks):
+            bad = low if low < 0 else high
+            raise BlockIdError("block_id", bad, f"an id in [0, {buf.num_blocks}) of group {group}")
+        span = self.block_sizes[group]
+        entries = list(zip(buf.base_addrs, buf.block_strides, strict=True))
+        whole_sizes = list(buf.block_lens)
+        addrs = [[base + bid * stride for base, stride in entries] for bid in ids]
+        sizes = [
+            whole_sizes if c.end - c.start == span else [n * (c.end - c.start) // span for n in whole_sizes]
+            for c in chunks
+        ]
+        keys = [self.key(c, group) for c in chunks] if any(s is not whole_sizes for s in sizes) else None
+        if keys is None:
+            prefix = self.metadata[group].prefix
+            keys = [prefix + (h if isinstance(h := c.chunk_hash, str) else h.hex()) for c in chunks]
+        return keys, addrs, sizes
 
     def layer_key(self, chunk: Chunk, layer: int, group: int = 0) -> str:
         """The per-layer key of a whole chunk (``...@layer_id:{L}@{hash}``, includes ``pp_rank``)."""

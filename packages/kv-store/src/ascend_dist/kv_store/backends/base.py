@@ -67,8 +67,8 @@ class TransferBatch:
     """Keys with their ``(addr, size)`` piece lists, as one put or get call."""
 
     keys: tuple[str, ...]
-    addrs: tuple[tuple[int, ...], ...]
-    sizes: tuple[tuple[int, ...], ...]
+    addrs: tuple[Sequence[int], ...]
+    sizes: tuple[Sequence[int], ...]
 
     def __len__(self) -> int:
         return len(self.keys)

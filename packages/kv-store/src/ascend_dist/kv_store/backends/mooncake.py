@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ascend_dist.common.errors import StoreError
 from ascend_dist.common.log import log_once
@@ -33,7 +33,21 @@ __all__ = ["MooncakeBackend", "MooncakeStoreClient"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _RPC_FAIL = -900
+_EXISTS_CODES: frozenset[int] = frozenset({0, 1})  # batch_is_exist: 1 present, 0 absent, negative = error
+
+
+def _native(items: Sequence[T]) -> list[T] | tuple[T, ...]:
+    """``items`` as the binding takes it: lists and tuples pass as they are (no per-call copy)."""
+    return items if isinstance(items, list | tuple) else list(items)
+
+
+def _native_lists(rows: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
+    if isinstance(rows, list | tuple) and all(isinstance(r, list | tuple) for r in rows):
+        return rows
+    return [list(r) for r in rows]
 
 
 class MooncakeStoreClient(Protocol):
@@ -47,18 +61,22 @@ class MooncakeStoreClient(Protocol):
         """Native call."""
         ...
 
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """Native call."""
         ...
 
     def batch_put_from_multi_buffers(
-        self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], config: Any
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any
     ) -> list[int]:
         """Native batch call."""
         ...
 
-    def batch_get_into_multi_buffers(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:  # noqa: D102
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Native batch call (the binding takes lists or tuples)."""
         ...
+
     def remove_all(self, force: bool = False) -> int:
         """Native call."""
         ...
@@ -198,7 +216,7 @@ class MooncakeBackend:
             return store
 
     def _note_codes(self, op: str, codes: Sequence[int]) -> None:
-        if any(c == _RPC_FAIL for c in codes):
+        if _RPC_FAIL in codes:
             with self._lock:
                 self._down_until = self._clock() + self._retry_s
             log_once(
@@ -248,10 +266,10 @@ class MooncakeBackend:
         if not keys:
             return []
         store = self._client("exists")
-        codes = [int(c) for c in store.batch_is_exist(list(keys))]
+        codes = [int(c) for c in store.batch_is_exist(_native(keys))]
         self._note_codes("exists", codes)
-        bad = [c for c in codes if c not in (0, 1)]
-        if bad:
+        if not _EXISTS_CODES.issuperset(codes):
+            bad = [c for c in codes if c not in _EXISTS_CODES]
             raise StoreError(
                 f"Mooncake batch_is_exist failed for {len(bad)} of {len(keys)} keys: {describe_code(bad[0])}"
             )
@@ -265,7 +283,7 @@ class MooncakeBackend:
         codes = [
             int(c)
             for c in store.batch_put_from_multi_buffers(
-                list(keys), [list(a) for a in addrs], [list(s) for s in sizes], self._replicate
+                _native(keys), _native_lists(addrs), _native_lists(sizes), self._replicate
             )
         ]
         self._note_codes("put", codes)
@@ -282,7 +300,7 @@ class MooncakeBackend:
         if not keys:
             return []
         store = self._client("get")
-        raw = store.batch_get_into_multi_buffers(list(keys), [list(a) for a in addrs], [list(s) for s in sizes])
+        raw = store.batch_get_into_multi_buffers(_native(keys), _native_lists(addrs), _native_lists(sizes))
         codes = normalize_get_codes(raw)
         self._note_codes("get", codes)
         return codes
