@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ascend_dist.common.errors import BlockIdError, ConfigError
 from ascend_dist.kv_store.keys import KeyMetadata
 from ascend_dist.kv_store.plan import (
     LoadSpec,
@@ -18,7 +19,7 @@ from ascend_dist.kv_store.plan import (
     discontinuous_hits,
     matched_tokens,
 )
-from ascend_dist.kv_store.token_db import ChunkedTokenDatabase, GroupBuffers, hash_root, prefix_hashes
+from ascend_dist.kv_store.token_db import Chunk, ChunkedTokenDatabase, GroupBuffers, hash_root, prefix_hashes
 
 
 def db(block: int = 16, hash_block: int = 16, groups: int = 1) -> ChunkedTokenDatabase:
@@ -80,6 +81,29 @@ def test_prepare_value_examples() -> None:
     c4.set_buffers(0, GroupBuffers((1000,), (1024,), (1024,)))
     assert c4.prepare_value(0, 512, [5, 6]) == ([1000 + 5 * 1024], [1024], 5)
     assert c4.prepare_value(512, 1024, [5, 6]) == ([1000 + 6 * 1024], [1024], 6)
+
+
+def test_chunk_values_equal_the_per_chunk_calls() -> None:
+    d = db()
+    layers = GroupBuffers((1000, 2000, 3000, 4000), (160,) * 4, (160,) * 4, 9, ("l0", "l1"), (0, 2, 4))
+    d.set_buffers(0, layers)
+    chunks = list(d.iter_chunks(40, [b"a" * 32, b"b" * 32], block_ids=[5, 6, 8], tail=b"t" * 32))
+    assert [c.end - c.start for c in chunks] == [16, 16, 8]
+    keys, addrs, sizes = d.chunk_values(chunks)
+    assert keys == [d.key(c) for c in chunks]  # the partial chunk keeps its own key
+    assert [(a, s) for a, s in zip(addrs, sizes, strict=True)] == [
+        d.prepare_value(c.start, c.end, [], block_id=c.block_id)[:2] for c in chunks
+    ]
+    for layer in (0, 1):
+        keys, addrs, sizes = d.chunk_values(chunks[:2], layer=layer)
+        assert keys == [d.layer_key(c, layer) for c in chunks[:2]]
+        assert addrs == [d.prepare_value_layer(c.start, c.end, [], layer, block_id=c.block_id)[0] for c in chunks[:2]]
+        assert sizes == [[160, 160]] * 2
+    with pytest.raises(BlockIdError, match="block_id"):
+        d.chunk_values([chunks[0], Chunk(16, 32, "x", 9)])
+    with pytest.raises(ConfigError, match="layer"):
+        d.chunk_values(chunks, layer=2)
+    assert d.chunk_values([]) == ([], [], [])
 
 
 def test_partial_chunk_has_its_own_key() -> None:

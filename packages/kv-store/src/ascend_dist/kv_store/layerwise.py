@@ -223,19 +223,16 @@ class LayerwiseTransfers:
     # ---- thread handlers ----
 
     def _layer_batch(self, job: _LayerJob) -> tuple[list[str], list[list[int]], list[list[int]], list[_Planned]]:
+        all_keys, all_addrs, all_sizes = self._db.chunk_values([p.chunk for p in job.chunks], layer=job.layer)
         keys: list[str] = []
         addrs: list[list[int]] = []
         sizes: list[list[int]] = []
         planned: list[_Planned] = []
         seen: set[tuple[str, int]] = set()
-        for p in job.chunks:
-            key = self._db.layer_key(p.chunk, job.layer)
-            if (key, p.chunk.block_id) in seen:
+        for p, key, a, s in zip(job.chunks, all_keys, all_addrs, all_sizes, strict=True):
+            if (key, p.chunk.block_id) in seen:  # two requests of one step sharing a prefix and its blocks
                 continue
             seen.add((key, p.chunk.block_id))
-            a, s, _ = self._db.prepare_value_layer(
-                p.chunk.start, p.chunk.end, p.block_ids, job.layer, block_id=p.chunk.block_id
-            )
             keys.append(key)
             addrs.append(a)
             sizes.append(s)
