@@ -37,6 +37,18 @@ def test_pool_demo_scenario_verifies_every_byte() -> None:
     assert not report.measurements and progress.steps
 
 
+def test_pool_quick_bench_checks_every_round_and_reports_baselines() -> None:
+    report = make_scenario().run(ScenarioContext(mode="bench", progress=_Progress(), quick=True, repeat=1))
+    assert report.ok, [c for c in report.checks if not c.ok]
+    names = [c.name for c in report.checks]
+    assert sum(n.startswith("pool round") for n in names) == 4 and sum(n.startswith("raw round") for n in names) == 4
+    assert sum(n.startswith("pool layer-wise round") for n in names) == 4
+    assert "the RPC path went over the RPC" in names
+    figures = {m.name: m for m in report.measurements}
+    assert len(figures) == 4 and all(m.value > 0 and m.baseline > 0 for m in figures.values())
+    assert [m.target_ratio for m in figures.values()] == [0.85, None, None, None]
+
+
 def test_block_ids_outside_the_cache_are_refused(kvtools) -> None:
     from ascend_dist.kv_store import InMemoryBackend
 
