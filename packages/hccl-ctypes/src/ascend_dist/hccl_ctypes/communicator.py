@@ -30,11 +30,7 @@ stream's next ``synchronize()``. Results are ready after the stream is synchroni
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import datetime
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
@@ -43,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from ascend_dist.common.device import DeviceRuntime, Stream, get_runtime
-from ascend_dist.common.errors import ConfigError, DeadlineExceeded, format_allowed
+from ascend_dist.common.errors import ConfigError, format_allowed
 from ascend_dist.hccl_ctypes import _collectives
-from ascend_dist.hccl_ctypes._collectives import Collectives, CpuGroup, GlooCollectives, LibraryCollectives
+from ascend_dist.hccl_ctypes._bootstrap import init_library, library_configured, normalise_device, ready_check
+from ascend_dist.hccl_ctypes._collectives import Collectives, CpuGroup, GlooCollectives
 from ascend_dist.hccl_ctypes._lib import CollectiveLibrary
 from ascend_dist.hccl_ctypes._validate import check_peer, check_same, check_tensor
 from ascend_dist.hccl_ctypes.dialects import HCCL, NCCL, Dialect
@@ -58,15 +55,6 @@ logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "library", "gloo"]
 _BACKENDS: tuple[str, ...] = ("auto", "library", "gloo")
-
-
-def _wait(work: dist.Work | None, timeout_s: float, what: str) -> None:
-    if work is None:
-        return
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise DeadlineExceeded(f"{what} did not complete within {timeout_s:g} s (a peer did not join?): {exc}") from exc
 
 
 def _local_copy(src: torch.Tensor, dst: torch.Tensor) -> Callable[[int], None]:
@@ -128,7 +116,7 @@ class PyHcclCommunicator:
         self.group: Any = group  # a ProcessGroup or a gloo Backend: only its own methods are called
         self.runtime = runtime if runtime is not None else get_runtime()
         self.dialect = dialect or (NCCL if self.runtime.name == "cuda" else HCCL)
-        self.device = self._normalise_device(device)
+        self.device = normalise_device(self.runtime, device)
         self.init_timeout_s = init_timeout_s
         self.available = False
         self.disabled = True
@@ -143,14 +131,14 @@ class PyHcclCommunicator:
             self.disabled_reason = "world size 1: collectives are computed locally"
             return
         if backend == "gloo" or (
-            backend == "auto" and self.runtime.name == "cpu" and not self._library_configured(library_path)
+            backend == "auto" and self.runtime.name == "cpu" and not library_configured(self.dialect, library_path)
         ):
             if self.runtime.name != "cpu":
                 raise ConfigError(
                     "backend", backend, f"'library' on the {self.runtime.name} runtime (gloo is CPU-only)"
                 )
             self._collectives = GlooCollectives(group, op_timeout_s)
-            self._ready_check()
+            ready_check(self.group, self.world_size, init_timeout_s)
         else:
             try:
                 self.library = CollectiveLibrary(self.dialect, library_path)
@@ -158,7 +146,9 @@ class PyHcclCommunicator:
                 self.disabled_reason = str(exc)
                 logger.warning("communicator disabled on rank %d: %s", self.rank, exc)
                 return
-            self._collectives = self._init_library(self.library)
+            self._collectives = init_library(
+                self.library, self.group, self.rank, self.world_size, device=self.device, timeout_s=init_timeout_s
+            )
         self.engine = self._collectives.name
         self.available = True
         self.disabled = False
@@ -169,51 +159,7 @@ class PyHcclCommunicator:
             raise
         logger.info("communicator rank=%d world=%d engine=%s", self.rank, self.world_size, self.engine)
 
-    # -- construction -----------------------------------------------------------------------------
-
-    def _library_configured(self, library_path: str | None) -> bool:
-        return bool(library_path or os.environ.get(self.dialect.env_var))
-
-    def _normalise_device(self, device: int | str | torch.device | None) -> torch.device:
-        kind = "cpu" if self.runtime.name == "cpu" else self.runtime.name
-        if device is None:
-            return torch.device(kind) if kind == "cpu" else torch.device(kind, self.runtime.device_index)
-        if isinstance(device, int) and not isinstance(device, bool):
-            return torch.device("cpu") if kind == "cpu" else torch.device(kind, device)
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ConfigError("device", device, f"an index or a {kind} device") from None
-        if dev.type != kind:
-            raise ConfigError("device", device, f"a {kind} device (the {self.runtime.name} runtime)")
-        return dev
-
-    def _ready_check(self) -> None:
-        """Bounded all-reduce on the group: every rank has arrived (else `DeadlineExceeded`)."""
-        flag = torch.ones(1, dtype=torch.int32)
-        work = self.group.allreduce([flag], _collectives.allreduce_options("SUM", self.init_timeout_s))
-        _wait(work, self.init_timeout_s, "communicator join")
-        if int(flag.item()) != self.world_size:
-            raise ConfigError("world_size", int(flag.item()), f"{self.world_size} ranks joining")
-
-    def _device_context(self) -> contextlib.AbstractContextManager[object]:
-        """Make the communicator's device current (HCCL's root info and both inits need it)."""
-        if self.device.type == "cpu":
-            return contextlib.nullcontext()
-        module = getattr(torch, self.device.type)  # torch.cuda, or torch.npu once torch_npu is imported
-        return module.device(self.device)
-
-    def _init_library(self, lib: CollectiveLibrary) -> LibraryCollectives:
-        with self._device_context():
-            uid = lib.get_unique_id() if self.rank == 0 else lib.dialect.id_type()
-        raw = torch.frombuffer(bytearray(bytes(uid)), dtype=torch.uint8)
-        work = self.group.broadcast([raw], _collectives.broadcast_options(0, self.init_timeout_s))
-        _wait(work, self.init_timeout_s, "root info broadcast")
-        uid = lib.unique_id_from_bytes(raw.numpy().tobytes())
-        self._ready_check()
-        with self._device_context():
-            comm = lib.comm_init_rank(self.world_size, uid, self.rank)
-        return LibraryCollectives(lib, ctypes.c_void_p(comm.value))
+    # -- construction (the steps before the warm-up live in _bootstrap) ---------------------------
 
     def _warm_up(self) -> None:
         probe = torch.zeros(1, dtype=torch.float32, device=self.device)
