@@ -201,8 +201,12 @@ def test_missing_layer_object_is_a_miss_and_a_load_error(mooncake_master, kvtool
 def test_layerwise_config_rules(kvtools) -> None:
     assert PoolConfig.from_extra(LAYERWISE).async_loads is False
     assert PoolConfig.from_extra({**LAYERWISE, "load_async": True}).async_loads is False
-    with pytest.raises(ConfigError, match="use_layerwise"):
-        PoolConfig.from_extra({**LAYERWISE, "backend": "memcache"})
+    gva = PoolConfig.from_extra({**LAYERWISE, "backend": "memcache"})  # the GVA path: prefetch 8 by default
+    assert gva.layerwise_prefetch_layers == 8 and gva.layerwise_options(4).tp_size == 4
+    with pytest.raises(ConfigError, match="layerwise_num_shared_buffers"):
+        PoolConfig.from_extra({**LAYERWISE, "layerwise_num_shared_buffers": 2})  # reuse is a memcache feature
+    with pytest.raises(ConfigError, match="layerwise_independent_layers"):
+        PoolConfig.from_extra({**LAYERWISE, "layerwise_independent_layers": "first"})
     with pytest.raises(ConfigError, match="layerwise_prefetch_layers"):
         PoolConfig.from_extra({**LAYERWISE, "layerwise_prefetch_layers": 0})
     two_groups = PoolSpec(model="m", block_sizes=(16, 16), num_kv_heads=2)

@@ -194,7 +194,7 @@ def build_worker(
         load_async=config.load_async,
         can_save=config.can_save,
         layerwise=config.use_layerwise,
-        prefetch_layers=config.layerwise_prefetch_layers,
+        layerwise_options=config.layerwise_options(spec.tp_size),
         stage_layers=spec.stage_layers,
         coordinator=spec.coordinator(),
         key_split=spec.key_split(),

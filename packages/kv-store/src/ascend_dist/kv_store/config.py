@@ -28,6 +28,7 @@ from typing import Final
 from ascend_dist.common.errors import ConfigError, format_allowed
 from ascend_dist.common.log import log_once
 from ascend_dist.common.units import parse_byte_size
+from ascend_dist.kv_store.worker_types import LayerwiseOptions
 
 __all__ = [
     "BACKENDS",
@@ -64,6 +65,7 @@ _KNOWN_EXTRA: Final = frozenset(
         "layerwise_prefetch_layers",
         "layerwise_num_shared_buffers",
         "layerwise_independent_layers",
+        "layerwise_attention_gate",
     }
 )
 
@@ -101,7 +103,13 @@ class PoolConfig:
     save_decode_cache: bool = False
     discard_partial_chunks: bool = True
     kv_events: bool = False
-    layerwise_prefetch_layers: int = 1
+    layerwise_prefetch_layers: int = 1  # from_extra: 8 with memcache (the GVA path), else 1
+    layerwise_attention_gate: bool = False
+    h2d_stagger_us: int = 0
+    layerwise_max_transfer_blocks: int = 0
+    layerwise_max_transfer_bytes: int = 0
+    layerwise_num_shared_buffers: int = 0  # 0 = one buffer per layer (no reuse)
+    layerwise_independent_layers: tuple[int, ...] | str = (0,)
     prefill_tp_size: int = 0  # peer TP read by a kv_consumer (0 = same as local)
     decode_tp_size: int = 0  # peer TP read by a producer / kv_both (0 = same as local)
     prefill_pp_size: int = 1  # a kv_consumer keys its chunks for a prefill with this many PP stages
@@ -176,7 +184,7 @@ class PoolConfig:
 
         Raises:
             ConfigError: A key has a bad value (the message names it), the backend is unknown, or
-                layer-wise mode is requested with memcache (its GVA path is not implemented).
+                shared layer buffers are asked of a backend other than memcache.
         """
         extra = dict(extra or {})
         if kv_role not in ROLES:
@@ -200,7 +208,15 @@ class PoolConfig:
             save_decode_cache=_bool(extra, "save_decode_cache", False),
             discard_partial_chunks=_bool(extra, "discard_partial_chunks", True),
             kv_events=kv_events,
-            layerwise_prefetch_layers=_int(extra, "layerwise_prefetch_layers", 1, low=1),
+            layerwise_prefetch_layers=_int(
+                extra, "layerwise_prefetch_layers", 8 if backend.strip().lower() == "memcache" else 1, low=1
+            ),
+            layerwise_attention_gate=_bool(extra, "layerwise_attention_gate", False),
+            h2d_stagger_us=_int(extra, "h2d_stagger_us", 0),
+            layerwise_max_transfer_blocks=_int(extra, "layerwise_max_transfer_blocks", 0),
+            layerwise_max_transfer_bytes=_int(extra, "layerwise_max_transfer_bytes", 0),
+            layerwise_num_shared_buffers=_int(extra, "layerwise_num_shared_buffers", 0),
+            layerwise_independent_layers=_independent_layers(extra.get("layerwise_independent_layers", [0])),
             prefill_tp_size=_int(extra, "prefill_tp_size", 0),
             decode_tp_size=_int(extra, "decode_tp_size", 0),
             prefill_pp_size=_int(extra, "prefill_pp_size", 1, low=1),
@@ -210,16 +226,39 @@ class PoolConfig:
             raise ConfigError(
                 "discard_partial_chunks", False, "true with use_layerwise (layer objects are whole chunks)"
             )
-        if cfg.use_layerwise and cfg.backend == "memcache":
+        if cfg.layerwise_num_shared_buffers and cfg.backend != "memcache":
             raise ConfigError(
-                "use_layerwise", True, "false with backend memcache (its GVA layer-wise path is not implemented)"
+                "layerwise_num_shared_buffers",
+                cfg.layerwise_num_shared_buffers,
+                "0 (shared layer buffers need memcache)",
             )
         return cfg
+
+    def layerwise_options(self, tp_size: int) -> LayerwiseOptions:
+        """The worker's layer-wise settings for a model with ``tp_size`` TP ranks."""
+        return LayerwiseOptions(
+            prefetch_layers=self.layerwise_prefetch_layers,
+            attention_gate=self.layerwise_attention_gate,
+            tp_size=tp_size,
+            max_transfer_blocks=self.layerwise_max_transfer_blocks,
+            max_transfer_bytes=self.layerwise_max_transfer_bytes,
+            h2d_stagger_us=self.h2d_stagger_us,
+            num_shared_buffers=self.layerwise_num_shared_buffers,
+            independent_layers=self.layerwise_independent_layers,
+        )
 
     @staticmethod
     def unknown_keys(extra: Mapping[str, object]) -> list[str]:
         """Keys of ``extra`` this package does not know (logged by the connector, not rejected)."""
         return sorted(k for k in extra if k not in _KNOWN_EXTRA)
+
+
+def _independent_layers(value: object) -> tuple[int, ...] | str:
+    if value == "all":
+        return "all"
+    if isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise ConfigError("layerwise_independent_layers", value, "a list of layer indices or 'all'")
 
 
 def _partition(value: object) -> str | None:

@@ -32,6 +32,7 @@ from ascend_dist.common.errors import StoreError
 from ascend_dist.common.log import log_once
 from ascend_dist.kv_store.backends.base import PoolBackend
 from ascend_dist.kv_store.failures import LoadErrorRecorder
+from ascend_dist.kv_store.gate import AttentionStartGate, reset_gate
 from ascend_dist.kv_store.plan import PoolStepMeta, ReqMeta
 from ascend_dist.kv_store.sizes import floor_to
 from ascend_dist.kv_store.token_db import Chunk, ChunkedTokenDatabase
@@ -59,6 +60,8 @@ class _LayerJob:
     chunks: tuple[_Planned, ...]
     event: ComputeEvent | None = None
     done: threading.Event | None = None
+    gate: AttentionStartGate | None = None  # loads of later layers start once this layer's attention started
+    state: object = None  # the step's transfer state of a subclass (GVA objects and leases)
 
 
 class LayerwiseTransfers:
@@ -81,6 +84,8 @@ class LayerwiseTransfers:
         compute_wait_s: float = 60.0,
         layer_wait_s: float = 60.0,
         on_stored: Callable[[Sequence[tuple[int, Chunk, ReqMeta]]], None] | None = None,
+        attention_gate: bool = False,
+        gate_wait_s: float = 10.0,
     ) -> None:
         """Start the sending (when this rank saves) and receiving threads.
 
@@ -99,6 +104,10 @@ class LayerwiseTransfers:
             compute_wait_s: Bound on the sending thread's wait for that event.
             layer_wait_s: Bound on ``wait_for_layer_load`` for one layer.
             on_stored: Called with the chunks whose last layer was put (KV events).
+            attention_gate: Start a prefetched layer's load only once the attention of the layer
+                being waited for started (spec §11: the attention backend calls
+                ``current_gate().record()``); off where nothing records (vLLM on CPU).
+            gate_wait_s: Bound on that wait; the load then starts anyway (logged once).
         """
         self._db = token_db
         self._backend = backend
@@ -112,6 +121,10 @@ class LayerwiseTransfers:
         self._compute_wait_s = compute_wait_s
         self._layer_wait_s = layer_wait_s
         self._on_stored = on_stored
+        self._attention_gate = attention_gate
+        self._gate_wait_s = gate_wait_s
+        self._gate: AttentionStartGate | None = None
+        self._state: object = None
         self._loads = CompletionTracker()
         self._sender = (
             TransferThread[_LayerJob](f"kv-pool-layer-send-{tp_rank}", self._save_layer, saves) if can_save else None
@@ -171,15 +184,34 @@ class LayerwiseTransfers:
         self._done = [threading.Event() for _ in range(self._num_layers)]
         self._submitted = 0
         self._waited = set()
+        self._gate = None
+        self._state = self._prepare_step()
         if self._load_plan:
-            self._submit_loads(self._prefetch)
+            # with the gate, later layers are submitted by wait_for_layer_load(0), after it armed the
+            # gate that layer 0's attention records (a gate armed here would never be recorded)
+            self._submit_loads(1 if self._attention_gate else self._prefetch, current=0)
 
-    def _submit_loads(self, upto: int) -> None:
+    def _prepare_step(self) -> object:
+        """Hook run once the step's plans are known, before any load is submitted; its result rides on every job."""
+        return None
+
+    def _submit_loads(self, upto: int, current: int) -> None:
+        """Submit loads up to layer ``upto``; those past ``current`` (the layer about to run) wait for its attention."""
         reqs = tuple(sorted({p.req_id for p in self._load_plan}))
         while self._submitted < min(upto, self._num_layers):
             layer = self._submitted
-            self._receiver.submit(reqs, _LayerJob(layer, self._load_plan, done=self._done[layer]))
+            gate = self._gate if layer > current else None
+            job = _LayerJob(layer, self._load_plan, done=self._done[layer], gate=gate, state=self._state)
+            self._receiver.submit(reqs, job)
             self._submitted += 1
+
+    def _await_gate(self, job: _LayerJob) -> None:
+        """Wait (bounded) until the attention before ``job``'s layer started."""
+        if job.gate is not None and not job.gate.wait(self._gate_wait_s):
+            log_once(
+                logger, logging.WARNING, "attention-start gate not recorded within %.0fs; loading anyway",
+                self._gate_wait_s, key="gate-timeout",
+            )  # fmt: skip
 
     # ---- per layer, called around each layer's attention ----
 
@@ -193,7 +225,9 @@ class LayerwiseTransfers:
         if not self._load_plan or layer in self._waited:
             return
         self._waited.add(layer)
-        self._submit_loads(layer + 1 + self._prefetch)
+        if self._attention_gate:
+            self._gate = reset_gate()  # later layers' loads wait for this layer's attention
+        self._submit_loads(layer + 1 + self._prefetch, current=layer)
         if self._done[layer].wait(self._layer_wait_s):
             return
         by_req: dict[str, list[int]] = {}
@@ -209,13 +243,13 @@ class LayerwiseTransfers:
             return
         event = self._record_event() if self._record_event is not None else None
         reqs = tuple(sorted({p.req_id for p in self._save_plan}))
-        self._sender.submit(reqs, _LayerJob(layer, self._save_plan, event=event))
+        self._sender.submit(reqs, _LayerJob(layer, self._save_plan, event=event, state=self._state))
 
     def finish_step(self) -> None:
         """Submit layers nobody waited for and wait (bounded) for every load of the step."""
         if not self._load_plan:
             return
-        self._submit_loads(self._num_layers)
+        self._submit_loads(self._num_layers, current=self._num_layers)  # the step is over: no gate
         for layer in range(self._num_layers):
             self._wait(layer)
         self._load_plan = ()
@@ -241,6 +275,7 @@ class LayerwiseTransfers:
 
     def _load_layer(self, job: _LayerJob) -> None:
         try:
+            self._await_gate(job)
             keys, addrs, sizes, planned = self._layer_batch(job)
             if not keys:
                 return

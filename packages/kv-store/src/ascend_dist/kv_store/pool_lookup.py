@@ -16,8 +16,9 @@ from typing import Final
 
 from ascend_dist.common.errors import StoreError
 from ascend_dist.kv_store.backends.base import PoolBackend
+from ascend_dist.kv_store.backends.gva import GvaBackend
 from ascend_dist.kv_store.coordinator import HybridCoordinator
-from ascend_dist.kv_store.keys import RankLayout
+from ascend_dist.kv_store.keys import RankLayout, gva_block_key
 from ascend_dist.kv_store.sizes import floor_to
 from ascend_dist.kv_store.token_db import ChunkedTokenDatabase
 
@@ -40,6 +41,7 @@ class PoolLookup:
         granularity: int,
         coordinator: HybridCoordinator | None = None,
         stage_layers: Callable[[], Sequence[int]] | None = None,
+        gva: bool = False,
     ) -> None:
         """Create the lookup.
 
@@ -50,6 +52,8 @@ class PoolLookup:
             granularity: Transfer granularity in tokens.
             coordinator: Hybrid/EAGLE hit rules (None: plain prefix rule per group).
             stage_layers: Layer-wise mode: layers per PP stage (None: whole-chunk keys).
+            gva: GVA layer-wise mode: one object per block under its GVA key (one per TP head),
+                present when published (`GvaBackend.key_info` size > 0).
         """
         self._db = token_db
         self._layout = layout
@@ -57,9 +61,13 @@ class PoolLookup:
         self._granularity = granularity
         self._coordinator = coordinator
         self._stage_layers = stage_layers
+        self._gva = backend if gva and isinstance(backend, GvaBackend) else None
 
     def _keys(self, group: int, hashes: Sequence[bytes | str]) -> list[str]:
         meta = self._db.metadata[group]
+        if self._gva is not None:
+            heads = range(self._layout.group_tp_size(group))
+            return [gva_block_key(meta.model_name, h, head) for head in heads for h in hashes]
         if self._stage_layers is None:
             return self._layout.expand(meta, hashes)
         stages = tuple(self._stage_layers())
@@ -81,12 +89,12 @@ class PoolLookup:
             # Prefix rule: the first missing chunk ends the hit, so ask for the first chunk alone
             # first. A miss then costs one key per rank instead of one per chunk and rank; a hit
             # costs one more round trip, which only pays off for long prompts.
-            first = self._backend.exists(self._keys(group, [grouped[ask[0]]]))
+            first = self._exists(self._keys(group, [grouped[ask[0]]]))
             if not all(c == 1 for c in first):
                 return present
             present[ask[0]] = True
             ask = ask[1:]
-        codes = self._backend.exists(self._keys(group, [grouped[i] for i in ask]))
+        codes = self._exists(self._keys(group, [grouped[i] for i in ask]))
         width = len(ask)
         # codes hold one row of `width` flags per rank variant; a chunk is present when every row has it
         rows = [codes[v : v + width] for v in range(0, len(codes), width)]
@@ -94,7 +102,14 @@ class PoolLookup:
             present[i] = min(flags) == 1
         return present
 
+    def _exists(self, keys: list[str]) -> list[int]:
+        if self._gva is None:
+            return self._backend.exists(keys)
+        return [1 if size > 0 else 0 for size, _ in self._gva.key_info(keys)]
+
     def _variants(self, group: int) -> int:
+        if self._gva is not None:
+            return self._layout.group_tp_size(group)
         variants = self._layout.num_variants(group)
         if self._stage_layers is None:
             return variants
@@ -149,5 +164,5 @@ class PoolLookup:
         if hit != whole or self._stage_layers is not None:
             return hit
         suffix = f"@partial:{token_len - whole}"
-        codes = self._backend.exists([k + suffix for k in self._layout.expand(self._db.metadata[0], [tail])])
+        codes = self._exists([k + suffix for k in self._layout.expand(self._db.metadata[0], [tail])])
         return token_len if all(c == 1 for c in codes) else hit

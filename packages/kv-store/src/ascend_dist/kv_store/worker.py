@@ -21,6 +21,7 @@ from ascend_dist.kv_store.chunk_plan import ChunkPlanner
 from ascend_dist.kv_store.coordinator import HybridCoordinator
 from ascend_dist.kv_store.events import EventCollector
 from ascend_dist.kv_store.failures import LoadErrorRecorder
+from ascend_dist.kv_store.gva_layerwise import GvaLayerwiseTransfers, make_layer_transfers
 from ascend_dist.kv_store.keys import RankLayout
 from ascend_dist.kv_store.layerwise import LayerwiseTransfers
 from ascend_dist.kv_store.plan import PoolStepMeta, ReqMeta
@@ -29,7 +30,7 @@ from ascend_dist.kv_store.registration import build_registration
 from ascend_dist.kv_store.rekey import KeySplit
 from ascend_dist.kv_store.token_db import ChunkedTokenDatabase
 from ascend_dist.kv_store.transfer import CompletionTracker, TransferThread
-from ascend_dist.kv_store.worker_types import ComputeEvent, WorkerStats
+from ascend_dist.kv_store.worker_types import ComputeEvent, LayerwiseOptions, WorkerStats
 
 __all__ = ["ComputeEvent", "KVPoolWorker", "WorkerStats"]  # the last two re-exported from worker_types
 
@@ -62,7 +63,7 @@ class KVPoolWorker:
         layer_wait_s: float = 60.0,
         kv_events: bool = False,
         layerwise: bool = False,
-        prefetch_layers: int = 1,
+        layerwise_options: LayerwiseOptions | None = None,
         stage_layers: Sequence[int] = (),
         coordinator: HybridCoordinator | None = None,
         key_split: KeySplit | None = None,
@@ -86,8 +87,10 @@ class KVPoolWorker:
             layer_wait_s: Layer-wise: bound on waiting for one layer's load; its blocks are then
                 reported as load errors (recomputed) instead of stalling the forward pass.
             kv_events: Record a `BlockStoredEvent` per chunk put (drained with ``events.drain()``).
-            layerwise: Move one object per layer, overlapping the forward pass (`LayerwiseTransfers`).
-            prefetch_layers: Layer-wise: loads submitted ahead of the layer being waited for.
+            layerwise: Move each layer on its own, overlapping the forward pass: one object per chunk
+                and layer (`LayerwiseTransfers`), or with a `GvaBackend` one object per block whose
+                layers are copied in turn (`GvaLayerwiseTransfers`).
+            layerwise_options: Prefetch depth, attention gate, GVA copy limits and stagger.
             stage_layers: Layer-wise: layers of each PP stage (default: every stage has this rank's
                 count); rank-0 lookups check every stage's layer keys.
             coordinator: Hybrid-model (sliding window, Mamba) and EAGLE rules for lookups, store
@@ -131,17 +134,20 @@ class KVPoolWorker:
         if layerwise:
             if token_db.num_groups != 1:
                 raise ConfigError("use_layerwise", True, "false for models with several KV-cache groups")
-            self._layers = LayerwiseTransfers(
+            self._layers = make_layer_transfers(
+                layerwise_options or LayerwiseOptions(),
                 token_db=token_db, backend=backend, errors=self.errors, stats=self.stats, saves=self._saves,
                 granularity=granularity, tp_rank=tp_rank, put_step=put_step, can_save=can_save,
-                prefetch_layers=prefetch_layers, record_compute_event=record_compute_event,
-                compute_wait_s=compute_wait_s, layer_wait_s=layer_wait_s,
+                record_compute_event=record_compute_event, compute_wait_s=compute_wait_s, layer_wait_s=layer_wait_s,
                 on_stored=(lambda chunks: self.events.add(self._plan.stored_events(chunks))) if kv_events else None,
             )  # fmt: skip
         layers = self._layers
+        gva = isinstance(layers, GvaLayerwiseTransfers)
+        if gva and layout.pp_size * layout.pcp_size * layout.dcp_size > 1:
+            raise ConfigError("use_layerwise", True, "false with memcache under PP or context parallelism")
         self._lookup = PoolLookup(
             token_db=token_db, backend=backend, layout=layout, granularity=granularity, coordinator=coordinator,
-            stage_layers=None if layers is None else self._stages,
+            stage_layers=None if layers is None else self._stages, gva=gva,
         )  # fmt: skip
         whole = self._layers is None
         self._sender = (

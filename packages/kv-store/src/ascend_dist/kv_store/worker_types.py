@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["ComputeEvent", "WorkerStats"]
+__all__ = ["ComputeEvent", "LayerwiseOptions", "WorkerStats"]
 
 
 class ComputeEvent(Protocol):
@@ -33,3 +33,21 @@ class WorkerStats:
     saved_keys: int = 0
     saved_bytes: int = 0
     skipped_existing: int = 0
+
+
+@dataclass(frozen=True)
+class LayerwiseOptions:
+    """Layer-wise transfer settings (``layerwise_*`` and ``h2d_stagger_us`` of the extra config).
+
+    ``prefetch_layers`` and ``attention_gate`` apply to both layer-wise flavours; the rest only to
+    the GVA one (memcache: one object per block, spec kv-store.md §9.10).
+    """
+
+    prefetch_layers: int = 1
+    attention_gate: bool = False  # wait for the attention-start gate (something must record it)
+    tp_size: int = 1
+    max_transfer_blocks: int = 0
+    max_transfer_bytes: int = 0
+    h2d_stagger_us: int = 0
+    num_shared_buffers: int = 0  # 0 = a buffer per layer; fewer than the reused layers is refused (no reuse yet)
+    independent_layers: tuple[int, ...] | str = (0,)

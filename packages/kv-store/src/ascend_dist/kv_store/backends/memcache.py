@@ -3,8 +3,10 @@
 Runs in: worker processes. On a machine without the Ascend driver, ``init(rank, init_bm=True)``
 returns -1 ("Failed to init smem bm") and ``init_bm=False`` connects but every put fails; so the
 backend raises `MemcacheUnavailable` at construction, with the reason, instead of running broken.
-With a working native store (injected or on Ascend) it maps the Protocol onto the same-named calls
-(spec §12.3: ``batch_put_from_layers``/``batch_get_into_layers`` with directions 0 L2G / 1 G2L).
+With a working native store (on Ascend, or `HostGvaStore` on CPU) it maps the Protocols onto the
+same-named calls (spec §12.3): `PoolBackend` onto ``batch_put_from_layers``/``batch_get_into_layers``
+(directions 0 L2G / 1 G2L), `GvaBackend` onto ``batch_get_key_info``, ``batch_alloc``,
+``batch_add_lease``, ``batch_remove_lease``, ``batch_write_finish`` and ``batch_copy``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ascend_dist.common.errors import StoreError
+from ascend_dist.kv_store.backends.gva import G2L, L2G
 
 __all__ = ["MemcacheBackend", "MemcacheStore", "MemcacheUnavailable"]
 
 logger = logging.getLogger(__name__)
-
-L2G = 0
-G2L = 1
 
 
 class MemcacheUnavailable(StoreError):
@@ -52,6 +52,26 @@ class MemcacheStore(Protocol):
         self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], direction: int
     ) -> list[int]:
         """Native batch call."""
+        ...
+
+    def batch_get_key_info(self, keys: list[str]) -> list[Any]:
+        """Native call: objects with ``size()`` and ``gva_list()``."""
+        ...
+
+    def batch_alloc(self, keys: list[str], sizes: list[int]) -> list[int]:
+        """Native call."""
+        ...
+
+    def batch_add_lease(self, keys: list[str], ttl_ms: int) -> list[int]:
+        """Native call."""
+        ...
+
+    def batch_remove_lease(self, keys: list[str]) -> int:
+        """Native call."""
+        ...
+
+    def batch_copy(self, gvas: list[int], addrs: list[int], sizes: list[int], direction: int) -> int:
+        """Native call."""
         ...
 
     def close(self) -> Any:
@@ -121,6 +141,67 @@ class MemcacheBackend:
             return []
         codes = self._store.batch_get_into_layers(list(keys), [list(a) for a in addrs], [list(s) for s in sizes], G2L)
         return [int(c) for c in codes]
+
+    # ---- GVA calls (the layer-wise GVA path) ----
+
+    def key_info(self, keys: Sequence[str]) -> list[tuple[int, int]]:
+        """``batch_get_key_info``: ``(size, first GVA)`` per key, ``(0, 0)`` when absent.
+
+        Raises:
+            StoreError: The store answered for another number of keys.
+        """
+        if not keys:
+            return []
+        infos = self._store.batch_get_key_info(list(keys))
+        if len(infos) != len(keys):
+            raise StoreError(f"memcache batch_get_key_info answered {len(infos)} infos for {len(keys)} keys")
+        out: list[tuple[int, int]] = []
+        for info in infos:
+            size = int(info.size())
+            gvas = list(info.gva_list()) if size > 0 else []
+            out.append((size, int(gvas[0])) if gvas else (0, 0))
+        return out
+
+    def alloc(self, keys: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """``batch_alloc``: a GVA per key, <= 0 per failure (an existing key fails)."""
+        return [int(g) for g in self._store.batch_alloc(list(keys), list(sizes))] if keys else []
+
+    def add_lease(self, keys: Sequence[str], ttl_ms: int) -> list[int]:
+        """``batch_add_lease``.
+
+        Raises:
+            StoreError: The store answered for another number of keys.
+        """
+        if not keys:
+            return []
+        codes = [int(c) for c in self._store.batch_add_lease(list(keys), ttl_ms)]
+        if len(codes) != len(keys):
+            raise StoreError(f"memcache batch_add_lease answered {len(codes)} codes for {len(keys)} keys")
+        return codes
+
+    def remove_lease(self, keys: Sequence[str]) -> int:
+        """``batch_remove_lease``."""
+        return int(self._store.batch_remove_lease(list(keys))) if keys else 0
+
+    def write_finish(self, keys: Sequence[str], results: Sequence[int]) -> list[int]:
+        """``batch_write_finish``; releases without it publish in ``batch_copy`` (all zeros).
+
+        Raises:
+            StoreError: The store answered for another number of keys.
+        """
+        finish = getattr(self._store, "batch_write_finish", None)
+        if not keys or finish is None:
+            return [0] * len(keys)
+        codes = [int(c) for c in finish(list(keys), list(results))]
+        if len(codes) != len(keys):
+            raise StoreError(f"memcache batch_write_finish answered {len(codes)} codes for {len(keys)} keys")
+        return codes
+
+    def copy(self, gvas: Sequence[int], addrs: Sequence[int], sizes: Sequence[int], direction: int) -> int:
+        """``batch_copy`` between global and local memory; 0 or the native error code."""
+        if not gvas:
+            return 0
+        return int(self._store.batch_copy(list(gvas), list(addrs), list(sizes), direction))
 
     def close(self) -> None:
         """Close the native store."""

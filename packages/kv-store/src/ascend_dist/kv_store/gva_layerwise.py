@@ -1,0 +1,296 @@
+"""Layer-wise pool transfers over a GVA store (memcache): one object per block holds every layer.
+
+Runs in: worker processes, owned by `KVPoolWorker` when ``use_layerwise`` is set and the backend is
+a `GvaBackend` (spec kv-store.md §9.10). The per-layer control flow (prefetch, bounded waits, the
+attention-start gate) is `LayerwiseTransfers`'; this class changes what moves:
+
+* at ``start_step``: loads ask `key_info` for each block's object and take read leases (a block
+  whose object is missing, of another size or unleasable is reported as a load error at once);
+  saves reserve an object per block not in the pool yet (`alloc`; a key that exists is skipped);
+* per layer: that layer's slice of every object is copied with `GvaBackend.copy`, at most
+  ``max_transfer_blocks`` blocks per call (0 = all) and in packets of ``max_transfer_bytes``
+  (0 = whole pieces); TP ranks stagger their load copies by ``h2d_stagger_us`` per layer;
+* after the last layer: saved objects are published (`write_finish`) or, if any of their copies
+  failed, dropped, so no reader ever sees a half-written block; read leases are released.
+
+Differences from upstream: a failed copy fails the blocks it carried (load errors, or a dropped
+object) instead of killing the transfer thread; a step that ends before its last layer was saved
+drops its reserved objects; the copy window counts one layer's pieces (upstream counted every
+layer's, §19.10). Shared layer buffers (§10 reuse) are not supported: see `PoolConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ascend_dist.common.errors import ConfigError, StoreError
+from ascend_dist.common.log import log_once
+from ascend_dist.kv_store.backends.base import PoolBackend
+from ascend_dist.kv_store.backends.gva import G2L, L2G, LEASE_TTL_MS, GvaBackend
+from ascend_dist.kv_store.keys import gva_block_key
+from ascend_dist.kv_store.layerwise import LayerwiseTransfers, _LayerJob, _Planned
+from ascend_dist.kv_store.layerwise_plan import build_layout, gva_layer_copies, split_packets, stagger_us
+from ascend_dist.kv_store.worker_types import LayerwiseOptions
+
+__all__ = ["GvaLayerwiseTransfers", "make_layer_transfers"]
+
+logger = logging.getLogger(__name__)
+
+_ABORT = -1  # a sender job with this layer drops the step's reserved objects
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One block and the global object it moves to or from."""
+
+    planned: _Planned
+    key: str
+    gva: int
+
+
+@dataclass
+class _GvaStep:
+    loads: tuple[_Pair, ...] = ()
+    saves: tuple[_Pair, ...] = ()
+    leased: tuple[str, ...] = ()
+    failed: set[str] = field(default_factory=set)  # keys with a failed save copy (sending thread only)
+    last_layer_saved: bool = False  # main thread: the last layer's save was queued
+
+
+class GvaLayerwiseTransfers(LayerwiseTransfers):
+    """Per-layer copies into and out of one global object per block."""
+
+    def __init__(
+        self,
+        *,
+        backend: GvaBackend,
+        tp_size: int = 1,
+        max_transfer_blocks: int = 0,
+        max_transfer_bytes: int = 0,
+        h2d_stagger_us: int = 0,
+        lease_ms: int = LEASE_TTL_MS,
+        num_shared_buffers: int = 0,
+        independent_layers: tuple[int, ...] | str = (0,),
+        **kwargs: Any,
+    ) -> None:
+        """Start the threads (other arguments: `LayerwiseTransfers`).
+
+        Args:
+            backend: The GVA store client.
+            tp_size: TP ranks of this model (the stagger rotates over them).
+            max_transfer_blocks: Blocks of one layer per copy call; 0 = one call per layer.
+            max_transfer_bytes: Pieces larger than this are copied as packets; 0 = whole pieces.
+            h2d_stagger_us: Busy-wait of ``((tp_rank + layer) % tp_size) * h2d_stagger_us`` us
+                before a layer's load copy, so TP ranks do not all start at once.
+            lease_ms: Read lease on the objects a step loads (released after its last layer).
+            num_shared_buffers: ``layerwise_num_shared_buffers`` (0 = one buffer per layer).
+            independent_layers: ``layerwise_independent_layers`` (both checked once the layers are known).
+            **kwargs: The `LayerwiseTransfers` arguments (token database, errors, threads, waits).
+        """
+        super().__init__(backend=backend, **kwargs)
+        self._gva = backend
+        self._tp_size = max(1, tp_size)
+        self._window = max(0, max_transfer_blocks)
+        self._packet = max(0, max_transfer_bytes)
+        self._stagger_us = max(0, h2d_stagger_us)
+        self._lease_ms = lease_ms
+        self._sharing: dict[str, object] = {"layerwise_independent_layers": independent_layers}
+        if num_shared_buffers:
+            self._sharing["layerwise_num_shared_buffers"] = num_shared_buffers
+
+    def set_layers(self, layer_names: Sequence[str]) -> None:
+        """Layer names in entry order; refuses a shared-buffer plan (layer reuse is not implemented).
+
+        Raises:
+            ConfigError: ``layerwise_num_shared_buffers`` would make layers share a buffer.
+        """
+        layout = build_layout(len(layer_names), self._sharing)
+        if layout.has_reuse:
+            raise ConfigError(
+                "layerwise_num_shared_buffers", layout.num_shared_buffers,
+                f"0 or >= {len(layer_names) - len(layout.independent)} (shared layer buffers need per-step prefix "
+                "reloads, not implemented)",
+            )  # fmt: skip
+        super().set_layers(layer_names)
+
+    # ---- planning (main thread, at start_step) ----
+
+    def _key(self, planned: _Planned) -> str:
+        meta = self._db.metadata[0]
+        return gva_block_key(meta.model_name, planned.chunk.chunk_hash, meta.head_or_tp_rank)
+
+    def _prepare_step(self) -> object:
+        previous = self._state
+        if isinstance(previous, _GvaStep):
+            # the last step never saved its last layer: its reserved objects must not stay half-written
+            self._abort_unfinished(previous)
+        return _GvaStep(loads=self._lease_loads(), saves=self._reserve_saves())
+
+    def _lease_loads(self) -> tuple[_Pair, ...]:
+        plan = self._load_plan
+        if not plan:
+            return ()
+        keys = [self._key(p) for p in plan]
+        size = self._db.buffers(0).page_bytes
+        try:
+            infos = self._gva.key_info(keys)
+            found = [i for i, (n, gva) in enumerate(infos) if n == size and gva > 0]
+            codes = self._gva.add_lease([keys[i] for i in found], self._lease_ms)
+        except StoreError as exc:
+            infos, found, codes = [], [], []
+            log_once(logger, logging.WARNING, "GVA load preparation failed (%s)", exc, key="gva-lease")
+        leased = {i for i, code in zip(found, codes, strict=True) if code == 0}
+        missing: dict[str, list[int]] = {}
+        for i, p in enumerate(plan):
+            if i not in leased:
+                missing.setdefault(p.req_id, []).append(p.chunk.block_id)
+        for req_id, blocks in missing.items():
+            self._stats.failed_keys += len(blocks)
+            self._errors.record(req_id, blocks, f"{len(blocks)} GVA object(s) missing, resized or not leasable")
+        return tuple(_Pair(plan[i], keys[i], infos[i][1]) for i in sorted(leased))
+
+    def _reserve_saves(self) -> tuple[_Pair, ...]:
+        plan = self._save_plan
+        if not plan or self._sender is None:
+            return ()
+        first: dict[str, _Planned] = {}
+        for p in plan:
+            first.setdefault(self._key(p), p)  # two requests of one step may share a prefix block
+        keys = list(first)
+        try:
+            gvas = self._gva.alloc(keys, [self._db.buffers(0).page_bytes] * len(keys))
+        except StoreError as exc:
+            log_once(logger, logging.WARNING, "GVA alloc failed (%s); blocks stay local", exc, key="gva-alloc")
+            return ()
+        pairs = tuple(_Pair(first[k], k, g) for k, g in zip(keys, gvas, strict=True) if g > 0)
+        self._stats.skipped_existing += len(keys) - len(pairs)  # an existing key (or a full store)
+        return pairs
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Queue this layer's copies; after the last layer the step's objects get published."""
+        super().save_kv_layer(layer_name)
+        if self._index.get(layer_name) == self._num_layers - 1 and isinstance(self._state, _GvaStep):
+            self._state.last_layer_saved = True
+
+    # ---- copies (transfer threads) ----
+
+    def _copy(self, pairs: tuple[_Pair, ...], layer: int, direction: int) -> list[_Pair]:
+        """Copy ``layer`` of every pair in windows and packets; the pairs of windows that failed."""
+        buf = self._db.buffers(0)
+        step = self._window or len(pairs)
+        failed: list[_Pair] = []
+        for start in range(0, len(pairs), step):
+            window = pairs[start : start + step]
+            gvas: list[int] = []
+            addrs: list[int] = []
+            sizes: list[int] = []
+            for pair in window:
+                a, s, g = gva_layer_copies(
+                    bases=buf.base_addrs, block_lens=buf.block_lens, strides=buf.block_strides,
+                    layer_offsets=buf.layer_offsets, layer=layer, block_id=pair.planned.chunk.block_id,
+                    block_gva=pair.gva,
+                )  # fmt: skip
+                addrs += a
+                sizes += s
+                gvas += g
+            packets = split_packets(gvas, addrs, sizes, self._packet)
+            try:
+                rc = self._gva.copy(
+                    [p[0] for p in packets], [p[1] for p in packets], [p[2] for p in packets], direction
+                )
+            except StoreError as exc:
+                rc = -1
+                log_once(logger, logging.WARNING, "GVA copy raised (%s)", exc, key=("gva-copy", direction))
+            if rc != 0:
+                failed += window
+        return failed
+
+    def _load_layer(self, job: _LayerJob) -> None:
+        try:
+            state = job.state
+            if not isinstance(state, _GvaStep) or not state.loads:
+                return
+            self._await_gate(job)
+            wait_us = stagger_us(self._tp_rank, job.layer, self._tp_size, self._stagger_us)
+            deadline = time.perf_counter() + wait_us / 1e6
+            while time.perf_counter() < deadline:  # a busy wait: sleeping would overshoot by ~50 us
+                pass
+            failed = self._copy(state.loads, job.layer, G2L)
+            by_req: dict[str, list[int]] = {}
+            for pair in failed:
+                by_req.setdefault(pair.planned.req_id, []).append(pair.planned.chunk.block_id)
+            for req_id, blocks in by_req.items():
+                self._stats.failed_keys += len(blocks)
+                self._errors.record(req_id, blocks, f"layer {job.layer}: GVA copy failed for {len(blocks)} block(s)")
+            if job.layer == self._num_layers - 1:
+                self._stats.loaded_keys += len(state.loads) - len(failed)
+                self._stats.loaded_bytes += (len(state.loads) - len(failed)) * self._db.buffers(0).page_bytes
+                self._gva.remove_lease([pair.key for pair in state.loads])
+        finally:
+            if job.done is not None:
+                job.done.set()
+
+    def _save_layer(self, job: _LayerJob) -> None:
+        state = job.state
+        if not isinstance(state, _GvaStep) or not state.saves:
+            return
+        if job.layer == _ABORT:
+            self._publish(state, drop_all=True)
+            return
+        if job.event is not None:
+            try:
+                job.event.synchronize(self._compute_wait_s)
+            except Exception as exc:  # DeadlineExceeded or a device error: these objects are dropped
+                logger.warning("layer %d: compute not finished (%s); the step's objects are dropped", job.layer, exc)
+                state.failed.update(pair.key for pair in state.saves)
+        if len(state.failed) < len(state.saves):
+            state.failed.update(pair.key for pair in self._copy(state.saves, job.layer, L2G))
+        if job.layer == self._num_layers - 1:
+            self._publish(state)
+
+    def _publish(self, state: _GvaStep, *, drop_all: bool = False) -> None:
+        results = [-1 if drop_all or pair.key in state.failed else 0 for pair in state.saves]
+        try:
+            codes = self._gva.write_finish([pair.key for pair in state.saves], results)
+        except StoreError as exc:
+            log_once(logger, logging.WARNING, "GVA write_finish failed (%s)", exc, key="gva-finish")
+            return
+        ok = [pair for pair, result, code in zip(state.saves, results, codes, strict=True) if result == 0 and code == 0]
+        self._stats.saved_keys += len(ok)
+        self._stats.saved_bytes += len(ok) * self._db.buffers(0).page_bytes
+        stored = [(0, pair.planned.chunk, pair.planned.req) for pair in ok if pair.planned.req is not None]
+        if stored and self._on_stored is not None:
+            self._on_stored(stored)
+        state.saves = ()  # published (or dropped) once
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish the step's loads, drop objects whose last layer was never saved, join both threads."""
+        self.finish_step()
+        if isinstance(self._state, _GvaStep):
+            self._abort_unfinished(self._state)
+        super().close(timeout_s)
+
+    def _abort_unfinished(self, state: _GvaStep) -> None:
+        if state.saves and not state.last_layer_saved and self._sender is not None:
+            reqs = tuple(sorted({pair.planned.req_id for pair in state.saves}))  # drain() waits for the drop
+            self._sender.submit(reqs, _LayerJob(_ABORT, (), state=state))
+
+
+def make_layer_transfers(options: LayerwiseOptions, *, backend: PoolBackend, **kwargs: Any) -> LayerwiseTransfers:
+    """The layer-wise flavour for ``backend``: one object per block on a `GvaBackend`, else per chunk and layer.
+
+    ``kwargs`` are the `LayerwiseTransfers` arguments shared by both.
+    """
+    common = {"prefetch_layers": options.prefetch_layers, "attention_gate": options.attention_gate, **kwargs}
+    if isinstance(backend, GvaBackend):
+        return GvaLayerwiseTransfers(
+            backend=backend, tp_size=options.tp_size, max_transfer_blocks=options.max_transfer_blocks,
+            max_transfer_bytes=options.max_transfer_bytes, h2d_stagger_us=options.h2d_stagger_us,
+            num_shared_buffers=options.num_shared_buffers, independent_layers=options.independent_layers,
+            **common,
+        )  # fmt: skip
+    return LayerwiseTransfers(backend=backend, **common)

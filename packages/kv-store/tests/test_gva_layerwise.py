@@ -1,0 +1,205 @@
+"""The memcache GVA layer-wise path on CPU: `MemcacheBackend` over `HostGvaStore` (memcache's native API).
+
+Instance A saves a prompt layer by layer into one global object per block; instance B finds it
+through the GVA keys and copies each layer back, byte-exact. Objects stay invisible until their
+last layer was copied; leases, copy windows, packets, the attention gate and failed copies are
+checked through what users see: bytes, load errors and what the store holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import pytest
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_store import NewRequest, PoolConfig, PoolSpec, StepInput, build_scheduler, build_worker
+from ascend_dist.kv_store.backends.gva import G2L, L2G, UNMATCHED_STATE, GvaBackend
+from ascend_dist.kv_store.backends.host_gva import HostGvaStore
+from ascend_dist.kv_store.backends.memcache import MemcacheBackend
+from ascend_dist.kv_store.gate import current_gate
+from ascend_dist.kv_store.gva_layerwise import GvaLayerwiseTransfers
+from ascend_dist.kv_store.keys import gva_block_key
+
+SPEC = PoolSpec(model="tiny-gva", block_sizes=(16,), num_kv_heads=2)
+GVA = {"use_layerwise": True, "backend": "memcache"}
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+
+
+class FailingCopies(HostGvaStore):
+    """Our reference store with copies in one direction failing (a device copy error)."""
+
+    def __init__(self, fail_direction: int) -> None:
+        super().__init__(4 << 20)
+        self.fail_direction = fail_direction
+
+    def batch_copy(self, gvas: list[int], addrs: list[int], sizes: list[int], direction: int) -> int:
+        return -1 if direction == self.fail_direction else super().batch_copy(gvas, addrs, sizes, direction)
+
+
+def _pair(store: HostGvaStore, extra: dict | None = None):  # type: ignore[no-untyped-def]
+    cfg = PoolConfig.from_extra({**GVA, **(extra or {})})
+    workers = [build_worker(SPEC, cfg, MemcacheBackend(store_factory=lambda: store)) for _ in range(2)]
+    return cfg, workers
+
+
+def _run_layers(worker, meta, *, layers=LAYERS, save=True) -> None:  # type: ignore[no-untyped-def]
+    worker.start_load_kv(meta)
+    for name in layers:
+        worker.wait_for_layer_load(name)
+        if save:
+            worker.save_kv_layer(name)
+    worker.wait_for_save(meta)
+
+
+def _save(cfg, worker, prompt, blocks, req="a") -> None:  # type: ignore[no-untyped-def]
+    sched = build_scheduler(SPEC, cfg, worker.safe_lookup)
+    sched.get_num_new_matched_tokens(req, prompt, len(prompt), 0)
+    _run_layers(worker, sched.build_meta(StepInput(new=[NewRequest(req, prompt, [blocks], 0, len(prompt))])))
+    worker.drain(10)
+
+
+def _load(cfg, worker, prompt, blocks, req="b"):  # type: ignore[no-untyped-def]
+    sched = build_scheduler(SPEC, cfg, worker.safe_lookup)
+    need, _ = sched.get_num_new_matched_tokens(req, prompt, len(prompt), 0)
+    sched.update_state_after_alloc(req, [blocks], need)
+    meta = sched.build_meta(StepInput(new=[NewRequest(req, prompt, [blocks], need, len(prompt) - need)]))
+    return need, meta
+
+
+def test_host_store_publishes_only_finished_objects() -> None:
+    store = HostGvaStore(1 << 16)
+    be = MemcacheBackend(store_factory=lambda: store)
+    assert isinstance(be, GvaBackend)
+    src, dst = bytearray(b"x" * 64 + b"y" * 64), bytearray(128)
+    s_addr, d_addr = (ctypes.addressof((ctypes.c_char * 128).from_buffer(buf)) for buf in (src, dst))
+    (gva,) = be.alloc(["k"], [128])
+    assert gva > 0 and be.alloc(["k"], [128]) == [-1]  # an existing key is never re-reserved
+    assert be.key_info(["k"]) == [(0, 0)] and be.add_lease(["k"], 1000) == [UNMATCHED_STATE]
+    assert be.copy([gva, gva + 64], [s_addr, s_addr + 64], [64, 64], L2G) == 0
+    assert be.write_finish(["k"], [0]) == [0] and be.key_info(["k"]) == [(128, gva)]
+    assert be.copy([gva], [d_addr], [128], G2L) == 0 and bytes(dst) == bytes(src)
+    assert be.add_lease(["k"], 60_000) == [0] and store.evict(["k"]) == []  # a leased object stays
+    assert be.remove_lease(["k"]) == 0 and store.evict(["k"]) == ["k"] and be.key_info(["k"]) == [(0, 0)]
+    (g2,) = be.alloc(["bad"], [8])
+    assert be.write_finish(["bad"], [-1]) == [0] and be.exists(["bad"]) == [0]  # a failed write is dropped
+    assert be.copy([g2 + (1 << 20)], [d_addr], [8], G2L) == -2  # outside global memory: refused, not copied
+    assert be.put(["whole"], [[s_addr, s_addr + 64]], [[64, 64]]) == [0]
+    assert be.get(["whole", "none"], [[d_addr]] * 2, [[128]] * 2) == [0, UNMATCHED_STATE]
+
+
+def test_save_then_load_layer_by_layer_is_byte_exact(kvtools) -> None:
+    store = HostGvaStore(4 << 20)
+    cfg, (a, b) = _pair(store, {"layerwise_max_transfer_blocks": 1, "layerwise_max_transfer_bytes": 200})
+    try:
+        assert isinstance(a._layers, GvaLayerwiseTransfers)
+        src = kvtools.make(num_layers=3, num_blocks=8, seed=1)
+        dst = kvtools.make(num_layers=3, num_blocks=8, seed=2)
+        a.register_kv_caches(src, 8)
+        b.register_kv_caches(dst, 8)
+        prompt = list(range(50))
+        _save(cfg, a, prompt, [1, 2, 3, 4])
+        keys = [
+            gva_block_key("tiny-gva", h, 0) for h in build_scheduler(SPEC, cfg, a.safe_lookup).hashes_for(prompt)[1]
+        ]
+        assert store.batch_is_exist(keys) == [1, 1, 1] and a.stats.saved_keys == 3
+        copies = store.copies
+        need, meta = _load(cfg, b, prompt, [5, 6, 7, 0])
+        assert need == 48
+        _run_layers(b, meta, save=False)
+        assert b.get_block_ids_with_load_errors() == set()
+        assert [kvtools.block_bytes(dst, blk) for blk in (5, 6, 7)] == [
+            kvtools.block_bytes(src, blk) for blk in (1, 2, 3)
+        ]
+        # one window per block and layer, each piece (256 B) split into two packets: 3 blocks x 3 layers
+        assert store.copies - copies == 9 and b.stats.loaded_keys == 3
+        assert store.evict(keys) == keys  # every read lease was released after the last layer
+    finally:
+        a.close()
+        b.close()
+
+
+def test_objects_stay_invisible_until_the_last_layer_and_are_dropped_if_it_never_comes(kvtools) -> None:
+    store = HostGvaStore(4 << 20)
+    cfg, (a, b) = _pair(store)
+    try:
+        a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
+        b.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8, seed=3), 8)
+        prompt = list(range(40))
+        sched = build_scheduler(SPEC, cfg, a.safe_lookup)
+        sched.get_num_new_matched_tokens("a", prompt, 40, 0)
+        meta = sched.build_meta(StepInput(new=[NewRequest("a", prompt, [[1, 2, 3]], 0, 40)]))
+        _run_layers(a, meta, layers=LAYERS[:2])  # the step ends before the last layer was saved
+        a.drain(10)
+        assert _load(cfg, b, prompt, [4, 5, 6])[0] == 0  # half-written objects are never a hit
+        a.start_load_kv(sched.build_meta(StepInput()))  # the next step drops them
+        a.drain(10)
+        assert store.batch_alloc([gva_block_key("tiny-gva", sched.hashes_for(prompt)[1][0], 0)], [8])[0] > 0
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("failing", ["evicted", "load-copy", "save-copy"])
+def test_failures_become_exact_load_errors_or_unpublished_objects(kvtools, failing: str) -> None:
+    store = FailingCopies(G2L if failing == "load-copy" else L2G if failing == "save-copy" else -1)
+    cfg, (a, b) = _pair(store)
+    try:
+        a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
+        b.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8, seed=4), 8)
+        prompt = list(range(48))
+        _save(cfg, a, prompt, [1, 2, 3])
+        need, meta = _load(cfg, b, prompt, [4, 5, 6])
+        if failing == "save-copy":
+            assert need == 0 and a.stats.saved_keys == 0  # nothing half-written was published
+            return
+        assert need == 47
+        if failing == "evicted":  # gone between the lookup and the load
+            store.evict(
+                [
+                    gva_block_key("tiny-gva", h, 0)
+                    for h in build_scheduler(SPEC, cfg, a.safe_lookup).hashes_for(prompt)[1][1:]
+                ]
+            )
+        _run_layers(b, meta, save=False)
+        assert b.get_block_ids_with_load_errors() == ({5, 6} if failing == "evicted" else {4, 5, 6})
+    finally:
+        a.close()
+        b.close()
+
+
+def test_prefetched_loads_wait_for_the_attention_gate(kvtools) -> None:
+    store = HostGvaStore(4 << 20)
+    cfg, (a, b) = _pair(store, {"layerwise_attention_gate": True, "layerwise_prefetch_layers": 2})
+    try:
+        a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
+        b.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8, seed=5), 8)
+        prompt = list(range(33))
+        _save(cfg, a, prompt, [1, 2, 3])
+        need, meta = _load(cfg, b, prompt, [4, 5, 6])
+        b.start_load_kv(meta)  # layer 0 loads at once; layer 1 waits for layer 0's attention
+        b.wait_for_layer_load(LAYERS[0])
+        copies = store.copies
+        time.sleep(0.3)
+        assert store.copies == copies  # no copy of a later layer before attention started
+        current_gate().record()
+        b.wait_for_layer_load(LAYERS[1])
+        assert store.copies > copies
+        current_gate().record()
+        b.wait_for_layer_load(LAYERS[2])
+        b.wait_for_save(meta)
+        assert need == 32 and b.get_block_ids_with_load_errors() == set()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shared_layer_buffers_are_refused_at_registration(kvtools) -> None:
+    _, (a, b) = _pair(HostGvaStore(1 << 16), {"layerwise_num_shared_buffers": 1})
+    try:
+        with pytest.raises(ConfigError, match="layerwise_num_shared_buffers"):
+            a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
+    finally:
+        a.close()
+        b.close()
