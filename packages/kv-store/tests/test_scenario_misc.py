@@ -33,6 +33,7 @@ def test_pool_demo_scenario_verifies_every_byte() -> None:
     assert [c.name for c in report.checks] == [
         "every loaded byte equals instance A's block",
         "hit rate equals the reusable whole-chunk fraction",
+        "GVA layer-wise: every layer of every block loaded byte-exact",
     ]
     assert not report.measurements and progress.steps
 
