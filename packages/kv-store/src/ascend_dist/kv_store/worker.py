@@ -30,6 +30,7 @@ from ascend_dist.kv_store.registration import build_registration
 from ascend_dist.kv_store.rekey import KeySplit
 from ascend_dist.kv_store.token_db import ChunkedTokenDatabase
 from ascend_dist.kv_store.transfer import CompletionTracker, TransferThread
+from ascend_dist.kv_store.whole_request import WholeRequestIO
 from ascend_dist.kv_store.worker_types import ComputeEvent, LayerwiseOptions, WorkerStats
 
 __all__ = ["ComputeEvent", "KVPoolWorker", "WorkerStats"]  # the last two re-exported from worker_types
@@ -111,7 +112,6 @@ class KVPoolWorker:
         self._compute_wait_s = compute_wait_s
         self.errors = LoadErrorRecorder()
         self.events = EventCollector()
-        self._kv_events = kv_events
         self.stats = WorkerStats()
         self._saves = CompletionTracker()
         self._loads = CompletionTracker()
@@ -126,6 +126,10 @@ class KVPoolWorker:
             coordinator=coordinator,
             split=key_split,
         )
+        self._io = WholeRequestIO(
+            plan=self._plan, backend=backend, stats=self.stats, errors=self.errors,
+            events=self.events if kv_events else None,
+        )  # fmt: skip
         if key_split is not None and key_split.active and (layerwise or token_db.num_groups != 1):
             raise ConfigError(
                 "prefill_tp_size/prefill_pp_size", key_split, "no TP/PP key split with layer-wise or hybrid"
@@ -237,37 +241,10 @@ class KVPoolWorker:
 
     # ---- loads ----
 
-    def _load(self, reqs: Sequence[ReqMeta]) -> None:
-        """Load every request of one step with a single store call; record failed blocks per request."""
-        parts = [(req, *self._plan.load_batch(req)) for req in reqs]
-        keys = tuple(k for _, b, _ in parts for k in b.keys)
-        if not keys:
-            return
-        addrs = tuple(a for _, b, _ in parts for a in b.addrs)
-        sizes = tuple(s for _, b, _ in parts for s in b.sizes)
-        try:
-            codes = self._backend.get(keys, addrs, sizes)
-        except StoreError as exc:
-            self.stats.failed_keys += len(keys)
-            for req, _, blocks in parts:
-                self.errors.record(req.req_id, blocks, f"store error: {exc}")
-            return
-        pos = 0
-        for req, batch, blocks in parts:
-            own = codes[pos : pos + len(batch.keys)]
-            pos += len(batch.keys)
-            failed = [b for b, c in zip(blocks, own, strict=True) if c != 0]
-            self.stats.failed_keys += len(failed)
-            self.stats.loaded_keys += len(own) - len(failed)
-            self.stats.loaded_bytes += sum(sum(s) for s, c in zip(batch.sizes, own, strict=True) if c == 0)
-            if failed:
-                first = next(c for c in own if c != 0)
-                self.errors.record(req.req_id, failed, f"get returned {first} for {len(failed)} of {len(own)} keys")
-
     def _load_async(self, reqs: Sequence[ReqMeta]) -> None:
         """`_load` on the receiving thread: an unexpected error fails the requests' loads, never passes them."""
         try:
-            self._load(reqs)
+            self._io.load(reqs)
         except Exception as exc:  # the request is reported finished next: it must not look loaded
             logger.exception("async load of %s failed", [r.req_id for r in reqs])
             for req in reqs:
@@ -290,7 +267,7 @@ class KVPoolWorker:
                 self._loading.add(req.req_id)
                 self._receiver.submit((req.req_id,), [req])
         else:
-            self._load(reqs)
+            self._io.load(reqs)
 
     def _wait_preempted(self, preempted: frozenset[str]) -> None:
         if not preempted:
@@ -314,44 +291,7 @@ class KVPoolWorker:
                     exc,
                 )
                 return
-        self._save(job.reqs)
-
-    def _save(self, reqs: Sequence[ReqMeta]) -> None:
-        """Save one step's requests: one exists over every chunk, one put of the missing ones."""
-        keys, values, chunks = self._plan.save_entries(reqs)
-        if not keys:
-            return
-        try:
-            present = self._backend.exists(keys)
-        except StoreError as exc:
-            log_once(
-                logger, logging.WARNING, "pool exists() failed before a save (%s); saving all", exc, key="save-exists"
-            )
-            present = [0] * len(keys)
-        put_keys: list[str] = []
-        put_addrs: list[list[int]] = []
-        put_sizes: list[list[int]] = []
-        put_chunks = []
-        for key, (a, s), (g, chunk, req), here in zip(keys, values, chunks, present, strict=True):
-            if here == 1:
-                self.stats.skipped_existing += 1
-                continue
-            put_keys.append(key)
-            put_addrs.append(a)
-            put_sizes.append(s)
-            put_chunks.append((g, chunk, req))
-        if not put_keys:
-            return
-        try:
-            codes = self._backend.put(put_keys, put_addrs, put_sizes)
-        except StoreError as exc:
-            log_once(logger, logging.WARNING, "pool put failed (%s); blocks stay local", exc, key="save-put")
-            return
-        ok = [c == 0 for c in codes]
-        if self._kv_events:
-            self.events.add(self._plan.stored_events([pc for pc, good in zip(put_chunks, ok, strict=True) if good]))
-        self.stats.saved_keys += sum(ok)
-        self.stats.saved_bytes += sum(sum(s) for s, good in zip(put_sizes, ok, strict=True) if good)
+        self._io.save(job.reqs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: block (bounded) until ``layer_name``'s KV is loaded; otherwise a no-op."""
