@@ -21,6 +21,7 @@ from ascend_dist.kv_store.backends.memcache import MemcacheBackend
 from ascend_dist.kv_store.gate import current_gate
 from ascend_dist.kv_store.gva_layerwise import GvaLayerwiseTransfers
 from ascend_dist.kv_store.keys import gva_block_key
+from ascend_dist.kv_store.scheduler import RunningRequest
 
 SPEC = PoolSpec(model="tiny-gva", block_sizes=(16,), num_kv_heads=2)
 GVA = {"use_layerwise": True, "backend": "memcache"}
@@ -195,11 +196,64 @@ def test_prefetched_loads_wait_for_the_attention_gate(kvtools) -> None:
         b.close()
 
 
-def test_shared_layer_buffers_are_refused_at_registration(kvtools) -> None:
-    _, (a, b) = _pair(HostGvaStore(1 << 16), {"layerwise_num_shared_buffers": 1})
+def test_layers_sharing_a_buffer_reload_their_prefix_every_step(kvtools) -> None:
+    """Layers 1 and 2 share one buffer (spec §10.2, S=1): each step they find their own whole prefix
+    in it when their turn comes, reloaded from the pool (whole blocks and last step's partial block),
+    and layer 2's load waits until layer 1's KV was saved out of the buffer."""
+    store = HostGvaStore(8 << 20)
+    cfg = PoolConfig.from_extra({**GVA, "layerwise_num_shared_buffers": 1})
+    worker = build_worker(SPEC, cfg, MemcacheBackend(store_factory=lambda: store))
+    own = kvtools.make(num_layers=2, num_blocks=8, seed=1)
+    caches = {LAYERS[0]: own[LAYERS[0]], LAYERS[1]: own[LAYERS[1]], LAYERS[2]: own[LAYERS[1]]}  # 1 and 2 share
+    blocks = [1, 2, 3]
+    seen: list[bool] = []
+
+    def value(layer: int, pos: int, part: int) -> float:
+        return float(layer * 100 + pos + part / 4)
+
+    def compute(layer: int, start: int, end: int) -> None:
+        for pos in range(start, end):
+            for part, tensor in enumerate(caches[LAYERS[layer]]):
+                tensor[blocks[pos // 16], pos % 16].fill_(value(layer, pos, part))
+
+    def holds(layer: int, end: int) -> bool:
+        return all(
+            float(tensor[blocks[pos // 16], pos % 16, 0, 0]) == value(layer, pos, part)
+            for pos in range(end)
+            for part, tensor in enumerate(caches[LAYERS[layer]])
+        )
+
+    def step(meta, start: int, end: int) -> None:  # type: ignore[no-untyped-def]
+        worker.start_load_kv(meta)
+        for layer, name in enumerate(LAYERS):
+            worker.wait_for_layer_load(name)
+            seen.append(holds(layer, start))  # this layer's whole prefix is in its buffer now
+            compute(layer, start, end)
+            worker.save_kv_layer(name)
+        worker.wait_for_save(meta)
+
+    try:
+        worker.register_kv_caches(caches, 8)
+        sched = build_scheduler(SPEC, cfg, worker.safe_lookup)
+        prompt = list(range(20))
+        assert sched.get_num_new_matched_tokens("r", prompt, 20, 0) == (0, False)
+        sched.update_state_after_alloc("r", [blocks[:2]], 0)
+        step(sched.build_meta(StepInput(new=[NewRequest("r", prompt, [blocks[:2]], 0, 20)])), 0, 20)
+        step(sched.build_meta(StepInput(running=[RunningRequest("r", list(range(20, 33)), [[3]], 20)])), 20, 33)
+        step(sched.build_meta(StepInput(running=[RunningRequest("r", [33], None, 33)])), 33, 34)
+        assert seen == [True] * 9 and worker.get_block_ids_with_load_errors() == set()
+        assert not holds(1, 34)  # the buffer holds layer 2 now: layer 1 really lived in the pool in between
+    finally:
+        worker.close()
+
+
+def test_shared_buffers_need_a_rank_that_saves(kvtools) -> None:
+    cfg = PoolConfig.from_extra(
+        {**GVA, "layerwise_num_shared_buffers": 1, "consumer_is_to_load": True}, kv_role="kv_consumer"
+    )
+    worker = build_worker(SPEC, cfg, MemcacheBackend(store_factory=lambda: HostGvaStore(1 << 16)))
     try:
         with pytest.raises(ConfigError, match="layerwise_num_shared_buffers"):
-            a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
+            worker.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
     finally:
-        a.close()
-        b.close()
+        worker.close()

@@ -7,7 +7,8 @@ before any resource is taken.
 Sources, in order of precedence (spec kv-store.md §2):
 
 * ``kv_connector_extra_config`` (`PoolConfig.from_extra`);
-* Mooncake: the JSON file at ``MOONCAKE_CONFIG_PATH`` (or an explicit path / mapping), overridden by
+* Mooncake (in `ascend_dist.kv_store.store_config`, re-exported here): the JSON file at
+  ``MOONCAKE_CONFIG_PATH`` (or an explicit path / mapping), overridden by
   ``MOONCAKE_MASTER`` and ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (`MooncakeStoreConfig.load`);
 * openYuanrong: the JSON file at ``YR_CONFIG_PATH`` (`YuanrongConfig.load`).
 
@@ -17,17 +18,14 @@ Sizes accept ``ascend_dist.common.units`` byte strings (``"1GB"``, ``"512 MiB"``
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 from ascend_dist.common.errors import ConfigError, format_allowed
 from ascend_dist.common.log import log_once
-from ascend_dist.common.units import parse_byte_size
+from ascend_dist.kv_store.store_config import MOONCAKE_PROTOCOLS, MooncakeStoreConfig, YuanrongConfig, int_setting
 from ascend_dist.kv_store.worker_types import LayerwiseOptions
 
 __all__ = [
@@ -41,7 +39,6 @@ __all__ = [
 
 BACKENDS: Final = ("mooncake", "memcache", "yuanrong")
 ROLES: Final = ("kv_producer", "kv_consumer", "kv_both")
-MOONCAKE_PROTOCOLS: Final = ("tcp", "rdma", "ascend")
 _KNOWN_EXTRA: Final = frozenset(
     {
         "backend",
@@ -77,15 +74,6 @@ def _bool(extra: Mapping[str, object], key: str, default: bool) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
     raise ConfigError(key, value, "a bool (true/false)")
-
-
-def _int(extra: Mapping[str, object], key: str, default: int, *, low: int = 0) -> int:
-    value = extra.get(key, default)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(key, value, f"an integer >= {low}")
-    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +187,7 @@ class PoolConfig:
         cfg = cls(
             backend=backend.strip().lower(),
             kv_role=kv_role,
-            lookup_rpc_port=_int(extra, port_key, 0),
+            lookup_rpc_port=int_setting(extra, port_key, 0),
             lookup_timeout_s=float(timeout),
             load_async=_bool(extra, "load_async", False),
             use_layerwise=_bool(extra, "use_layerwise", False),
@@ -208,18 +196,18 @@ class PoolConfig:
             save_decode_cache=_bool(extra, "save_decode_cache", False),
             discard_partial_chunks=_bool(extra, "discard_partial_chunks", True),
             kv_events=kv_events,
-            layerwise_prefetch_layers=_int(
+            layerwise_prefetch_layers=int_setting(
                 extra, "layerwise_prefetch_layers", 8 if backend.strip().lower() == "memcache" else 1, low=1
             ),
             layerwise_attention_gate=_bool(extra, "layerwise_attention_gate", False),
-            h2d_stagger_us=_int(extra, "h2d_stagger_us", 0),
-            layerwise_max_transfer_blocks=_int(extra, "layerwise_max_transfer_blocks", 0),
-            layerwise_max_transfer_bytes=_int(extra, "layerwise_max_transfer_bytes", 0),
-            layerwise_num_shared_buffers=_int(extra, "layerwise_num_shared_buffers", 0),
+            h2d_stagger_us=int_setting(extra, "h2d_stagger_us", 0),
+            layerwise_max_transfer_blocks=int_setting(extra, "layerwise_max_transfer_blocks", 0),
+            layerwise_max_transfer_bytes=int_setting(extra, "layerwise_max_transfer_bytes", 0),
+            layerwise_num_shared_buffers=int_setting(extra, "layerwise_num_shared_buffers", 0),
             layerwise_independent_layers=_independent_layers(extra.get("layerwise_independent_layers", [0])),
-            prefill_tp_size=_int(extra, "prefill_tp_size", 0),
-            decode_tp_size=_int(extra, "decode_tp_size", 0),
-            prefill_pp_size=_int(extra, "prefill_pp_size", 1, low=1),
+            prefill_tp_size=int_setting(extra, "prefill_tp_size", 0),
+            decode_tp_size=int_setting(extra, "decode_tp_size", 0),
+            prefill_pp_size=int_setting(extra, "prefill_pp_size", 1, low=1),
             prefill_pp_layer_partition=_partition(extra.get("prefill_pp_layer_partition")),
         )
         if not cfg.discard_partial_chunks and cfg.use_layerwise:
@@ -267,139 +255,3 @@ def _partition(value: object) -> str | None:
     if isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return ",".join(str(v) for v in value)
     raise ConfigError("prefill_pp_layer_partition", value, "comma-separated layer counts, e.g. '31,30'")
-
-
-def _read_json(path: str | os.PathLike[str], key: str) -> dict[str, object]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(key, str(path), f"a readable JSON file ({exc.strerror})") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(key, str(path), f"a JSON file ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(key, str(path), "a JSON file holding an object")
-    return data
-
-
-def _str(data: Mapping[str, object], key: str, default: str | None) -> str:
-    value = data.get(key, default)
-    if not isinstance(value, str) or (default is None and not value):
-        raise ConfigError(key, value, "a non-empty string" if default is None else "a string")
-    return value
-
-
-def _host_port(key: str, value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(key, value, "'host:port' with a port in 1..65535")
-    return host, int(port)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MooncakeStoreConfig:
-    """Settings of the Mooncake Store client (``mooncake.json`` keys, spec §2.5.1)."""
-
-    metadata_server: str = "P2PHANDSHAKE"
-    master_server_address: str
-    protocol: str = "tcp"
-    device_name: str = ""
-    local_hostname: str = "127.0.0.1"
-    global_segment_size: int = 1 << 30
-    local_buffer_size: int = 1 << 30
-    preferred_segment: bool = False
-    prefer_alloc_in_same_node: bool = True
-
-    @classmethod
-    def load(
-        cls,
-        source: str | os.PathLike[str] | Mapping[str, object] | None = None,
-        *,
-        env: Mapping[str, str] | None = None,
-    ) -> MooncakeStoreConfig:
-        """Read the configuration from a mapping, a JSON file or ``MOONCAKE_CONFIG_PATH``.
-
-        Args:
-            source: A mapping of ``mooncake.json`` keys, a path, or None to use the environment.
-            env: The environment (defaults to ``os.environ``); ``MOONCAKE_MASTER`` and
-                ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` override the file.
-
-        Returns:
-            The validated configuration.
-
-        Raises:
-            ConfigError: No source, an unreadable file, a missing ``master_server_address``, a bad
-                size (``global_segment_size``/``local_buffer_size``) or an unknown ``protocol``.
-        """
-        env = os.environ if env is None else env
-        if source is None:
-            path = env.get("MOONCAKE_CONFIG_PATH")
-            if not path:
-                raise ConfigError("MOONCAKE_CONFIG_PATH", path, "the path of a mooncake.json file")
-            data = _read_json(path, "MOONCAKE_CONFIG_PATH")
-        elif isinstance(source, Mapping):
-            data = dict(source)
-        else:
-            data = _read_json(source, "mooncake config path")
-        master = env.get("MOONCAKE_MASTER") or data.get("master_server_address")
-        if not isinstance(master, str) or not master:
-            raise ConfigError("master_server_address", master, "'host:port' of mooncake_master (or MOONCAKE_MASTER)")
-        _host_port("master_server_address", master)
-        segment_src = env.get("MOONCAKE_GLOBAL_SEGMENT_SIZE") or data.get("global_segment_size", 1 << 30)
-        protocol = _str(data, "protocol", "tcp").lower()
-        if protocol not in MOONCAKE_PROTOCOLS:
-            raise ConfigError("protocol", protocol, format_allowed(MOONCAKE_PROTOCOLS))
-        for flag in ("preferred_segment", "prefer_alloc_in_same_node"):
-            if flag in data and not isinstance(data[flag], bool):
-                raise ConfigError(flag, data[flag], "a bool")
-        return cls(
-            metadata_server=_str(data, "metadata_server", "P2PHANDSHAKE"),
-            master_server_address=master,
-            protocol=protocol,
-            device_name=_str(data, "device_name", ""),
-            local_hostname=_str(data, "local_hostname", "127.0.0.1"),
-            global_segment_size=parse_byte_size(segment_src, field="global_segment_size"),  # type: ignore[arg-type]
-            local_buffer_size=parse_byte_size(data.get("local_buffer_size", 1 << 30), field="local_buffer_size"),  # type: ignore[arg-type]
-            preferred_segment=bool(data.get("preferred_segment", False)),
-            prefer_alloc_in_same_node=bool(data.get("prefer_alloc_in_same_node", True)),
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class YuanrongConfig:
-    """Settings of the openYuanrong datasystem client (``YR_CONFIG_PATH`` JSON, spec §2.5.3)."""
-
-    host: str
-    port: int
-    connect_timeout_ms: int = 9000
-    request_timeout_ms: int = 0
-
-    @classmethod
-    def load(
-        cls,
-        source: str | os.PathLike[str] | Mapping[str, object] | None = None,
-        *,
-        env: Mapping[str, str] | None = None,
-    ) -> YuanrongConfig:
-        """Read the configuration from a mapping, a JSON file or ``YR_CONFIG_PATH``.
-
-        Raises:
-            ConfigError: No source, a file that is not a JSON object, or a ``worker_addr`` that is
-                not ``host:port``.
-        """
-        env = os.environ if env is None else env
-        if source is None:
-            path = env.get("YR_CONFIG_PATH")
-            if not path:
-                raise ConfigError("YR_CONFIG_PATH", path, "the path of the openYuanrong JSON config")
-            data = _read_json(path, "YR_CONFIG_PATH")
-        elif isinstance(source, Mapping):
-            data = dict(source)
-        else:
-            data = _read_json(source, "yuanrong config path")
-        host, port = _host_port("worker_addr", _str(data, "worker_addr", ""))
-        return cls(
-            host=host,
-            port=port,
-            connect_timeout_ms=_int(data, "connect_timeout_ms", 9000, low=1),
-            request_timeout_ms=_int(data, "request_timeout_ms", 0),
-        )

@@ -22,18 +22,22 @@ layer's, §19.10). Shared layer buffers (§10 reuse) are not supported: see `Poo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ascend_dist.common.errors import ConfigError, StoreError
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded, StoreError
 from ascend_dist.common.log import log_once
 from ascend_dist.kv_store.backends.base import PoolBackend
 from ascend_dist.kv_store.backends.gva import G2L, L2G, LEASE_TTL_MS, GvaBackend
-from ascend_dist.kv_store.keys import gva_block_key
+from ascend_dist.kv_store.keys import gva_block_key, gva_partial_key
 from ascend_dist.kv_store.layerwise import LayerwiseTransfers, _LayerJob, _Planned
 from ascend_dist.kv_store.layerwise_plan import build_layout, gva_layer_copies, split_packets, stagger_us
+from ascend_dist.kv_store.plan import PoolStepMeta, ReqMeta
+from ascend_dist.kv_store.sizes import floor_to
+from ascend_dist.kv_store.token_db import Chunk
 from ascend_dist.kv_store.worker_types import LayerwiseOptions
 
 __all__ = ["GvaLayerwiseTransfers", "make_layer_transfers"]
@@ -50,15 +54,16 @@ class _Pair:
     planned: _Planned
     key: str
     gva: int
+    all_layers: bool = True  # False: only layers sharing a buffer load it (their prefix reload)
 
 
 @dataclass
 class _GvaStep:
     loads: tuple[_Pair, ...] = ()
     saves: tuple[_Pair, ...] = ()
-    leased: tuple[str, ...] = ()
     failed: set[str] = field(default_factory=set)  # keys with a failed save copy (sending thread only)
     last_layer_saved: bool = False  # main thread: the last layer's save was queued
+    layer_done: list[threading.Event] = field(default_factory=list)  # layer L's KV saved: its buffer may be reused
 
 
 class GvaLayerwiseTransfers(LayerwiseTransfers):
@@ -101,40 +106,94 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
         self._sharing: dict[str, object] = {"layerwise_independent_layers": independent_layers}
         if num_shared_buffers:
             self._sharing["layerwise_num_shared_buffers"] = num_shared_buffers
+        self._reused: frozenset[int] = frozenset()  # layers sharing a buffer
+        self._reuse_source: dict[int, int] = {}  # layer -> the layer before it in its buffer
 
     def set_layers(self, layer_names: Sequence[str]) -> None:
-        """Layer names in entry order; refuses a shared-buffer plan (layer reuse is not implemented).
+        """Layer names in entry order, and which of them share a buffer (spec §10.2).
 
         Raises:
-            ConfigError: ``layerwise_num_shared_buffers`` would make layers share a buffer.
+            ConfigError: Shared buffers on a rank that does not save its KV or shares its writes
+                with replica ranks (``put_step > 1``): the reused layers' KV must be in the pool.
         """
         layout = build_layout(len(layer_names), self._sharing)
-        if layout.has_reuse:
+        if layout.has_reuse and (self._sender is None or self._put_step > 1):
             raise ConfigError(
                 "layerwise_num_shared_buffers", layout.num_shared_buffers,
-                f"0 or >= {len(layer_names) - len(layout.independent)} (shared layer buffers need per-step prefix "
-                "reloads, not implemented)",
+                "0 on ranks that do not save (kv_consumer without consumer_is_to_put) or share writes (MLA)",
             )  # fmt: skip
+        self._reused = frozenset(range(len(layer_names))) - set(layout.independent) if layout.has_reuse else frozenset()
+        self._reuse_source = dict(layout.prefetch_layer_map)
         super().set_layers(layer_names)
 
     # ---- planning (main thread, at start_step) ----
 
     def _key(self, planned: _Planned) -> str:
+        chunk = planned.chunk
+        if isinstance(chunk.chunk_hash, str) and "@partial@" in chunk.chunk_hash:
+            return chunk.chunk_hash  # a partial block carries its request-scoped key as its hash
         meta = self._db.metadata[0]
-        return gva_block_key(meta.model_name, planned.chunk.chunk_hash, meta.head_or_tp_rank)
+        return gva_block_key(meta.model_name, chunk.chunk_hash, meta.head_or_tp_rank)
 
-    def _prepare_step(self) -> object:
+    def _prepare_step(self, meta: PoolStepMeta) -> object:
         previous = self._state
         if isinstance(previous, _GvaStep):
             # the last step never saved its last layer: its reserved objects must not stay half-written
             self._abort_unfinished(previous)
-        return _GvaStep(loads=self._lease_loads(), saves=self._reserve_saves())
+        loads = self._reload_plan(meta) if self._reused else [(p, self._key(p), True) for p in self._load_plan]
+        self._load_plan = tuple(p for p, _, _ in loads)
+        saves = self._reserve_saves(self._partial_saves(meta) if self._reused else [])
+        return _GvaStep(
+            loads=self._lease(loads), saves=saves, layer_done=[threading.Event() for _ in range(self._num_layers)]
+        )
 
-    def _lease_loads(self) -> tuple[_Pair, ...]:
-        plan = self._load_plan
-        if not plan:
+    def _partial(self, req: ReqMeta, end: int) -> tuple[_Planned, str] | None:
+        """The request-scoped object of the block holding tokens up to ``end`` (not a whole block)."""
+        span, ids = self._db.block_sizes[0], (tuple(req.block_ids[0]) if req.block_ids else ())
+        index = end // span
+        if end % span == 0 or index >= len(ids) or ids[index] <= 0:
+            return None
+        meta = self._db.metadata[0]
+        key = gva_partial_key(
+            meta.model_name, req.req_id, group=0, block_index=index, end_token=end, head=meta.head_or_tp_rank
+        )
+        return _Planned(req.req_id, Chunk(index * span, end, key, ids[index]), ids, req), key
+
+    def _reload_plan(self, meta: PoolStepMeta) -> list[tuple[_Planned, str, bool]]:
+        """Shared buffers: reused layers load the whole prefix (and last step's partial block) every step."""
+        span = self._db.block_sizes[0]
+        out: list[tuple[_Planned, str, bool]] = []
+        partial_reqs: list[str] = []
+        for req in meta.requests:
+            spec = req.load_spec
+            if spec is None or not spec.can_load:
+                continue
+            ids = tuple(req.block_ids[0]) if req.block_ids else ()
+            cached = spec.load_token_len(self._granularity, req.save_end_token)
+            own = floor_to(spec.vllm_cached_tokens, span)  # independent layers still hold this much
+            for c in self._db.iter_chunks(floor_to(cached, span), req.block_hashes, 0, block_ids=ids):
+                planned = _Planned(req.req_id, c, ids)
+                out.append((planned, self._key(planned), c.start >= own))
+            tail = self._partial(req, cached) if cached == spec.vllm_cached_tokens else None
+            if tail is not None:  # saved by the last step, reloaded for the reused layers only
+                out.append((*tail, False))
+                partial_reqs.append(req.req_id)
+        try:  # last step's partial objects are published by its sending thread: let it finish
+            self._save_tracker.wait_idle(partial_reqs, self._layer_wait_s)
+        except DeadlineExceeded as exc:
+            logger.warning("previous step's saves still running before a reload: %s", exc)
+        return out
+
+    def _partial_saves(self, meta: PoolStepMeta) -> list[_Planned]:
+        """Shared buffers: each request's trailing partial block, saved every step for the next reload."""
+        parts = (self._partial(req, req.target_token_len) for req in meta.requests)
+        return [planned for planned, _ in filter(None, parts)]
+
+    def _lease(self, items: Sequence[tuple[_Planned, str, bool]]) -> tuple[_Pair, ...]:
+        """Find and lease every object to load; the blocks of the others become load errors now."""
+        if not items:
             return ()
-        keys = [self._key(p) for p in plan]
+        keys = [key for _, key, _ in items]
         size = self._db.buffers(0).page_bytes
         try:
             infos = self._gva.key_info(keys)
@@ -145,20 +204,20 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
             log_once(logger, logging.WARNING, "GVA load preparation failed (%s)", exc, key="gva-lease")
         leased = {i for i, code in zip(found, codes, strict=True) if code == 0}
         missing: dict[str, list[int]] = {}
-        for i, p in enumerate(plan):
+        for i, (p, _, _) in enumerate(items):
             if i not in leased:
                 missing.setdefault(p.req_id, []).append(p.chunk.block_id)
         for req_id, blocks in missing.items():
             self._stats.failed_keys += len(blocks)
             self._errors.record(req_id, blocks, f"{len(blocks)} GVA object(s) missing, resized or not leasable")
-        return tuple(_Pair(plan[i], keys[i], infos[i][1]) for i in sorted(leased))
+        return tuple(_Pair(items[i][0], keys[i], infos[i][1], items[i][2]) for i in sorted(leased))
 
-    def _reserve_saves(self) -> tuple[_Pair, ...]:
+    def _reserve_saves(self, partials: Sequence[_Planned]) -> tuple[_Pair, ...]:
         plan = self._save_plan
-        if not plan or self._sender is None:
+        if not (plan or partials) or self._sender is None:
             return ()
         first: dict[str, _Planned] = {}
-        for p in plan:
+        for p in (*plan, *partials):
             first.setdefault(self._key(p), p)  # two requests of one step may share a prefix block
         keys = list(first)
         try:
@@ -172,9 +231,18 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Queue this layer's copies; after the last layer the step's objects get published."""
-        super().save_kv_layer(layer_name)
-        if self._index.get(layer_name) == self._num_layers - 1 and isinstance(self._state, _GvaStep):
-            self._state.last_layer_saved = True
+        layer = self._index.get(layer_name)
+        state = self._state
+        if layer is None or not isinstance(state, _GvaStep):
+            return
+        if state.saves and self._sender is not None:
+            event = self._record_event() if self._record_event is not None else None
+            reqs = tuple(sorted({pair.planned.req_id for pair in state.saves}))
+            self._sender.submit(reqs, _LayerJob(layer, (), event=event, state=state))
+        else:
+            state.layer_done[layer].set()  # computed and nothing to save: its buffer may be reused
+        if layer == self._num_layers - 1:
+            state.last_layer_saved = True
 
     # ---- copies (transfer threads) ----
 
@@ -209,26 +277,41 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
                 failed += window
         return failed
 
+    def _needs_layer_jobs(self) -> bool:
+        # with shared buffers every layer's job also orders the buffer's reuse (see `_load_layer`)
+        return bool(self._load_plan) or bool(self._reused)
+
     def _load_layer(self, job: _LayerJob) -> None:
         try:
             state = job.state
-            if not isinstance(state, _GvaStep) or not state.loads:
+            if not isinstance(state, _GvaStep):
                 return
-            self._await_gate(job)
-            wait_us = stagger_us(self._tp_rank, job.layer, self._tp_size, self._stagger_us)
-            deadline = time.perf_counter() + wait_us / 1e6
-            while time.perf_counter() < deadline:  # a busy wait: sleeping would overshoot by ~50 us
-                pass
-            failed = self._copy(state.loads, job.layer, G2L)
+            pairs = tuple(p for p in state.loads if p.all_layers or job.layer in self._reused)
+            failed: list[_Pair] = []
+            source = self._reuse_source.get(job.layer)
+            # Shared buffer: layer `source` before it must be saved before this layer's load (or its
+            # forward pass, which waits for this job) overwrites the buffer.
+            if source is not None and not state.layer_done[source].wait(self._layer_wait_s):
+                logger.warning("layer %d still unsaved after %.0fs; layer %d cannot load", source, self._layer_wait_s,
+                               job.layer)  # fmt: skip
+                state.failed.update(pair.key for pair in state.saves)  # its objects would be overwritten: drop
+                failed = list(pairs)
+            elif pairs:
+                self._await_gate(job)
+                wait_us = stagger_us(self._tp_rank, job.layer, self._tp_size, self._stagger_us)
+                deadline = time.perf_counter() + wait_us / 1e6
+                while time.perf_counter() < deadline:  # a busy wait: sleeping would overshoot by ~50 us
+                    pass
+                failed = self._copy(pairs, job.layer, G2L)
             by_req: dict[str, list[int]] = {}
             for pair in failed:
                 by_req.setdefault(pair.planned.req_id, []).append(pair.planned.chunk.block_id)
             for req_id, blocks in by_req.items():
                 self._stats.failed_keys += len(blocks)
-                self._errors.record(req_id, blocks, f"layer {job.layer}: GVA copy failed for {len(blocks)} block(s)")
-            if job.layer == self._num_layers - 1:
-                self._stats.loaded_keys += len(state.loads) - len(failed)
-                self._stats.loaded_bytes += (len(state.loads) - len(failed)) * self._db.buffers(0).page_bytes
+                self._errors.record(req_id, blocks, f"layer {job.layer}: GVA load failed for {len(blocks)} block(s)")
+            if job.layer == self._num_layers - 1 and state.loads:
+                self._stats.loaded_keys += len(state.loads)
+                self._stats.loaded_bytes += len(state.loads) * self._db.buffers(0).page_bytes
                 self._gva.remove_lease([pair.key for pair in state.loads])
         finally:
             if job.done is not None:
@@ -236,11 +319,19 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
 
     def _save_layer(self, job: _LayerJob) -> None:
         state = job.state
-        if not isinstance(state, _GvaStep) or not state.saves:
+        if not isinstance(state, _GvaStep):
             return
         if job.layer == _ABORT:
-            self._publish(state, drop_all=True)
+            if state.saves:
+                self._publish(state, drop_all=True)
             return
+        try:
+            if state.saves:
+                self._save_copies(job, state)
+        finally:
+            state.layer_done[job.layer].set()  # saved (or failed): the layer's buffer may be reused
+
+    def _save_copies(self, job: _LayerJob, state: _GvaStep) -> None:
         if job.event is not None:
             try:
                 job.event.synchronize(self._compute_wait_s)

@@ -126,6 +126,7 @@ class LayerwiseTransfers:
         self._gate: AttentionStartGate | None = None
         self._state: object = None
         self._loads = CompletionTracker()
+        self._save_tracker = saves
         self._sender = (
             TransferThread[_LayerJob](f"kv-pool-layer-send-{tp_rank}", self._save_layer, saves) if can_save else None
         )
@@ -137,6 +138,7 @@ class LayerwiseTransfers:
         self._done: list[threading.Event] = []
         self._submitted = 0
         self._waited: set[int] = set()
+        self._layer_jobs = False
 
     @property
     def num_layers(self) -> int:
@@ -185,14 +187,20 @@ class LayerwiseTransfers:
         self._submitted = 0
         self._waited = set()
         self._gate = None
-        self._state = self._prepare_step()
-        if self._load_plan:
+        self._state = self._prepare_step(meta)
+        self._layer_jobs = self._needs_layer_jobs()
+        if self._layer_jobs:
             # with the gate, later layers are submitted by wait_for_layer_load(0), after it armed the
             # gate that layer 0's attention records (a gate armed here would never be recorded)
             self._submit_loads(1 if self._attention_gate else self._prefetch, current=0)
 
-    def _prepare_step(self) -> object:
+    def _needs_layer_jobs(self) -> bool:
+        """Whether this step runs a receiving job per layer (and ``wait_for_layer_load`` waits for it)."""
+        return bool(self._load_plan)
+
+    def _prepare_step(self, meta: PoolStepMeta) -> object:
         """Hook run once the step's plans are known, before any load is submitted; its result rides on every job."""
+        del meta
         return None
 
     def _submit_loads(self, upto: int, current: int) -> None:
@@ -222,7 +230,7 @@ class LayerwiseTransfers:
             self._wait(layer)
 
     def _wait(self, layer: int) -> None:
-        if not self._load_plan or layer in self._waited:
+        if not self._layer_jobs or layer in self._waited:
             return
         self._waited.add(layer)
         if self._attention_gate:
@@ -247,12 +255,13 @@ class LayerwiseTransfers:
 
     def finish_step(self) -> None:
         """Submit layers nobody waited for and wait (bounded) for every load of the step."""
-        if not self._load_plan:
+        if not self._layer_jobs:
             return
         self._submit_loads(self._num_layers, current=self._num_layers)  # the step is over: no gate
         for layer in range(self._num_layers):
             self._wait(layer)
         self._load_plan = ()
+        self._layer_jobs = False
 
     # ---- thread handlers ----
 

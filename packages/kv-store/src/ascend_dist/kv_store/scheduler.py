@@ -120,6 +120,9 @@ class KVPoolScheduler:
         self._held: set[str] = set()
         self._load_failed: set[str] = set()
         self._root_by_salt: dict[str, bytes] = {}
+        # Shared layer buffers (memcache GVA path): reused layers lose a request's KV to the other
+        # layers of their buffer every step, so every step reloads the prefix from the pool.
+        self._reload = config.use_layerwise and config.layerwise_num_shared_buffers > 0
         self.lookups = 0
 
     @property
@@ -165,6 +168,8 @@ class KVPoolScheduler:
         need, is_async, spec = matched_tokens(
             min(hit, token_len), num_computed, num_tokens, load_async=self._cfg.async_loads
         )
+        if spec is None and self._reload and num_computed > 0:
+            spec = LoadSpec(num_computed, num_computed, num_computed, True)  # vLLM's HBM hit, lost by reused layers
         self._pending[req_id].load = spec
         return need, is_async
 
@@ -175,7 +180,7 @@ class KVPoolScheduler:
         pending = self._pending.get(req_id)
         if pending is None or pending.load is None:
             return
-        if num_external_tokens == 0:
+        if num_external_tokens == 0 and not (self._reload and pending.load.can_load):
             pending.load = None
             return
         spec = pending.load
@@ -258,11 +263,13 @@ class KVPoolScheduler:
                 run.new_token_ids, run.new_block_ids, mamba=self._mamba, num_computed=run.num_computed_tokens
             )
             decoding = run.num_computed_tokens >= tracker.num_prompt_tokens
-            if decoding and not self._cfg.save_decode_cache:
+            if decoding and not (self._cfg.save_decode_cache or self._reload):
                 continue
             if decoding:
                 tracker.hashes = prefix_hashes(tracker.token_ids, self._hb, self._roots[run.req_id])
-            meta = self._meta(tracker, None, skip_save=False)
+            cur = run.num_computed_tokens
+            reload = LoadSpec(cur, cur, cur, True) if self._reload and cur > 0 else None
+            meta = self._meta(tracker, reload, skip_save=False)
             if meta is not None:
                 metas.append(meta)
         metas.extend(self._async_metas(scheduled))

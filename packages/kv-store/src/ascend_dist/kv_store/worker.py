@@ -167,6 +167,7 @@ class KVPoolWorker:
         self._awaiting_free: set[str] = set()
         self._loading: set[str] = set()
         self._registered = False
+        self._kv_caches: Mapping[str, object] = {}
 
     @property
     def backend(self) -> PoolBackend:
@@ -188,6 +189,7 @@ class KVPoolWorker:
             StoreError: The store refused a region.
         """
         reg = build_registration(kv_caches, num_blocks, group_layers)
+        self._kv_caches = kv_caches  # transfers write to these addresses: the tensors must outlive the worker
         for g, buffers in enumerate(reg.groups):
             self._db.set_buffers(g, buffers)
         if self._layers is not None:

@@ -1,0 +1,172 @@
+"""Backend client settings: ``mooncake.json`` / ``MOONCAKE_*`` and the openYuanrong JSON (spec kv-store.md §2.5).
+
+Runs in: worker processes (and the scheduler's client), at construction time. Pure apart from
+reading the named files; every bad value raises `ConfigError` naming the key. Re-exported by
+`ascend_dist.kv_store.config`, which holds the connector's own keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from ascend_dist.common.errors import ConfigError, format_allowed
+from ascend_dist.common.units import parse_byte_size
+
+__all__ = ["MOONCAKE_PROTOCOLS", "MooncakeStoreConfig", "YuanrongConfig", "int_setting"]
+
+MOONCAKE_PROTOCOLS: Final = ("tcp", "rdma", "ascend")
+
+
+def int_setting(extra: Mapping[str, object], key: str, default: int, *, low: int = 0) -> int:
+    """``extra[key]`` as an int >= ``low`` (digit strings accepted).
+
+    Raises:
+        ConfigError: Another value, naming ``key``.
+    """
+    value = extra.get(key, default)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(key, value, f"an integer >= {low}")
+    return value
+
+
+def _read_json(path: str | os.PathLike[str], key: str) -> dict[str, object]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(key, str(path), f"a readable JSON file ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(key, str(path), f"a JSON file ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(key, str(path), "a JSON file holding an object")
+    return data
+
+
+def _str(data: Mapping[str, object], key: str, default: str | None) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str) or (default is None and not value):
+        raise ConfigError(key, value, "a non-empty string" if default is None else "a string")
+    return value
+
+
+def _host_port(key: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(key, value, "'host:port' with a port in 1..65535")
+    return host, int(port)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MooncakeStoreConfig:
+    """Settings of the Mooncake Store client (``mooncake.json`` keys, spec §2.5.1)."""
+
+    metadata_server: str = "P2PHANDSHAKE"
+    master_server_address: str
+    protocol: str = "tcp"
+    device_name: str = ""
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 1 << 30
+    preferred_segment: bool = False
+    prefer_alloc_in_same_node: bool = True
+
+    @classmethod
+    def load(
+        cls,
+        source: str | os.PathLike[str] | Mapping[str, object] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> MooncakeStoreConfig:
+        """Read the configuration from a mapping, a JSON file or ``MOONCAKE_CONFIG_PATH``.
+
+        Args:
+            source: A mapping of ``mooncake.json`` keys, a path, or None to use the environment.
+            env: The environment (defaults to ``os.environ``); ``MOONCAKE_MASTER`` and
+                ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` override the file.
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            ConfigError: No source, an unreadable file, a missing ``master_server_address``, a bad
+                size (``global_segment_size``/``local_buffer_size``) or an unknown ``protocol``.
+        """
+        env = os.environ if env is None else env
+        if source is None:
+            path = env.get("MOONCAKE_CONFIG_PATH")
+            if not path:
+                raise ConfigError("MOONCAKE_CONFIG_PATH", path, "the path of a mooncake.json file")
+            data = _read_json(path, "MOONCAKE_CONFIG_PATH")
+        elif isinstance(source, Mapping):
+            data = dict(source)
+        else:
+            data = _read_json(source, "mooncake config path")
+        master = env.get("MOONCAKE_MASTER") or data.get("master_server_address")
+        if not isinstance(master, str) or not master:
+            raise ConfigError("master_server_address", master, "'host:port' of mooncake_master (or MOONCAKE_MASTER)")
+        _host_port("master_server_address", master)
+        segment_src = env.get("MOONCAKE_GLOBAL_SEGMENT_SIZE") or data.get("global_segment_size", 1 << 30)
+        protocol = _str(data, "protocol", "tcp").lower()
+        if protocol not in MOONCAKE_PROTOCOLS:
+            raise ConfigError("protocol", protocol, format_allowed(MOONCAKE_PROTOCOLS))
+        for flag in ("preferred_segment", "prefer_alloc_in_same_node"):
+            if flag in data and not isinstance(data[flag], bool):
+                raise ConfigError(flag, data[flag], "a bool")
+        return cls(
+            metadata_server=_str(data, "metadata_server", "P2PHANDSHAKE"),
+            master_server_address=master,
+            protocol=protocol,
+            device_name=_str(data, "device_name", ""),
+            local_hostname=_str(data, "local_hostname", "127.0.0.1"),
+            global_segment_size=parse_byte_size(segment_src, field="global_segment_size"),  # type: ignore[arg-type]
+            local_buffer_size=parse_byte_size(data.get("local_buffer_size", 1 << 30), field="local_buffer_size"),  # type: ignore[arg-type]
+            preferred_segment=bool(data.get("preferred_segment", False)),
+            prefer_alloc_in_same_node=bool(data.get("prefer_alloc_in_same_node", True)),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class YuanrongConfig:
+    """Settings of the openYuanrong datasystem client (``YR_CONFIG_PATH`` JSON, spec §2.5.3)."""
+
+    host: str
+    port: int
+    connect_timeout_ms: int = 9000
+    request_timeout_ms: int = 0
+
+    @classmethod
+    def load(
+        cls,
+        source: str | os.PathLike[str] | Mapping[str, object] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> YuanrongConfig:
+        """Read the configuration from a mapping, a JSON file or ``YR_CONFIG_PATH``.
+
+        Raises:
+            ConfigError: No source, a file that is not a JSON object, or a ``worker_addr`` that is
+                not ``host:port``.
+        """
+        env = os.environ if env is None else env
+        if source is None:
+            path = env.get("YR_CONFIG_PATH")
+            if not path:
+                raise ConfigError("YR_CONFIG_PATH", path, "the path of the openYuanrong JSON config")
+            data = _read_json(path, "YR_CONFIG_PATH")
+        elif isinstance(source, Mapping):
+            data = dict(source)
+        else:
+            data = _read_json(source, "yuanrong config path")
+        host, port = _host_port("worker_addr", _str(data, "worker_addr", ""))
+        return cls(
+            host=host,
+            port=port,
+            connect_timeout_ms=int_setting(data, "connect_timeout_ms", 9000, low=1),
+            request_timeout_ms=int_setting(data, "request_timeout_ms", 0),
+        )
