@@ -173,3 +173,67 @@ def test_mamba_group_loads_only_the_state_at_the_hit() -> None:
     finally:
         wa.close()
         wb.close()
+
+
+# ---- sparse retention (vLLM prefix_cache_retention_interval, spec §7.2, §8.2 step 2) ----
+
+
+def _chunks(mask: list[bool] | None) -> set[int] | None:
+    return None if mask is None else {i for i, keep in enumerate(mask) if keep}
+
+
+def test_retention_keeps_one_tail_per_interval_plus_the_prompt_boundaries() -> None:
+    swa = GroupRule("sliding_window", 16, window=33)  # a hit needs the 2 chunks before its end
+    assert _chunks(swa.reachable(12, 16, retention=64)) == {2, 3, 6, 7, 10, 11}
+    # the prompt (150 tokens) keeps its final segment's tail and the tail before its replay boundary (144)
+    assert _chunks(swa.reachable(12, 16, retention=64, prompt_end=150)) == {2, 3, 6, 7, 8, 10, 11}
+    assert _chunks(swa.reachable(12, 16, retention=0, prompt_end=150)) == {7, 8}
+    assert swa.reachable(12, 16, retention=32) is None  # every chunk is some interval's tail
+    mamba = GroupRule("mamba", 16)
+    assert _chunks(mamba.reachable(12, 16, retention=64, prompt_end=150)) == {3, 7, 8, 11}
+    assert _chunks(mamba.reachable(12, 32, retention=16)) == _chunks(mamba.reachable(12, 32))
+    assert FULL.reachable(8, 512, retention=1024) is None
+    coord = HybridCoordinator([FULL, SWA], 512, retention=1024)
+    assert coord.lookup_mask(1, 16) == SWA.reachable(16, 512)  # lookups ask for every reachable chunk
+    with pytest.raises(ConfigError, match="prefix_cache_retention_interval"):
+        HybridCoordinator([FULL, SWA], 512, retention=640)
+
+
+def test_retention_stores_sparse_tails_and_skips_short_prompts() -> None:
+    spec = PoolSpec(**{**HYBRID.__dict__, "model": "hybrid-retention", "retention_interval": 128})
+    backend = InMemoryBackend()
+    cfg = PoolConfig.from_extra({})
+    wa, wb = build_worker(spec, cfg, backend), build_worker(spec, cfg, backend)
+    ca, cb = caches(1), caches(2)
+    lookups: list[int] = []
+    try:
+        for w, c in ((wa, ca), (wb, cb)):
+            w.register_kv_caches(c, 16, [[FULL_LAYER], [SWA_LAYER]])
+        sa = build_scheduler(spec, cfg, wa.safe_lookup)
+        sb = build_scheduler(spec, cfg, lambda *args: lookups.append(1) or wb.safe_lookup(*args))
+        prompt = list(range(1000, 1256))  # 256 tokens: 4 full-attention chunks, 16 sliding-window chunks
+        sa.get_num_new_matched_tokens("a", prompt, 256, 0)
+        ids = [[1, 2, 3, 4], [0] * 6 + [5, 6, 0, 0, 7, 8, 0, 0, 9, 10]]  # only blocks vLLM keeps
+        wa.wait_for_save(sa.build_meta(StepInput(new=[NewRequest("a", prompt, ids, 0, 256)])))
+        hashes = sa.hashes_for(prompt)[1]
+        meta = spec.key_metadata()[1]
+        stored = {i for i in range(16) if meta.pool_key(hashes[i]) in backend.stored_keys()}
+        assert stored == {6, 7, 10, 11, 14, 15}  # interval tails (128, 256) and the replay boundary (192)
+        assert sb.get_num_new_matched_tokens("b", prompt, 256, 0)[0] == 255  # the full prompt still hits
+        other = prompt[:64] + list(range(5000, 5192))  # shares one aligned chunk: no tail kept there
+        assert sb.get_num_new_matched_tokens("c", other, 256, 0)[0] == 0
+        calls = len(lookups)
+        assert sb.get_num_new_matched_tokens("d", prompt[:255], 255, 0) == (0, False)  # < 2 intervals
+        assert len(lookups) == calls  # not even asked
+    finally:
+        wa.close()
+        wb.close()
+
+
+def test_retention_interval_comes_from_the_environment_variable() -> None:
+    from ascend_dist.kv_store.vllm_spec import retention_interval
+
+    assert retention_interval({}) is None  # unset: dense, whatever vLLM's local cache retains
+    assert retention_interval({"VLLM_PREFIX_CACHE_RETENTION_INTERVAL": " 4096 "}) == 4096
+    with pytest.raises(ConfigError, match="VLLM_PREFIX_CACHE_RETENTION_INTERVAL"):
+        retention_interval({"VLLM_PREFIX_CACHE_RETENTION_INTERVAL": "-1"})

@@ -56,6 +56,7 @@ class PoolSpec:
     sliding_windows: tuple[int, ...] = ()  # per group: window in tokens (sliding_window groups)
     use_eagle: bool = False  # speculative decoding with an EAGLE draft model
     mamba_spec_blocks: int = 0  # speculative state blocks of Mamba groups (vLLM num_speculative_blocks)
+    retention_interval: int | None = None  # vLLM prefix_cache_retention_interval: sparse SWA/Mamba saves
     peer_tp_size: int = 0  # the other P/D side's TP (TP-mismatch sub-keys); 0 = same as tp_size
     rekey_pp_parts: tuple[int, ...] = ()  # a decode instance keys chunks for a PP prefill with these stages
 
@@ -104,7 +105,7 @@ class PoolSpec:
             GroupRule(kind, span, self.sliding_windows[g] if g < len(self.sliding_windows) else 0)
             for g, (kind, span) in enumerate(zip(kinds, sizes.grouped_block_sizes, strict=True))
         ]
-        return HybridCoordinator(rules, sizes.granularity, use_eagle=self.use_eagle)
+        return HybridCoordinator(rules, sizes.granularity, use_eagle=self.use_eagle, retention=self.retention_interval)
 
     @property
     def model_name(self) -> str:
@@ -205,4 +206,6 @@ def build_scheduler(spec: PoolSpec, config: PoolConfig, lookup: LookupFn) -> KVP
     """The scheduler side of ``spec`` asking ``lookup``."""
     mamba = frozenset(g for g, kind in enumerate(spec.group_kinds) if kind == "mamba")
     groups = MambaGroups(mamba, spec.sizes().grouped_block_sizes, spec.mamba_spec_blocks) if mamba else None
-    return KVPoolScheduler(config, spec.sizes(), spec.namespace(), lookup, mamba=groups)
+    return KVPoolScheduler(
+        config, spec.sizes(), spec.namespace(), lookup, mamba=groups, retention_interval=spec.retention_interval
+    )

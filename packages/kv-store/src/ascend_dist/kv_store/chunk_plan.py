@@ -42,7 +42,9 @@ class ChunkPlanner:
         self._coordinator = coordinator
         self._split = split
 
-    def chunk_rules(self, group: int, token_len: int, *, load: bool) -> tuple[ChunkFilter | None, bool]:
+    def chunk_rules(
+        self, group: int, token_len: int, *, load: bool, prompt_len: int | None = None
+    ) -> tuple[ChunkFilter | None, bool]:
         """Hybrid models: which chunks of ``group`` to move, and whether to skip null blocks."""
         coord = self._coordinator
         if coord is None or coord.rules[group].kind == "full":
@@ -51,7 +53,7 @@ class ChunkPlanner:
         if load:
             first, end = coord.load_range(group, floor_to(token_len, coord.align))
             return (lambda start: first <= start // span < end), True
-        mask = coord.store_mask(group, token_len // span)
+        mask = coord.store_mask(group, token_len // span, prompt_len)
         return (None if mask is None else lambda start: start // span < len(mask) and mask[start // span]), True
 
     def values(self, chunk: Chunk, ids: Sequence[int], group: int) -> list[tuple[str, list[int], list[int]]]:
@@ -122,7 +124,7 @@ class ChunkPlanner:
         for req, g in ((r, g) for r in reqs for g in range(self._db.num_groups)):
             ids = req.block_ids[g] if g < len(req.block_ids) else ()
             mask = floor_to(req.save_start_token, self._db.block_sizes[g])
-            keep, skip_null = self.chunk_rules(g, req.save_end_token, load=False)
+            keep, skip_null = self.chunk_rules(g, req.save_end_token, load=False, prompt_len=req.num_prompt_tokens)
             planned = self._db.iter_chunks(
                 req.save_end_token,
                 req.block_hashes,

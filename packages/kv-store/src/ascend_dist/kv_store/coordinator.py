@@ -85,11 +85,29 @@ class GroupRule:
                 return floor_to(end * b, align)
         return 0
 
-    def reachable(self, num_chunks: int, align: int, use_eagle: bool = False) -> list[bool] | None:
-        """Chunks some aligned hit could read (stored and looked up); None = every chunk."""
+    def reachable(
+        self,
+        num_chunks: int,
+        align: int,
+        use_eagle: bool = False,
+        *,
+        retention: int | None = None,
+        prompt_end: int | None = None,
+    ) -> list[bool] | None:
+        """Chunks some aligned hit could read (stored and looked up); None = every chunk.
+
+        ``retention`` (vLLM's ``prefix_cache_retention_interval``, tokens; None = dense): a sliding
+        window keeps its tail once per ``retention`` tokens, a Mamba group one state per
+        ``retention`` tokens (0: only the boundaries below), plus, for storing, the tail ending at
+        the prompt's replay boundary (``prompt_end - 1`` aligned down) and the prompt's final segment.
+        Example (B=16, window 33 -> 2 chunks, retention 64 = 4 chunks, 12 chunks): chunks 2, 3, 6, 7,
+        10, 11.
+        """
         b = self.block_size
         if self.kind == "full" or align % b:
             return None
+        if retention is not None:
+            return self._sparse(num_chunks, align, use_eagle, retention, prompt_end)
         mask = [False] * num_chunks
         shift = 1 if use_eagle else 0
         for end in range(align // b, num_chunks + 1, align // b):  # chunk index one past each boundary
@@ -99,6 +117,42 @@ class GroupRule:
             last = min(end - 1 + shift, num_chunks - 1)
             for i in range(max(0, last - self.contiguous(use_eagle) + 1), last + 1):
                 mask[i] = True
+        return mask
+
+    def _sparse(
+        self, num_chunks: int, align: int, use_eagle: bool, retention: int, prompt_end: int | None
+    ) -> list[bool] | None:
+        """`reachable` under a retention interval (vLLM's ``reachable_block_mask`` rules)."""
+        per = retention // self.block_size
+        if self.kind == "mamba":
+            if per == 1:
+                return self.reachable(num_chunks, align, use_eagle)  # every aligned boundary is one
+            return self._sparse_states(num_chunks, align, per, prompt_end)
+        need, shift = self.contiguous(use_eagle), (1 if use_eagle else 0)
+        if per and need >= per:
+            return None  # every chunk is some segment's tail
+        mask = [False] * num_chunks
+        for i in range(shift, num_chunks) if per else ():
+            if (i - shift) % per >= per - need:
+                mask[i] = True
+        if prompt_end:
+            final = prompt_end // self.block_size  # the prompt's last segment keeps its tail too
+            if per and final % per and not use_eagle:
+                for i in range(max(final - final % per, final - need), min(num_chunks, final)):
+                    mask[i] = True
+            end = floor_to(prompt_end - 1, align) // self.block_size + shift  # the replay boundary
+            for i in range(max(0, end - need), min(num_chunks, end)):
+                mask[i] = True
+        return mask
+
+    def _sparse_states(self, num_chunks: int, align: int, per: int, prompt_end: int | None) -> list[bool]:
+        mask = [False] * num_chunks
+        for i in range(per - 1, num_chunks, per) if per else ():
+            mask[i] = True
+        if prompt_end:
+            end = floor_to(prompt_end - 1, align) // self.block_size  # the replay boundary's state
+            if 0 < end <= num_chunks:
+                mask[end - 1] = True
         return mask
 
     def needed_for_hit(self, hit: int) -> tuple[int, int]:
@@ -114,25 +168,33 @@ class GroupRule:
 class HybridCoordinator:
     """The longest prefix every group can serve, and per-group store/load masks."""
 
-    def __init__(self, rules: Sequence[GroupRule], align: int, *, use_eagle: bool = False) -> None:
+    def __init__(
+        self, rules: Sequence[GroupRule], align: int, *, use_eagle: bool = False, retention: int | None = None
+    ) -> None:
         """Create the coordinator.
 
         Args:
             rules: One rule per KV group, in group order.
             align: Transfer granularity (every group's span divides it).
             use_eagle: Speculative decoding with an EAGLE draft model (drops the last matched chunk).
+            retention: vLLM's ``prefix_cache_retention_interval`` (tokens, a multiple of ``align``):
+                sliding-window and Mamba chunks are stored once per interval; None = every reachable one.
 
         Raises:
-            ConfigError: A group's chunk span does not divide ``align``.
+            ConfigError: A group's chunk span does not divide ``align``, or ``retention`` is not a
+                non-negative multiple of it.
         """
         bad = [r.block_size for r in rules if align % r.block_size]
         if bad or not rules:
             raise ConfigError(
                 "granularity", align, f"a multiple of every group's chunk span {[r.block_size for r in rules]}"
             )
+        if retention is not None and (retention < 0 or retention % align):
+            raise ConfigError("prefix_cache_retention_interval", retention, f"a non-negative multiple of {align}")
         self.rules = tuple(rules)
         self.align = align
         self.use_eagle = use_eagle
+        self.retention = retention
 
     @property
     def is_sparse(self) -> bool:
@@ -160,8 +222,14 @@ class HybridCoordinator:
         peek = rule.block_size if self.use_eagle and rule.kind != "mamba" else 0
         return min(hit, rule.hit(present, hit + peek, self.align, self.use_eagle))
 
-    def store_mask(self, group: int, num_chunks: int) -> list[bool] | None:
-        """Chunks of ``group`` worth storing (None = all)."""
+    def store_mask(self, group: int, num_chunks: int, prompt_len: int | None = None) -> list[bool] | None:
+        """Chunks of ``group`` worth storing (None = all), sparse under a retention interval."""
+        return self.rules[group].reachable(
+            num_chunks, self.align, self.use_eagle, retention=self.retention, prompt_end=prompt_len
+        )
+
+    def lookup_mask(self, group: int, num_chunks: int) -> list[bool] | None:
+        """Chunks of ``group`` a lookup asks for (None = all): every chunk an aligned hit could read."""
         return self.rules[group].reachable(num_chunks, self.align, self.use_eagle)
 
     def load_range(self, group: int, hit: int) -> tuple[int, int]:

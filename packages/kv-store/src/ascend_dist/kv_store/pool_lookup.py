@@ -139,7 +139,7 @@ class PoolLookup:
                 span = self._db.block_sizes[g]
                 n = min(len(self._db.grouped_hashes(hashes, g)), aligned // span)
                 known = min(hbm_hit_tokens // span, n)
-                present.append(self._present(g, hashes, n, known, coord.store_mask(g, n)))
+                present.append(self._present(g, hashes, n, known, coord.lookup_mask(g, n)))
             return coord.longest_hit(present, aligned)
         if tail_hash and list(group_ids) == [0] and token_len % self._db.block_sizes[0]:
             return self._with_tail(token_len, hashes, hbm_hit_tokens, tail_hash)

@@ -92,6 +92,7 @@ class KVPoolScheduler:
         lookup: LookupFn,
         *,
         mamba: MambaGroups | None = None,
+        retention_interval: int | None = None,
     ) -> None:
         """Create the scheduler side.
 
@@ -102,6 +103,8 @@ class KVPoolScheduler:
                 every hash chain's root.
             lookup: Asks the pool (normally `LookupClient.lookup`); must not raise.
             mamba: Mamba ``align`` groups, whose stale state blocks are nulled in the trackers.
+            retention_interval: vLLM's ``prefix_cache_retention_interval``: prompts shorter than two
+                intervals are not looked up (their sparse checkpoints cannot serve a hit worth a load).
         """
         self._cfg = config
         self._sizes = sizes
@@ -120,6 +123,7 @@ class KVPoolScheduler:
         self._held: set[str] = set()
         self._load_failed: set[str] = set()
         self._root_by_salt: dict[str, bytes] = {}
+        self._short_prompt = 2 * retention_interval if retention_interval and not config.use_layerwise else 0
         # Shared layer buffers (memcache GVA path): reused layers lose a request's KV to the other
         # layers of their buffer every step, so every step reloads the prefix from the pool.
         self._reload = config.use_layerwise and config.layerwise_num_shared_buffers > 0
@@ -153,6 +157,8 @@ class KVPoolScheduler:
             self._load_failed.discard(req_id)
             self._pending.pop(req_id, None)
             self._async_loads.discard(req_id)
+            return 0, False
+        if len(prompt) < self._short_prompt:  # spec §8.2 step 2: sparse retention, short prompt
             return 0, False
         token_len = floor_to(len(prompt), self._g)
         partial = not self._cfg.discard_partial_chunks and self._num_groups == 1 and token_len < len(prompt)

@@ -6,8 +6,11 @@ both roles derive identical key layouts). Imports vllm (an adapter module).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_store.assembly import PoolSpec
 from ascend_dist.kv_store.config import PoolConfig
 from ascend_dist.kv_store.sizes import pp_layer_partition
@@ -16,7 +19,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["pool_spec_from_vllm"]
+__all__ = ["pool_spec_from_vllm", "retention_interval"]
 
 
 def _group_rule(spec: object) -> tuple[str, int]:
@@ -30,6 +33,24 @@ def _group_rule(spec: object) -> tuple[str, int]:
     if isinstance(spec, MambaSpec):
         return "mamba", int(spec.num_speculative_blocks)
     return "full", 0
+
+
+def retention_interval(env: Mapping[str, str]) -> int | None:
+    """The pool's retention interval: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (spec §2.3); unset = dense.
+
+    Deliberately not vLLM 0.33's ``cache_config.prefix_cache_retention_interval``: that one governs
+    the local HBM cache and defaults to 0 (boundaries only), which would make the shared pool keep
+    no sliding-window or Mamba chunk a partial-prefix hit could use.
+
+    Raises:
+        ConfigError: The variable is set to something other than a non-negative integer.
+    """
+    raw = env.get("VLLM_PREFIX_CACHE_RETENTION_INTERVAL", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ConfigError("VLLM_PREFIX_CACHE_RETENTION_INTERVAL", raw, "a non-negative integer of tokens, or unset")
+    return int(raw)
 
 
 def pool_spec_from_vllm(
@@ -58,6 +79,7 @@ def pool_spec_from_vllm(
 
         total = int(model.hf_text_config.num_hidden_layers)
         stages = tuple(end - start for start, end in (get_pp_indices(total, r, pp) for r in range(pp)))
+    retention = retention_interval(os.environ)
     rekey: tuple[int, ...] = ()
     if cfg.is_consumer and cfg.prefill_pp_size > 1:
         total = int(model.hf_text_config.num_hidden_layers)
@@ -81,6 +103,7 @@ def pool_spec_from_vllm(
         sliding_windows=tuple(window if kind == "sliding_window" else 0 for kind, window in rules) if hybrid else (),
         mamba_spec_blocks=max((n for kind, n in rules if kind == "mamba"), default=0),
         use_eagle=eagle,
+        retention_interval=retention if hybrid else None,
         peer_tp_size=cfg.peer_tp_size,
         rekey_pp_parts=rekey,
     )
