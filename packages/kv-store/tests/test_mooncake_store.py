@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_dist.common.errors import StoreError
+from ascend_dist.common.errors import ConfigError, StoreError
 from ascend_dist.kv_store import (
     LookupClient,
     LookupServer,
@@ -57,6 +57,54 @@ def test_backend_multi_buffer_round_trip(mooncake_master) -> None:
         assert be.get(keys[:1], [[out]], [[1024]]) == [-600]  # destination too small
     finally:
         be.close()
+
+
+class SetupRecorder:
+    """A fake of our own `MooncakeStoreClient` Protocol that records ``setup`` (and can be an old Mooncake)."""
+
+    def __init__(self, *, old: bool = False) -> None:
+        self.old = old
+        self.setup_args: tuple[object, ...] = ()
+
+    def setup(self, *args: object) -> int:
+        if self.old and len(args) > 7:
+            raise TypeError("setup(): incompatible function arguments")
+        self.setup_args = args
+        return 0
+
+    def close(self) -> int:
+        return 0
+
+
+def test_ssd_offload_gets_a_directory_per_rank(mooncake_master, tmp_path) -> None:
+    """Mooncake's file storage refuses a directory that does not exist: the backend creates ``rank_<r>``.
+
+    (A fake client: on this machine Mooncake 0.3.13's file storage answers UNABLE_OFFLOAD on some
+    runs, so a real SSD round trip is not a reliable test here.)
+    """
+    cfg = MooncakeStoreConfig.load({**mooncake_master.config(), "enable_ssd_offload": True,
+                                    "ssd_offload_path": str(tmp_path)}, env={})  # fmt: skip
+    fake = SetupRecorder()
+    be = MooncakeBackend(cfg, global_rank=3, store_factory=lambda: fake)
+    try:
+        assert be.connected and (tmp_path / "rank_3").is_dir()
+        assert fake.setup_args[-3:] == (None, True, str(tmp_path / "rank_3"))
+        assert MooncakeBackend(cfg, contribute_memory=False, store_factory=lambda: fake).connected
+        assert len(fake.setup_args) == 7  # a client that contributes no memory offloads nothing
+    finally:
+        be.close()
+    with pytest.raises(ConfigError, match="enable_ssd_offload"):
+        MooncakeBackend(cfg, store_factory=lambda: SetupRecorder(old=True))
+
+
+def test_ssd_and_fabric_memory_settings_are_checked(mooncake_master) -> None:
+    base = mooncake_master.config()
+    with pytest.raises(ConfigError, match="ssd_offload_path"):
+        MooncakeStoreConfig.load({**base, "enable_ssd_offload": True, "ssd_offload_path": "relative/dir"}, env={})
+    fabric = MooncakeStoreConfig.load({**base, "global_segment_size": "2GB"}, env={"ASCEND_ENABLE_USE_FABRIC_MEM": "1"})
+    assert fabric.fabric_mem and fabric.local_buffer_size == 0
+    with pytest.raises(ConfigError, match="global_segment_size"):
+        MooncakeStoreConfig.load({**base, "global_segment_size": "1.5GB"}, env={"ASCEND_ENABLE_USE_FABRIC_MEM": "1"})
 
 
 def test_unreachable_store_at_start_gives_misses_and_one_warning(caplog, kvtools) -> None:

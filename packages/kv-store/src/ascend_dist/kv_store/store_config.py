@@ -75,6 +75,9 @@ class MooncakeStoreConfig:
     local_buffer_size: int = 1 << 30
     preferred_segment: bool = False
     prefer_alloc_in_same_node: bool = True
+    enable_ssd_offload: bool = False  # Mooncake >= 0.3.11: spill to <ssd_offload_path>/rank_<global rank>
+    ssd_offload_path: str = ""
+    fabric_mem: bool = False  # ASCEND_ENABLE_USE_FABRIC_MEM=1 (A3): no local buffer, 1 GiB-aligned segments
 
     @classmethod
     def load(
@@ -95,7 +98,9 @@ class MooncakeStoreConfig:
 
         Raises:
             ConfigError: No source, an unreadable file, a missing ``master_server_address``, a bad
-                size (``global_segment_size``/``local_buffer_size``) or an unknown ``protocol``.
+                size (``global_segment_size``/``local_buffer_size``), an unknown ``protocol``, SSD
+                offload without an absolute ``ssd_offload_path``, or a fabric-memory segment that
+                is not a multiple of 1 GiB.
         """
         env = os.environ if env is None else env
         if source is None:
@@ -115,19 +120,31 @@ class MooncakeStoreConfig:
         protocol = _str(data, "protocol", "tcp").lower()
         if protocol not in MOONCAKE_PROTOCOLS:
             raise ConfigError("protocol", protocol, format_allowed(MOONCAKE_PROTOCOLS))
-        for flag in ("preferred_segment", "prefer_alloc_in_same_node"):
+        for flag in ("preferred_segment", "prefer_alloc_in_same_node", "enable_ssd_offload"):
             if flag in data and not isinstance(data[flag], bool):
                 raise ConfigError(flag, data[flag], "a bool")
+        ssd = bool(data.get("enable_ssd_offload", False))
+        ssd_path = _str(data, "ssd_offload_path", "")
+        if ssd and not os.path.isabs(ssd_path):
+            raise ConfigError("ssd_offload_path", ssd_path, "an absolute directory (required with enable_ssd_offload)")
+        fabric = env.get("ASCEND_ENABLE_USE_FABRIC_MEM", "") == "1"
+        segment = parse_byte_size(segment_src, field="global_segment_size")  # type: ignore[arg-type]
+        if fabric and segment % (1 << 30):
+            raise ConfigError("global_segment_size", segment, "a multiple of 1 GiB with ASCEND_ENABLE_USE_FABRIC_MEM=1")
+        local_buffer = parse_byte_size(data.get("local_buffer_size", 1 << 30), field="local_buffer_size")  # type: ignore[arg-type]
         return cls(
             metadata_server=_str(data, "metadata_server", "P2PHANDSHAKE"),
             master_server_address=master,
             protocol=protocol,
             device_name=_str(data, "device_name", ""),
             local_hostname=_str(data, "local_hostname", "127.0.0.1"),
-            global_segment_size=parse_byte_size(segment_src, field="global_segment_size"),  # type: ignore[arg-type]
-            local_buffer_size=parse_byte_size(data.get("local_buffer_size", 1 << 30), field="local_buffer_size"),  # type: ignore[arg-type]
+            global_segment_size=segment,
+            local_buffer_size=0 if fabric else local_buffer,  # fabric memory needs no staging buffer
             preferred_segment=bool(data.get("preferred_segment", False)),
             prefer_alloc_in_same_node=bool(data.get("prefer_alloc_in_same_node", True)),
+            enable_ssd_offload=ssd,
+            ssd_offload_path=ssd_path,
+            fabric_mem=fabric,
         )
 
 

@@ -177,6 +177,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._cfg.backend,
                 contribute_memory=True,
                 local_rank=self._spec.tp_rank,
+                global_rank=vllm_config.parallel_config.rank,
                 backend_config=store_cfg if isinstance(store_cfg, dict) else None,
             )
             self._worker = build_worker(self._spec, self._cfg, backend, record_compute_event=_compute_event_recorder())

@@ -23,6 +23,7 @@ def create_backend(
     *,
     contribute_memory: bool = True,
     local_rank: int = 0,
+    global_rank: int = 0,
     backend_config: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> PoolBackend:
@@ -32,6 +33,7 @@ def create_backend(
         name: ``mooncake``, ``yuanrong`` or ``memcache``.
         contribute_memory: Mooncake: whether this client contributes a segment.
         local_rank: memcache: the local device rank.
+        global_rank: Mooncake: the worker's rank (its SSD offload directory).
         backend_config: The backend's config as a mapping (instead of its file/env variable).
         env: Environment to read config paths and overrides from.
 
@@ -46,7 +48,8 @@ def create_backend(
     if key == "mooncake":
         from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
 
-        return MooncakeBackend(MooncakeStoreConfig.load(backend_config, env=env), contribute_memory=contribute_memory)
+        cfg = MooncakeStoreConfig.load(backend_config, env=env)
+        return MooncakeBackend(cfg, contribute_memory=contribute_memory, global_rank=global_rank)
     if key == "yuanrong":
         from ascend_dist.kv_store.backends.yuanrong import YuanrongBackend
 

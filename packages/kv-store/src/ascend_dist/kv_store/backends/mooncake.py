@@ -18,13 +18,14 @@ Runs in: worker processes (and the scheduler's light client). Design notes, from
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from ascend_dist.common.errors import StoreError
+from ascend_dist.common.errors import ConfigError, StoreError
 from ascend_dist.common.log import log_once
 from ascend_dist.kv_store.backends.base import describe_code, normalize_get_codes
 from ascend_dist.kv_store.config import MooncakeStoreConfig
@@ -120,6 +121,7 @@ class MooncakeBackend:
         config: MooncakeStoreConfig,
         *,
         contribute_memory: bool = True,
+        global_rank: int = 0,
         retry_interval_s: float = 2.0,
         probe_timeout_s: float = 0.5,
         store_factory: Callable[[], MooncakeStoreClient] = _default_factory,
@@ -131,6 +133,7 @@ class MooncakeBackend:
             config: Client settings.
             contribute_memory: Whether this client contributes ``global_segment_size`` to the pool
                 (workers yes; a scheduler-side lookup client no).
+            global_rank: This worker's rank (its SSD offload directory is ``rank_<global_rank>``).
             retry_interval_s: Minimum time between connection attempts and the circuit's open time.
             probe_timeout_s: Bound of the TCP probe of the master.
             store_factory: Creates the native client (injectable for tests of our own logic).
@@ -141,6 +144,11 @@ class MooncakeBackend:
         self._local_buffer = config.local_buffer_size if contribute_memory else 0
         self._retry_s = retry_interval_s
         self._probe_s = probe_timeout_s
+        self._ssd_dir = (
+            os.path.join(config.ssd_offload_path, f"rank_{global_rank}")
+            if config.enable_ssd_offload and contribute_memory
+            else ""
+        )
         self._factory = store_factory
         self._clock = clock
         self._lock = threading.Lock()
@@ -178,15 +186,11 @@ class MooncakeBackend:
             )
             return
         store = self._factory()
-        rc = store.setup(
-            self._cfg.local_hostname,
-            self._cfg.metadata_server,
-            self._segment,
-            self._local_buffer,
-            self._cfg.protocol,
-            self._cfg.device_name,
-            addr,
-        )
+        args = (
+            self._cfg.local_hostname, self._cfg.metadata_server, self._segment, self._local_buffer,
+            self._cfg.protocol, self._cfg.device_name, addr,
+        )  # fmt: skip
+        rc = store.setup(*args) if not self._ssd_dir else self._setup_with_ssd(store, args)
         if rc != 0:
             logger.warning("Mooncake setup against %s returned %d; retrying in %.1fs", addr, rc, self._retry_s)
             return
@@ -198,6 +202,21 @@ class MooncakeBackend:
         logger.info(
             "Mooncake store connected: master=%s protocol=%s segment=%d", addr, self._cfg.protocol, self._segment
         )
+
+    def _setup_with_ssd(self, store: MooncakeStoreClient, args: tuple[object, ...]) -> int:
+        """``setup`` with SSD offload into this rank's directory (Mooncake needs it to exist).
+
+        Raises:
+            ConfigError: The directory cannot be created, or this Mooncake has no SSD offload (< 0.3.11).
+        """
+        try:
+            os.makedirs(self._ssd_dir, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("ssd_offload_path", self._cfg.ssd_offload_path, f"a writable directory ({exc})") from exc
+        try:
+            return store.setup(*args, None, True, self._ssd_dir)
+        except TypeError as exc:  # the binding rejects the extra arguments
+            raise ConfigError("enable_ssd_offload", True, f"false with this Mooncake (needs >= 0.3.11: {exc})") from exc
 
     def _client(self, op: str) -> MooncakeStoreClient:
         with self._lock:
