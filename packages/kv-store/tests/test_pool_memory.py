@@ -332,3 +332,21 @@ def test_sync_load_failures_are_forgotten_after_the_step(backend: InMemoryBacken
     finally:
         a.close()
         b.close()
+
+
+def test_blocks_vllm_reports_invalid_are_saved_again_once_recomputed() -> None:
+    """A sync load that failed at block 1: vLLM recomputes from there, and the saves resume there too.
+
+    Without this the request's load state (store_skip = the whole hit) kept counting the chunk that
+    was missing from the pool as pooled, so its recomputed KV was never saved again.
+    """
+    sched = build_scheduler(SPEC, PoolConfig.from_extra({}), lambda *args: 48)  # the pool claims 48 tokens
+    prompt = list(range(7000, 7050))
+    need, _ = sched.get_num_new_matched_tokens("r", prompt, 50, 0)
+    sched.update_state_after_alloc("r", [[1, 2, 3, 4]], need)
+    meta = sched.build_meta(StepInput(new=[NewRequest("r", prompt, [[1, 2, 3, 4]], 48, 2)]))
+    assert not meta.requests[0].can_save  # everything up to 48 counted as pooled
+    sched.mark_blocks_invalid({2})  # vLLM: block 2 (tokens 16..32) failed to load, recompute from 16
+    meta = sched.build_meta(StepInput(running=[RunningRequest("r", [], None, 16)]))
+    saved = meta.requests[0]
+    assert saved.can_save and (saved.save_start_token, saved.save_end_token) == (16, 48)

@@ -450,6 +450,9 @@ def test_one_group_async_load_failure_still_reports_blocks(model_dir, mooncake_m
         out = b.step()
         assert out.scheduled_new_reqs[0].num_computed_tokens == 16  # recomputed from the first bad block
         assert out.num_scheduled_tokens == {"b1": 32}
+        b.worker._worker.drain(20)
+        # the recomputed chunk was missing from the pool: B saved it again (its load state counted it pooled)
+        assert admin.is_exist(pool_keys(b, prompt)[1]) == 1
     finally:
         admin.close()
         a.close()

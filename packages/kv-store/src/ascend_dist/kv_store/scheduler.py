@@ -15,7 +15,7 @@ without allocating a block is saved (§19.18); hashes are our own deterministic 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ascend_dist.kv_store.config import PoolConfig
@@ -211,6 +211,28 @@ class KVPoolScheduler:
             self._async_loads.discard(req_id)
             self._load_failed.add(req_id)
 
+    def mark_blocks_invalid(self, block_ids: Iterable[int]) -> None:
+        """Blocks whose loads vLLM reports failed (``invalid_block_ids``, one KV group).
+
+        vLLM recomputes such a request from its first bad block; its saves must resume there too,
+        or the recomputed chunks (missing from the pool, which is why the load failed) would never
+        be saved again because the request's load state counts them as pooled.
+        """
+        bad = set(block_ids)
+        if not bad:
+            return
+        span = self._sizes.grouped_block_sizes[0]
+        for pending in self._pending.values():
+            first = _first_index(pending.block_ids, bad)
+            if first is not None and pending.load is not None:
+                load = pending.load
+                skip = min(load.store_skip_tokens, floor_to(first * span, self._g))
+                pending.load = LoadSpec(load.vllm_cached_tokens, load.pool_cached_tokens, skip, load.can_load)
+        for tracker in self._trackers.values():
+            first = _first_index(tracker.block_ids, bad)
+            if first is not None:
+                tracker.num_saved_tokens = min(tracker.num_saved_tokens, floor_to(first * span, self._g))
+
     def _new_tracker(self, req: NewRequest, pending: _Pending | None) -> tuple[RequestTracker, LoadSpec | None]:
         tokens = list(req.all_token_ids if req.all_token_ids is not None else req.prompt_token_ids)
         token_len = req.num_computed_tokens + req.num_scheduled_tokens
@@ -315,3 +337,9 @@ class KVPoolScheduler:
     def mark_sent(self, req_ids: Sequence[str] | set[str] | frozenset[str]) -> None:
         """The workers reported these held requests' saves complete."""
         self._held -= set(req_ids)
+
+
+def _first_index(block_ids: Sequence[Sequence[int]], bad: set[int]) -> int | None:
+    """Position of the first of ``bad`` in group 0's block ids (None if none is there)."""
+    ids = block_ids[0] if block_ids else ()
+    return next((i for i, block in enumerate(ids) if block in bad), None)

@@ -9,17 +9,15 @@ Configuration: ``--kv-transfer-config '{"kv_connector": "AscendStoreConnector", 
 "kv_connector_extra_config": {"backend": "mooncake", ...}}'`` with the backend's own config file
 (``MOONCAKE_CONFIG_PATH`` / ``YR_CONFIG_PATH``) or an inline ``store_config`` mapping.
 
-Layer-wise mode (``use_layerwise``): ``wait_for_layer_load``/``save_kv_layer`` move one object per
-layer while the forward pass runs (`ascend_dist.kv_store.layerwise`).
-
+Layer-wise mode (``use_layerwise``): ``wait_for_layer_load``/``save_kv_layer`` move each layer while
+the forward pass runs (`ascend_dist.kv_store.layerwise`, `ascend_dist.kv_store.gva_layerwise`).
 Hybrid models (several KV-cache groups: full attention with sliding window or Mamba) load
 asynchronously: vLLM 0.33 takes a failed load of such a model only per request, through
 ``get_transfer_results(...).failed_recving``, which exists for async loads alone (it raises on
 block-level reports, as block ids repeat across groups). ``load_async`` is therefore turned on for
 them (logged once at INFO); ``use_layerwise`` (whose loads are synchronous) is refused.
 
-Limits: requests with multimodal inputs or prompt embeddings are not pooled (their token ids do
-not identify their KV).
+Limits: requests with multimodal inputs or prompt embeddings are not pooled (tokens do not identify their KV).
 """
 
 from __future__ import annotations
@@ -367,11 +365,13 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.request_finished(request.request_id), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Forget held requests the workers reported as saved or failed to load; collect their KV events."""
+        """Forget held requests saved or failed to load, resume saves at failed blocks; collect KV events."""
         if self._scheduler is not None and connector_output.finished_sending:
             self._scheduler.mark_sent(connector_output.finished_sending)
         if self._scheduler is not None and connector_output.failed_recving:
             self._scheduler.mark_load_failed(connector_output.failed_recving)
+        if self._scheduler is not None and connector_output.invalid_block_ids:
+            self._scheduler.mark_blocks_invalid(connector_output.invalid_block_ids)
         reported = connector_output.kv_cache_events
         if reported is not None:
             self._events.add_events(reported.get_all_events())
