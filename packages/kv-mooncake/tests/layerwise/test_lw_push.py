@@ -35,6 +35,22 @@ def test_push_is_byte_exact(make_lw_pair: Callable[..., Any], model: dict[str, A
     assert pair.d.scheduler.tracked == 0
 
 
+@pytest.mark.timeout(60)
+def test_the_wire_uses_the_external_request_id(make_lw_pair: Callable[..., Any]) -> None:
+    """vLLM suffixes each engine's request ids (``-`` + 8 hex): P's and D's ids of one request differ, so
+    D announces the id the proxy knows, and reports completion under its own internal id."""
+    pair = make_lw_pair()
+    internal = "chatcmpl-7-0123abcd"
+    pair.d.announce(internal, 40)
+    params = pair.metaserver.take("chatcmpl-7")  # the proxy matches by the external id
+    assert params["request_id"] == "chatcmpl-7"
+    pair.send_prefill(params, 40, seed=4)
+    pair.read_prefill()
+    assert pair.d.wait_recv({internal}, timeout_s=20.0) == set()
+    assert pair.d.verify(internal, 4) > 0
+    pair.d.finish(internal)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "model"),

@@ -272,3 +272,11 @@ def test_codec_refuses_garbage_and_params_name_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         parse_push_params({k: v for k, v in ok.items() if k != "remote_host"})
     assert info.value.field == "kv_transfer_params.remote_host"
+
+
+def test_external_request_id_drops_only_vllms_suffix() -> None:
+    from ascend_dist.kv_mooncake.layerwise.messages import external_request_id
+
+    assert external_request_id("chatcmpl-abc-0123abcd") == "chatcmpl-abc"
+    assert external_request_id("cmpl-1") == "cmpl-1"  # no suffix (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+    assert external_request_id("req-0123ABCD") == "req-0123ABCD"  # not vLLM's lower-case hex

@@ -40,6 +40,7 @@ __all__ = [
     "Refused",
     "Reply",
     "Request",
+    "external_request_id",
     "parse_push_params",
     "reply_codec",
     "request_codec",
@@ -152,6 +153,20 @@ class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     remote_dcp_size: int = 1
     remote_cached_tokens: int = 0
     protocol_version: int = PROTOCOL_VERSION
+
+
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(request_id: str) -> str:
+    """The id the client and the proxy know: vLLM's internal id without its random suffix.
+
+    vLLM 0.33 makes request ids unique per engine as ``f"{external}-{8 hex}"`` (unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``), so P's and D's internal ids of one request differ; the
+    proxy matches D's announcement to P's request by the external id (spec kv-p2p §7.1). An id without
+    such a suffix is its own external id.
+    """
+    return _VLLM_SUFFIX.sub("", request_id)
 
 
 def parse_push_params(raw: Mapping[str, Any]) -> PushParams:

@@ -27,7 +27,7 @@ import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
-from ascend_dist.kv_mooncake.layerwise.messages import PushParams, parse_push_params
+from ascend_dist.kv_mooncake.layerwise.messages import PushParams, external_request_id, parse_push_params
 from ascend_dist.kv_mooncake.layerwise.metaserver import AsyncAnnouncer, HttpMetaserver, Metaserver
 from ascend_dist.kv_mooncake.scheduler import SchedRequest
 
@@ -193,8 +193,9 @@ class LayerwiseScheduler:
         rid = request.request_id
         state = self._recv.setdefault(rid, _Recv())
         c = self._config
+        wire_id = external_request_id(rid)  # what the proxy and P know this request by
         payload = PushParams(
-            request_id=rid,
+            request_id=wire_id,
             remote_engine_id=c.engine_id,
             remote_host=c.host,
             remote_port=c.d_ports.dp_base(c.dp_rank),
@@ -205,7 +206,7 @@ class LayerwiseScheduler:
             remote_dcp_size=c.decode.dcp_size,
             remote_cached_tokens=state.computed,
         )
-        state.meta = RecvReqMeta(request_id=rid, transfer_id=rid, block_ids=ids)
+        state.meta = RecvReqMeta(request_id=rid, transfer_id=wire_id, block_ids=ids)
         state.ids = ids
         url = raw.get("metaserver")
         if not isinstance(url, str) or not url:
@@ -235,7 +236,9 @@ class LayerwiseScheduler:
             state = self._recv.get(rid)
             if state is None:  # finished (aborted) meanwhile: nothing left to report
                 continue
-            recv.append(RecvReqMeta(request_id=rid, transfer_id=rid, block_ids=state.ids, failed=reason))
+            recv.append(
+                RecvReqMeta(request_id=rid, transfer_id=external_request_id(rid), block_ids=state.ids, failed=reason)
+            )
         return LayerwiseMetadata(recv=recv, send=self._sends(scheduled or {}))
 
     def _sends(self, scheduled: Mapping[str, Scheduled]) -> list[SendReqMeta]:
