@@ -175,6 +175,31 @@ def test_mamba_group_loads_only_the_state_at_the_hit() -> None:
         wb.close()
 
 
+def test_a_mamba_hit_stops_before_the_last_prompt_token() -> None:
+    """The state after the whole prompt cannot serve it: vLLM recomputes the last token on top of the
+    loaded state, which would apply that token twice. The hit is the last aligned state before it."""
+    spec = PoolSpec(model="hybrid-mamba-end", block_sizes=(16, 16), num_kv_heads=2, group_kinds=("full", "mamba"))
+    backend = InMemoryBackend()
+    cfg = PoolConfig.from_extra({})
+    wa = build_worker(spec, cfg, backend)
+    gen = torch.Generator().manual_seed(4)
+    caches = {
+        FULL_LAYER: tuple(torch.randn(16, 16, 2, 4, generator=gen).to(torch.float16) for _ in range(2)),
+        "model.layers.1.mixer": torch.randn(16, 64, generator=gen).to(torch.float16),
+    }
+    try:
+        wa.register_kv_caches(caches, 16, [[FULL_LAYER], ["model.layers.1.mixer"]])
+        sa = build_scheduler(spec, cfg, wa.safe_lookup)
+        prompt = list(range(300, 364))  # 64 tokens: every chunk and every state is saved
+        sa.get_num_new_matched_tokens("a", prompt, 64, 0)
+        wa.wait_for_save(sa.build_meta(StepInput(new=[NewRequest("a", prompt, [[1, 2, 3, 4], [5, 6, 7, 8]], 0, 64)])))
+        wa.drain(10)
+        assert len(backend.stored_keys()) == 8
+        assert sa.get_num_new_matched_tokens("b", prompt, 64, 0)[0] == 48  # not 63 on top of the state after 64
+    finally:
+        wa.close()
+
+
 # ---- sparse retention (vLLM prefix_cache_retention_interval, spec §7.2, §8.2 step 2) ----
 
 

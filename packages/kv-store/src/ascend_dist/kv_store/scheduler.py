@@ -160,7 +160,10 @@ class KVPoolScheduler:
             return 0, False
         if len(prompt) < self._short_prompt:  # spec §8.2 step 2: sparse retention, short prompt
             return 0, False
-        token_len = floor_to(len(prompt), self._g)
+        # A Mamba state is the whole prefix: loading the state after the full prompt and recomputing
+        # its last token (vLLM always computes one) would apply that token twice. So with Mamba groups
+        # the hit stops before the last token, as vLLM's own Mamba prefix cache does.
+        token_len = floor_to(len(prompt) - 1 if self._mamba else len(prompt), self._g)
         partial = not self._cfg.discard_partial_chunks and self._num_groups == 1 and token_len < len(prompt)
         if partial:
             token_len = len(prompt)
