@@ -34,7 +34,7 @@ from ascend_dist.kv_store.backends.base import PoolBackend
 from ascend_dist.kv_store.backends.gva import G2L, L2G, LEASE_TTL_MS, GvaBackend
 from ascend_dist.kv_store.keys import gva_block_key, gva_partial_key
 from ascend_dist.kv_store.layerwise import LayerwiseTransfers, _LayerJob, _Planned
-from ascend_dist.kv_store.layerwise_plan import build_layout, gva_layer_copies, split_packets, stagger_us
+from ascend_dist.kv_store.layerwise_plan import gva_layer_copies, shared_buffer_layout, split_packets, stagger_us
 from ascend_dist.kv_store.plan import PoolStepMeta, ReqMeta
 from ascend_dist.kv_store.sizes import floor_to
 from ascend_dist.kv_store.token_db import Chunk
@@ -103,9 +103,8 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
         self._packet = max(0, max_transfer_bytes)
         self._stagger_us = max(0, h2d_stagger_us)
         self._lease_ms = lease_ms
-        self._sharing: dict[str, object] = {"layerwise_independent_layers": independent_layers}
-        if num_shared_buffers:
-            self._sharing["layerwise_num_shared_buffers"] = num_shared_buffers
+        self._num_shared_buffers = num_shared_buffers
+        self._independent_layers = independent_layers
         self._reused: frozenset[int] = frozenset()  # layers sharing a buffer
         self._reuse_source: dict[int, int] = {}  # layer -> the layer before it in its buffer
 
@@ -116,7 +115,9 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
             ConfigError: Shared buffers on a rank that does not save its KV or shares its writes
                 with replica ranks (``put_step > 1``): the reused layers' KV must be in the pool.
         """
-        layout = build_layout(len(layer_names), self._sharing)
+        layout = shared_buffer_layout(
+            len(layer_names), num_shared_buffers=self._num_shared_buffers, independent_layers=self._independent_layers
+        )
         if layout.has_reuse and (self._sender is None or self._put_step > 1):
             raise ConfigError(
                 "layerwise_num_shared_buffers", layout.num_shared_buffers,

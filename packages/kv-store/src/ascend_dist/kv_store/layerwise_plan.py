@@ -2,8 +2,8 @@
 
 Runs in: worker processes (and the model runner for the buffer plan). Pure planning, tested against
 the spec's examples (kv-store.md §9.10.3, §9.10.5, §9.10.6, §10.1, §10.2). They serve the memcache
-GVA layer-wise path, which is not implemented (it needs the Ascend driver); the key-per-layer path
-is `ascend_dist.kv_store.layerwise`.
+GVA layer-wise path (`ascend_dist.kv_store.gva_layerwise`) and the model runner's shared buffers
+(`ascend_dist.kv_store.vllm_buffers`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ __all__ = [
     "build_layout",
     "gva_layer_copies",
     "physical_layer_index",
+    "shared_buffer_layout",
     "split_packets",
     "stagger_us",
 ]
@@ -95,6 +96,16 @@ def build_layout(num_layers: int, extra: dict[str, object] | None = None) -> Lay
     slots = tuple(tuple(reused[s::shared]) for s in range(shared))
     prefetch_map = {reused[j]: reused[j - shared] for j in range(shared, len(reused))}
     return LayerLayout(shared, prefetch, independent, tuple((i,) for i in independent) + slots, prefetch_map)
+
+
+def shared_buffer_layout(
+    num_layers: int, *, num_shared_buffers: int, independent_layers: Sequence[int] | str
+) -> LayerLayout:
+    """`build_layout` from the two settings (``num_shared_buffers`` 0 = a buffer per layer)."""
+    extra: dict[str, object] = {"layerwise_independent_layers": independent_layers}
+    if num_shared_buffers:
+        extra["layerwise_num_shared_buffers"] = num_shared_buffers
+    return build_layout(num_layers, extra)
 
 
 def split_packets(

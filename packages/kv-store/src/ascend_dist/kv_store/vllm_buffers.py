@@ -2,7 +2,7 @@
 
 Runs in: the worker process, where the model runner allocates the KV cache from
 ``KVCacheConfig.kv_cache_tensors``. With memcache layer-wise mode and
-``layerwise_num_shared_buffers`` (`build_layout`), the layers of one buffer slot must alias the same
+``layerwise_num_shared_buffers`` (`shared_buffer_layout`), the layers of one buffer slot must alias the same
 bytes; a model runner that supports it (vllm-ascend's does) passes its config through
 `share_layer_buffers` before allocating. In vLLM 0.33 a `KVCacheTensor` lists its ``layers`` with a
 ``layer_stride``; a stride of 0 makes them alias, which is how the slots are expressed here.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.kv_store.config import PoolConfig
-from ascend_dist.kv_store.layerwise_plan import build_layout, physical_layer_index
+from ascend_dist.kv_store.layerwise_plan import physical_layer_index, shared_buffer_layout
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
@@ -68,7 +68,11 @@ def share_layer_buffers(kv_cache_config: KVCacheConfig, config: PoolConfig, base
             base_layers,
         )
         return kv_cache_config
-    layout = build_layout(len(physical), _sharing(config))
+    layout = shared_buffer_layout(
+        len(physical),
+        num_shared_buffers=config.layerwise_num_shared_buffers,
+        independent_layers=config.layerwise_independent_layers,
+    )
     if not layout.has_reuse:
         return kv_cache_config
     merged: list[KVCacheTensor] = []
@@ -79,15 +83,6 @@ def share_layer_buffers(kv_cache_config: KVCacheConfig, config: PoolConfig, base
             if same:
                 merged.append(_alias(same))
     return dataclasses.replace(kv_cache_config, kv_cache_tensors=merged)
-
-
-def _sharing(config: PoolConfig) -> dict[str, object]:
-    independent = config.layerwise_independent_layers
-    return {
-        "layerwise_num_shared_buffers": config.layerwise_num_shared_buffers,
-        "layerwise_independent_layers": list(independent) if isinstance(independent, tuple) else independent,
-        "layerwise_prefetch_layers": config.layerwise_prefetch_layers,
-    }
 
 
 def _alias(tensors: list[KVCacheTensor]) -> KVCacheTensor:
