@@ -1,0 +1,141 @@
+"""Messages between `EngineHost`, the zygote and the engines it forks: msgspec JSON, one per line.
+
+Runs in: the caller (workspace or engine environment) and the engine environment. Only msgspec
+and the standard library: the caller may not have vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "Completion",
+    "EngineSpec",
+    "Failure",
+    "Generate",
+    "Generated",
+    "Prompt",
+    "Ready",
+    "Spawn",
+    "Spawned",
+    "WriteModel",
+    "decode_reply",
+    "decode_request",
+    "encode",
+]
+
+
+class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine is: vLLM's `LLM` arguments that the tier uses, plus its environment.
+
+    ``kv_transfer_config`` is the dict vLLM's ``--kv-transfer-config`` takes (None: no connector).
+    ``env`` is applied in the engine's process before vLLM reads it (e.g. the OMP binding for TP 2).
+    """
+
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    kv_transfer_config: dict[str, Any] | None = None
+    seed: int = 0
+    env: dict[str, str] = {}
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One request: token ids, greedy decoding of ``max_tokens``, optional ``kv_transfer_params``.
+
+    ``kv_transfer_params`` is passed to vLLM exactly as a client would send it, garbage included.
+    """
+
+    token_ids: list[int]
+    max_tokens: int = 8
+    kv_transfer_params: Any = None
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """What vLLM returned for one prompt (``error``: the request failed on its own)."""
+
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class Spawn(msgspec.Struct, frozen=True, tag="spawn"):
+    """Zygote: fork an engine that serves on the Unix socket ``socket_path``, logging to ``log_path``."""
+
+    spec: EngineSpec
+    socket_path: str
+    log_path: str
+
+
+class WriteModel(msgspec.Struct, frozen=True, tag="write_model"):
+    """Zygote: write a tiny Llama with seeded random weights into ``path`` (see `model.write_tiny_llama`)."""
+
+    path: str
+    seed: int
+    num_layers: int = 4
+
+
+class Generate(msgspec.Struct, frozen=True, tag="generate"):
+    """Engine: run these prompts in one batch (``timeout_s`` bounds the whole call)."""
+
+    prompts: list[Prompt]
+    timeout_s: float = 120.0
+
+
+class Spawned(msgspec.Struct, frozen=True, tag="spawned"):
+    """Zygote: the engine process exists (it is ready once its socket answers `Ready`)."""
+
+    pid: int
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """Engine: constructed and serving; or zygote: a request (e.g. `WriteModel`) is done."""
+
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class Generated(msgspec.Struct, frozen=True, tag="generated"):
+    """Engine: one `Completion` per prompt, in order, and the wall time of the batch."""
+
+    completions: list[Completion]
+    seconds: float
+
+
+class Failure(msgspec.Struct, frozen=True, tag="failure"):
+    """Anything that could not be done, with the reason."""
+
+    error: str
+
+
+Request = Spawn | WriteModel | Generate
+Reply = Spawned | Ready | Generated | Failure
+
+_encoder = msgspec.json.Encoder()
+_requests = msgspec.json.Decoder(Request)
+_replies = msgspec.json.Decoder(Reply)
+
+
+def encode(message: Request | Reply) -> bytes:
+    """One message as a JSON line."""
+    return _encoder.encode(message) + b"\n"
+
+
+def decode_request(line: bytes) -> Request:
+    """Decode a request line (raises ``msgspec.DecodeError`` or ``ValidationError`` on garbage)."""
+    return _requests.decode(line)
+
+
+def decode_reply(line: bytes) -> Reply:
+    """Decode a reply line (raises ``msgspec.DecodeError`` or ``ValidationError`` on garbage)."""
+    return _replies.decode(line)
