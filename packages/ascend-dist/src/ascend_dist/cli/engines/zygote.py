@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, BinaryIO
+from typing import Any
 
 from ascend_dist.cli.engines.wire import (
     Completion,
@@ -99,27 +99,38 @@ def _completion(output: Any) -> Completion:
     )
 
 
-def _generate(llm: Any, request: Generate) -> Generated:
+def _generate(llm: Any, request: Generate, counter: list[int]) -> Generated:
+    """Run the batch through the engine's own step loop (`LLM.generate` does the same), with a deadline."""
     from vllm import SamplingParams
 
-    params = [
-        SamplingParams(
+    engine = llm.llm_engine
+    ids = []
+    for p in request.prompts:
+        counter[0] += 1
+        rid = p.request_id or f"req-{counter[0]}"
+        params = SamplingParams(
             max_tokens=p.max_tokens,
             temperature=0.0,
             logprobs=1,
             detokenize=False,
             extra_args={"kv_transfer_params": p.kv_transfer_params} if p.kv_transfer_params is not None else None,
         )
-        for p in request.prompts
-    ]
-    prompts = [{"prompt_token_ids": list(p.token_ids)} for p in request.prompts]
+        engine.add_request(rid, {"prompt_token_ids": list(p.token_ids)}, params)
+        ids.append(rid)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return Generated([_completion(o) for o in outputs], time.perf_counter() - start)
-
-
-def _read_line(stream: BinaryIO) -> bytes:
-    return stream.readline()
+    deadline = time.monotonic() + request.timeout_s
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            engine.abort_request([r for r in ids if r not in done])
+            raise TimeoutError(f"{len(ids) - len(done)} of {len(ids)} requests unfinished after {request.timeout_s} s")
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    missing = [r for r in ids if r not in done]
+    if missing:
+        raise RuntimeError(f"the engine returned no output for {missing}")
+    return Generated([_completion(done[r]) for r in ids], time.perf_counter() - start)
 
 
 def serve_engine(request: Spawn) -> None:
@@ -147,12 +158,13 @@ def serve_engine(request: Spawn) -> None:
         os._exit(3)
     stream.write(encode(Ready(seconds=time.perf_counter() - start)))
     stream.flush()
-    while line := _read_line(stream):
+    counter = [0]
+    while line := stream.readline():
         try:
             message = decode_request(line)
             if not isinstance(message, Generate):
                 raise TypeError(f"an engine serves only generate, not {type(message).__name__}")
-            reply: Generated | Failure = _generate(llm, message)
+            reply: Generated | Failure = _generate(llm, message, counter)
         except Exception as exc:  # the batch failed; the caller decides whether the engine is still usable
             traceback.print_exc()
             reply = Failure(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,43 @@
+"""Fixtures of the engine tier: real vLLM engines (vLLM's CPU build) generating tokens.
+
+Runs under the engine environment's Python (``nox -s engine``). One zygote serves the whole run;
+models are written once; the reference engine (no connector) is shared. Engines with a connector
+live as long as their module (or test, when a test kills one). Helpers are in `engine_tier`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # --import-mode=importlib: make `engine_tier` importable
+    sys.path.insert(0, str(HERE))
+
+from ascend_dist.cli.engines.host import Engine, EngineHost  # noqa: E402
+from ascend_dist.cli.engines.wire import EngineSpec  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
+    with EngineHost(python=sys.executable, workdir=tmp_path_factory.mktemp("engines")) as h:
+        yield h
+
+
+@pytest.fixture(scope="session")
+def models(host: EngineHost, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``a``: the model everyone serves; ``b``: other weights under the same name (the control's producer)."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "a": host.write_model(root / "a" / "tiny", seed=1),
+        "b": host.write_model(root / "b" / "tiny", seed=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def reference(host: EngineHost, models: dict[str, Path]) -> Engine:
+    """The same model without a connector: what every transfer must reproduce."""
+    return host.spawn(EngineSpec(model=str(models["a"])), "reference")

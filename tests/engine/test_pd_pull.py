@@ -1,0 +1,94 @@
+"""`MooncakeConnectorV1` between two real vLLM engines: D continues from P's KV cache, byte for byte.
+
+Checks: D equals the no-connector reference; the control (P on other weights under the same name
+changes every D output, so D really decoded P's bytes); P killed after its prefill -> D recomputes,
+same output, within a deadline; `AscendMultiConnector` with a pull child in the same pair.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from engine_tier import assert_same_output, free_port_base, local, make_prompts
+
+from ascend_dist.cli.engines.host import Engine, EngineHost
+from ascend_dist.cli.engines.pd import disaggregated_generate, pull_connector_config
+from ascend_dist.cli.engines.wire import EngineSpec, Prompt
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+CONNECTOR = "MooncakeConnectorV1"
+# D gives up on an unreachable P quickly, so the kill test finishes well inside its deadline.
+FAST_FAILURE = {"rpc_timeout_s": 1.0, "rpc_retries": 2, "pull_timeout_s": 20.0}
+
+
+def producer(host: EngineHost, model: Path, engine_id: str, name: str) -> Engine:
+    config = pull_connector_config(CONNECTOR, "kv_producer", engine_id=engine_id, kv_port=free_port_base(1))
+    return host.spawn(EngineSpec(model=str(model), kv_transfer_config=config), name)
+
+
+@pytest.fixture(scope="module")
+def pair(host: EngineHost, models: dict[str, Path]) -> tuple[Engine, Engine]:
+    p = producer(host, models["a"], "pull-p", "pull-P")
+    config = pull_connector_config(
+        CONNECTOR, "kv_consumer", engine_id="pull-d", kv_port=free_port_base(1), extra=FAST_FAILURE
+    )
+    d = host.spawn(EngineSpec(model=str(models["a"]), kv_transfer_config=config), "pull-D")
+    yield p, d
+    p.close()
+    d.close()
+
+
+def test_decode_continues_from_prefill(pair: tuple[Engine, Engine], reference: Engine) -> None:
+    p, d = pair
+    prompts = make_prompts(101)
+    out = disaggregated_generate(p, d, prompts)
+    for r in out:
+        assert r.prefill.kv_transfer_params is not None
+        assert r.prefill.kv_transfer_params["do_remote_prefill"] is True
+    assert_same_output([r.decode for r in out], reference.generate(local(prompts)))
+
+
+def test_control_producer_on_other_weights_changes_every_output(
+    host: EngineHost, models: dict[str, Path], pair: tuple[Engine, Engine], reference: Engine
+) -> None:
+    """The same D, fed by a P whose weights differ: if D used P's bytes, no output can match."""
+    _, d = pair
+    other = producer(host, models["b"], "pull-p-other", "pull-P-other-weights")
+    try:
+        prompts = make_prompts(202)
+        out = disaggregated_generate(other, d, prompts)
+        want = reference.generate(local(prompts))
+        for i, (r, w) in enumerate(zip(out, want, strict=True)):
+            assert r.decode.error is None
+            assert r.decode.token_ids != w.token_ids, f"prompt {i}: D ignored the transferred KV"
+    finally:
+        other.close()
+
+
+def test_prefill_killed_after_prefill_decode_recomputes(
+    host: EngineHost, models: dict[str, Path], pair: tuple[Engine, Engine], reference: Engine
+) -> None:
+    _, d = pair
+    doomed = producer(host, models["a"], "pull-p-doomed", "pull-P-killed")
+    prompts = make_prompts(303)
+    first = doomed.generate(
+        [Prompt(token_ids=p, max_tokens=1, kv_transfer_params={"do_remote_decode": True}) for p in prompts]
+    )
+    doomed.kill()
+    start = time.monotonic()
+    got = d.generate(
+        [
+            Prompt(token_ids=p, max_tokens=8, kv_transfer_params=c.kv_transfer_params)
+            for p, c in zip(prompts, first, strict=True)
+        ],
+        timeout_s=90,
+    )
+    elapsed = time.monotonic() - start
+    assert_same_output(got, reference.generate(local(prompts)))
+    assert elapsed < 60, f"D took {elapsed:.1f} s to give up on a dead P"
+    # D still serves the live pair afterwards.
+    again = make_prompts(304, (100,))
+    assert_same_output([r.decode for r in disaggregated_generate(pair[0], d, again)], reference.generate(local(again)))
