@@ -11,7 +11,6 @@ from ascend_dist.kv_mooncake.plan import (
     HeadSlice,
     PullMode,
     TensorGeom,
-    build_pull_descriptors,
     check_coverage,
     head_range,
     layer_index,
@@ -22,6 +21,7 @@ from ascend_dist.kv_mooncake.plan import (
     select_sources,
     trim_block_ids,
 )
+from ascend_dist.kv_mooncake.pull_descriptors import build_pull_descriptors
 
 
 def test_head_range_with_and_without_replication() -> None:

@@ -142,6 +142,16 @@ def test_collect_warns_on_non_contiguous(caplog: pytest.LogCaptureFixture) -> No
     assert regions.lengths == (base.numel() * 4,)
 
 
+def test_collect_registers_the_span_of_a_strided_view() -> None:
+    """One layer of a block-outermost cache: its blocks lie a packed block (all layers' pages) apart."""
+    buf = torch.zeros(4 * 3 * 64, dtype=torch.int8)  # 4 blocks x 3 layers x 64-byte pages
+    layer1 = buf.as_strided((4, 64), (3 * 64, 1), storage_offset=64)
+    regions = collect_storage_merged_register_regions([layer1])
+    assert regions.ptrs == (layer1.data_ptr(),)
+    assert regions.lengths == (3 * 3 * 64 + 64,)  # to the end of its last block, not 4 * 64
+    assert regions.logical_total_bytes == 4 * 64
+
+
 def test_region_count_limit() -> None:
     ok = RegisterRegions(tuple(range(0, 256 * 8192, 8192)), (4096,) * 256)
     validate_register_region_count(ok)

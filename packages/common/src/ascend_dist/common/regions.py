@@ -247,7 +247,9 @@ def collect_storage_merged_register_regions(kv_caches: object) -> RegisterRegion
     """Compute the regions to register for a nest of KV-cache tensors, merged per storage.
 
     Every non-empty tensor contributes ``[data_ptr, data_ptr + nbytes)``; a non-contiguous tensor
-    is logged at WARNING (its logical `nbytes` is still used). Ranges are grouped by storage (in
+    (a strided view, e.g. one layer of a block-outermost KV cache, whose blocks lie further apart
+    than its logical bytes) contributes the bytes it spans, from its first to its last addressed
+    byte, and is logged at WARNING. Ranges are grouped by storage (in
     first-seen order), sorted and merged with `merge_ranges` (gap `MERGE_GAP_BYTES`). Ranges of
     different storages are never merged.
 
@@ -267,15 +269,18 @@ def collect_storage_merged_register_regions(kv_caches: object) -> RegisterRegion
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             continue
+        span = nbytes
         if not tensor.is_contiguous():
+            last = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+            span = max(nbytes, (last + 1) * tensor.element_size())
             logger.warning(
-                "KV-cache tensor shape=%s stride=%s is not contiguous; registering its %d logical bytes",
+                "KV-cache tensor shape=%s stride=%s is not contiguous; registering the %d bytes it spans",
                 tuple(tensor.shape),
                 tuple(tensor.stride()),
-                nbytes,
+                span,
             )
         start = tensor.data_ptr()
-        per_storage.setdefault(tensor_storage_key(tensor), []).append(RegisterRange(start, start + nbytes))
+        per_storage.setdefault(tensor_storage_key(tensor), []).append(RegisterRange(start, start + span))
         count += 1
         total += nbytes
     merged = [region for ranges in per_storage.values() for region in merge_ranges(ranges)]

@@ -46,7 +46,11 @@ PROTOCOL_VERSION = 1
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
-    """One registered KV tensor: ``[base, block_len, stride, tokens, heads, head_bytes]``."""
+    """One registered KV tensor: ``[base, block_len, stride, tokens, heads, head_bytes, head_major]``.
+
+    ``head_major``: the block is ``[heads][tokens][content]`` (vLLM's HND layouts), not
+    ``[tokens][heads][content]``; absent on the wire means token-major.
+    """
 
     base: int
     block_len: int
@@ -54,6 +58,7 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
     tokens: int
     heads: int
     head_bytes: int
+    head_major: bool = False
 
 
 class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,9 +7,10 @@ TP heterogeneity is handled in both directions by one head-slice planner (`selec
 
 * ``P_tp == D_tp``: rank d pulls from rank d, whole blocks (`PullMode.WHOLE`).
 * ``P_tp > D_tp``: D rank d pulls ``pulls`` P ranks' whole blocks stacked into its block
-  (`PullMode.STACKED`), then reformats ``[pull][token][heads]`` -> ``[token][pull*heads]``.
+  (`PullMode.STACKED`), then reformats ``[pull][token][heads]`` -> ``[token][pull*heads]``
+  (head-major blocks ``[heads][token]`` are already in D's order: no reformat).
 * ``P_tp < D_tp`` (rejected upstream): D rank d pulls its head sub-slice of every token row of one
-  P rank (`PullMode.ROWS`), so nothing needs reformatting.
+  P rank (`PullMode.ROWS`; head-major: one run per block), so nothing needs reformatting.
 
 When P replicates heads (``P_tp > heads``), the replica is chosen by a PRNG seeded from the P
 request id: the rule is `PLAN_VERSION` 1 and is part of the handshake compatibility fields, so both
@@ -26,9 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-from ascend_dist.common.descriptors import Descriptors, build_layer_descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError
 from ascend_dist.common.hashing import string_to_int64_hash
 
@@ -37,7 +36,6 @@ __all__ = [
     "HeadSlice",
     "PullMode",
     "TensorGeom",
-    "build_pull_descriptors",
     "check_coverage",
     "head_range",
     "layer_index",
@@ -73,7 +71,11 @@ class HeadSlice:
 
 @dataclass(frozen=True)
 class TensorGeom:
-    """Geometry of one KV tensor ``[blocks, tokens, heads, head]`` as registered.
+    """Geometry of one registered KV tensor: dense blocks of ``tokens x heads`` cells of ``head_bytes``.
+
+    Inside a block the cells are either token-major (``[tokens][heads][content]``, vllm-ascend's
+    and FlashAttention's NHD) or head-major (``[heads][tokens][content]``, vLLM's CPU and
+    FlashInfer HND layouts); `ascend_dist.kv_mooncake.kv_geometry` reads which from the strides.
 
     Attributes:
         base: Address of block 0.
@@ -81,7 +83,10 @@ class TensorGeom:
         stride: Bytes between consecutive blocks (>= block_len).
         tokens: Tokens per block.
         heads: KV heads held by this rank (1 for MLA).
-        head_bytes: Bytes of one head of one token.
+        head_bytes: Bytes of one head of one token (vLLM's fused layouts: K and V together).
+        head_major: Heads outside tokens inside a block: the layout's order, as the strides show
+            it (with one head per rank both orders are the same bytes; planning then goes by the
+            other side's order).
     """
 
     base: int
@@ -90,6 +95,7 @@ class TensorGeom:
     tokens: int
     heads: int
     head_bytes: int
+    head_major: bool = False
 
     def __post_init__(self) -> None:
         if self.block_len != self.tokens * self.heads * self.head_bytes:
@@ -278,99 +284,3 @@ def layer_index(name: str) -> int:
     if match is None:
         raise ConfigError("layer_name", name, "a name with a numeric layer component, e.g. 'model.layers.3.attn'")
     return int(match.group(1))
-
-
-def _arr(values: Sequence[int]) -> npt.NDArray[np.int64]:
-    return np.asarray(values, dtype=np.int64)
-
-
-def _check_pair(local: Sequence[TensorGeom], remote: Sequence[TensorGeom]) -> None:
-    if len(local) != len(remote):
-        raise LayoutError("tensors", len(remote), f"{len(local)} tensors per layer as on D")
-    for i, (lg, rg) in enumerate(zip(local, remote, strict=True)):
-        if lg.tokens != rg.tokens or lg.head_bytes != rg.head_bytes:
-            raise LayoutError(
-                f"tensor {i} geometry",
-                (rg.tokens, rg.head_bytes),
-                f"block tokens and head bytes as on D {(lg.tokens, lg.head_bytes)}",
-            )
-
-
-def build_pull_descriptors(
-    local: Sequence[TensorGeom],
-    remote: Sequence[TensorGeom],
-    local_ids: Sequence[int],
-    remote_ids: Sequence[int],
-    *,
-    slices: Sequence[HeadSlice],
-    p_rank: int,
-) -> Descriptors:
-    """Descriptors pulling the blocks of one P rank into D's blocks, for many tensors at once.
-
-    Args:
-        local: D's tensors (all layers and parts pulled from this P rank).
-        remote: The same tensors on P, in the same order.
-        local_ids: D's block ids.
-        remote_ids: P's block ids, one per local id.
-        slices: The request's head slices for this D rank (all P ranks).
-        p_rank: The P tp rank these descriptors read from.
-
-    Returns:
-        The batch (contiguous block runs merge into one descriptor in `PullMode.WHOLE`).
-
-    Raises:
-        LayoutError: The two sides' tensors do not match.
-    """
-    _check_pair(local, remote)
-    if not local:
-        return Descriptors.empty()
-    mode = pull_mode(slices, remote[0].heads, local[0].heads)
-    mine = [s for s in slices if s.p_rank == p_rank]
-    if not mine:
-        return Descriptors.empty()
-    lstride, rstride = _arr([g.stride for g in local]), _arr([g.stride for g in remote])
-    lbase, rbase = _arr([g.base for g in local]), _arr([g.base for g in remote])
-    if mode is PullMode.WHOLE:
-        return build_layer_descriptors(
-            lbase,
-            rbase,
-            local_ids,
-            remote_ids,
-            block_len=_arr([g.block_len for g in local]),
-            local_stride=lstride,
-            remote_stride=rstride,
-        )
-    if mode is PullMode.STACKED:
-        parts = []
-        for s in mine:
-            inner = _arr([g.block_len for g in remote])
-            parts.append(
-                build_layer_descriptors(
-                    lbase,
-                    rbase,
-                    local_ids,
-                    remote_ids,
-                    block_len=inner,
-                    local_stride=lstride,
-                    remote_stride=rstride,
-                    local_offset=inner * (s.dst_head // s.n_heads),
-                )
-            )
-        return Descriptors.concat(parts)
-    s = mine[0]
-    tokens = local[0].tokens
-    t = np.arange(tokens, dtype=np.int64)
-    hb = _arr([g.head_bytes for g in local])
-    l_row = _arr([g.heads for g in local]) * hb
-    r_row = _arr([g.heads for g in remote]) * hb
-    lb = (lbase[:, None] + t[None, :] * l_row[:, None]).reshape(-1)
-    rb = (rbase[:, None] + t[None, :] * r_row[:, None] + s.src_head * hb[:, None]).reshape(-1)
-    return build_layer_descriptors(
-        lb,
-        rb,
-        local_ids,
-        remote_ids,
-        block_len=np.repeat(s.n_heads * hb, tokens),
-        local_stride=np.repeat(lstride, tokens),
-        remote_stride=np.repeat(rstride, tokens),
-    )

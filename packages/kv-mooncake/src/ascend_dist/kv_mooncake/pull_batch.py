@@ -26,7 +26,7 @@ from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError, ProtocolError
 from ascend_dist.kv_mooncake.cp_plan import CpShard
 from ascend_dist.kv_mooncake.messages import AgentMetadata, TensorMeta
-from ascend_dist.kv_mooncake.plan import HeadSlice, TensorGeom, build_pull_descriptors
+from ascend_dist.kv_mooncake.plan import HeadSlice, TensorGeom
 from ascend_dist.kv_mooncake.plan_groups import (
     StateGeom,
     StateLayout,
@@ -34,6 +34,7 @@ from ascend_dist.kv_mooncake.plan_groups import (
     state_descriptors,
     state_source_ranks,
 )
+from ascend_dist.kv_mooncake.pull_descriptors import build_pull_descriptors
 from ascend_dist.kv_mooncake.scheduler import ReqMeta
 
 __all__ = ["LocalCache", "TaskBatch", "check_peer_rank", "group_pairs", "task_batch"]
@@ -104,7 +105,7 @@ def check_peer_rank(agent: AgentMetadata, *, port: int, pp_rank: int, tp_rank: i
 
 
 def _geom(t: TensorMeta) -> TensorGeom:
-    return TensorGeom(t.base, t.block_len, t.stride, t.tokens, t.heads, t.head_bytes)
+    return TensorGeom(t.base, t.block_len, t.stride, t.tokens, t.heads, t.head_bytes, t.head_major)
 
 
 def _check_ids(remote_ids: Sequence[int], agent: AgentMetadata, scale: int = 1) -> None:
@@ -116,11 +117,16 @@ def _sub_blocks(geom: TensorGeom, r: int) -> TensorGeom:
     """D's block as ``r`` sub-blocks of P's size (CP with ``Bd = r * Bp``, spec §5.11).
 
     Sub-block ``x`` is tokens ``(x % r) * Bp ..`` of block ``x // r``: linear in ``x`` only for
-    dense blocks.
+    dense token-major blocks (in a head-major block a token range is one run per head).
 
     Raises:
-        LayoutError: D's blocks are not dense (stride != block length) or not divisible by ``r``.
+        LayoutError: D's blocks are head-major, not dense (stride != block length) or not
+            divisible by ``r``.
     """
+    if geom.head_major:
+        raise LayoutError(
+            "D block order", "head-major", f"token-major to read D's blocks as {r} P-sized sub-blocks (CP)"
+        )
     if geom.stride != geom.block_len or geom.tokens % r:
         raise LayoutError("D block stride", geom.stride, f"= block_len ({geom.block_len}) to split blocks by {r}")
     sub = geom.block_len // r

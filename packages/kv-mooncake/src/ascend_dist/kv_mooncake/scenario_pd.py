@@ -22,8 +22,9 @@ from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioR
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.peer_process import PeerProcess, PInstance, free_port_range
-from ascend_dist.kv_mooncake.plan import TensorGeom, build_pull_descriptors, plan_block_pairs, select_sources
+from ascend_dist.kv_mooncake.plan import TensorGeom, plan_block_pairs, select_sources
 from ascend_dist.kv_mooncake.pull_batch import task_batch
+from ascend_dist.kv_mooncake.pull_descriptors import build_pull_descriptors
 from ascend_dist.kv_mooncake.scheduler import ReqMeta
 from ascend_dist.kv_mooncake.synthetic import Model, SyntheticInstance
 

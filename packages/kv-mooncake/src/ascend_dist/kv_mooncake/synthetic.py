@@ -17,13 +17,15 @@ import torch
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.engine import TransferBackend
+from ascend_dist.kv_mooncake.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.plan import head_range, pp_layer_ranges
 from ascend_dist.kv_mooncake.scheduler import PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.synthetic_common import aggregate_ranks, wait_received
+from ascend_dist.kv_mooncake.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
 from ascend_dist.kv_mooncake.synthetic_state import StateShape
 from ascend_dist.kv_mooncake.worker import PullWorker
 
-__all__ = ["Model", "SyntheticInstance", "pattern"]
+__all__ = ["Model", "SyntheticInstance", "block_view", "pattern"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Model:
         state: Sizes of a state layer (a dict of `StateShape` fields).
         kernel_block_size: Tokens of the attention kernel's block (0: ``block_size``); the
             tensors then hold ``block_size / kernel_block_size`` kernel blocks per logical block.
+        layout: How the attention tensors are laid out (`synthetic_layouts.LAYOUTS`): ``""``
+            vllm-ascend's (K, V) tuple, ``legacy-NHD``/``legacy-HND`` one ``[2, ...]`` tensor, or a
+            vLLM >= 0.32 layout name (``LBHNC``, ``LBNHC``, ``BLHNC``, ...).
     """
 
     layers: int = 4
@@ -57,6 +62,7 @@ class Model:
     state_groups: tuple[int, ...] = ()
     state: dict[str, int] = field(default_factory=dict)
     kernel_block_size: int = 0
+    layout: str = ""
 
     @property
     def state_shape(self) -> StateShape:
@@ -74,6 +80,11 @@ class Model:
     def part_dims(self) -> list[int]:
         """Element width of each tensor of a layer."""
         return [self.head_dim, max(1, self.head_dim // 8)] if self.mla else [self.head_dim, self.head_dim]
+
+
+def block_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[blocks * s, kernel, heads, dim]`` as ``[blocks, s, kernel, heads, dim]`` (a view, any strides)."""
+    return t.unflatten(0, (num_blocks, -1))
 
 
 def pattern(
@@ -140,34 +151,41 @@ class SyntheticInstance:
     def _make_rank(self, tp: int, pp: int, layers: list[int], pcp: int = 0) -> _Rank:
         m = self.model
         _, count = self._heads(tp)
-        dims = m.part_dims()
-        per_layer = sum(m.num_blocks * m.block_size * count * d for d in dims)
-        storage = torch.zeros(per_layer * len(layers), dtype=torch.int16)
-        caches: dict[str, tuple[torch.Tensor, ...]] = {}
-        offset = 0
+        kernel = m.kernel_block_size or m.block_size  # kernel blocks: [blocks * scale, kernel, ...]
+        attention = [m.layer_name(i) for i in layers if not m.is_state(i)]
+        built = build_attention_caches(
+            m.layout,
+            attention,
+            blocks=m.num_blocks * (m.block_size // kernel),
+            tokens=kernel,
+            heads=count,
+            dims=m.part_dims(),
+            mla=m.mla,
+        )
+        raw: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = dict(built.raw)
+        caches: dict[str, tuple[torch.Tensor, ...]] = dict(built.rows)
         for i in layers:
             if m.is_state(i):
-                caches[m.layer_name(i)] = m.state_shape.empty(m.num_blocks, self.tp)
-                continue
-            parts = []
-            for d in dims:
-                n = m.num_blocks * m.block_size * count * d
-                kernel = m.kernel_block_size or m.block_size  # kernel blocks: [blocks * scale, kernel, ...]
-                parts.append(storage[offset : offset + n].view(-1, kernel, count, d))
-                offset += n
-            caches[m.layer_name(i)] = tuple(parts)
+                raw[m.layer_name(i)] = caches[m.layer_name(i)] = m.state_shape.empty(m.num_blocks, self.tp)
+        native = m.layout in NATIVE_LAYOUTS
+        parts, layout = label_kv_caches(
+            {m.layer_name(i): raw[m.layer_name(i)] for i in layers},
+            native=native,
+            layout_name=m.layout if native else "",
+        )
         worker = PullWorker(
             self.config, tp_rank=tp, pp_rank=pp, pcp_rank=pcp, num_kv_heads=m.heads, use_mla=m.mla, engine=self.engine
         )
         groups = [[m.layer_name(i) for i in layers if i % m.groups == g] for g in range(m.groups)]
         p_tp = self.config.prefill.tp_size
         worker.register_kv_caches(
-            caches,
+            parts,
             groups=groups,
             num_blocks=m.num_blocks,
             block_size=m.block_size,
             state_groups=list(m.state_groups),
             state_layout=m.state_shape.layout(p_tp) if m.state_groups and p_tp > self.tp else None,
+            layout=layout,
         )
         return _Rank(tp, pp, pcp * self.dcp + tp % self.dcp, layers, caches, worker)
 
@@ -219,9 +237,8 @@ class SyntheticInstance:
                     continue
                 pos = self._positions(first_position // m.block_size, r.cp_index, len(ids))
                 for part, t in enumerate(r.caches[m.layer_name(i)]):
-                    t.view(m.num_blocks, m.block_size, *t.shape[2:])[torch.tensor(ids)] = pattern(
-                        seed, i, part, heads, pos, dim=t.shape[3]
-                    )
+                    want = pattern(seed, i, part, heads, pos, dim=t.shape[3])
+                    block_view(t, m.num_blocks)[torch.tensor(ids)] = want.unflatten(1, (-1, t.shape[1]))
 
     def _fill_state(self, r: _Rank, layer: int, ids: Sequence[int], seed: int) -> None:
         """P's state blocks of a request: the last holds the request's state, the others decoys."""
@@ -310,7 +327,7 @@ class SyntheticInstance:
                 if not ids:
                     continue
                 for part, t in enumerate(r.caches[m.layer_name(i)]):
-                    got = t.view(m.num_blocks, m.block_size, *t.shape[2:])[torch.tensor(ids)]
+                    got = block_view(t, m.num_blocks)[torch.tensor(ids)].flatten(1, 2)
                     want = pattern(seed, i, part, heads, pos, dim=t.shape[3])
                     if not torch.equal(got[mask], want[mask]):
                         raise AssertionError(f"{rid}: layer {i} part {part} rank tp{r.tp} differs from P's bytes")

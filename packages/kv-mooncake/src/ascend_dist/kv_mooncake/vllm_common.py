@@ -2,12 +2,15 @@
 
 Runs in: vLLM's scheduler and worker processes. An adapter module (it imports vLLM and torch): it
 reads the ``kv_transfer_config`` into a connector's config, finds this worker's parallel ranks,
-splits vLLM's per-layer caches into the tensors the workers register, and applies one rule to how
-D's failed loads reach vLLM.
+splits vLLM's per-layer caches into the tensors the workers register (labelled with their logical
+axes and vLLM's resolved KV-cache layout, `read_kv_caches`), and applies one rule to how D's
+failed loads reach vLLM.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,11 +18,23 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.kv_geometry import CacheLayout
+from ascend_dist.kv_mooncake.kv_views import label_kv_caches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["block_load_errors", "connector_config", "parallel_ranks", "split_kv_caches", "transfer_results"]
+__all__ = [
+    "block_load_errors",
+    "connector_config",
+    "kv_cache_layout_name",
+    "parallel_ranks",
+    "read_kv_caches",
+    "split_kv_caches",
+    "transfer_results",
+]
+
+logger = logging.getLogger(__name__)
 
 ConfigT = TypeVar("ConfigT")
 
@@ -62,19 +77,40 @@ def parallel_ranks() -> tuple[int, int, int]:
     )
 
 
-def split_kv_caches(kv_caches: Mapping[str, Any]) -> dict[str, list[torch.Tensor]]:
-    """Split vLLM's layer -> cache dict into a list of tensors per layer.
+def _native_views() -> bool:
+    """Whether this vLLM hands connectors its own ``[B, H, N, C]`` per-layer views (vLLM >= 0.32)."""
+    try:
+        return importlib.util.find_spec("vllm.v1.kv_cache_layout") is not None
+    except (ImportError, ValueError):
+        return False
 
-    A ``[2, blocks, ...]`` tensor is split into K and V, any other tensor (MLA) kept whole, and a
-    list (e.g. Mamba's conv and SSM states) taken as it is.
+
+def kv_cache_layout_name(vllm_config: VllmConfig) -> str:
+    """VLLM's resolved physical KV-cache layout (``"LBHNC"``, ...); ``""`` before vLLM 0.32 or unresolved."""
+    name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    return str(name) if name else ""
+
+
+def read_kv_caches(
+    kv_caches: Mapping[str, Any], vllm_config: VllmConfig
+) -> tuple[dict[str, list[torch.Tensor]], CacheLayout]:
+    """Split vLLM's layer -> cache dict into tensors per layer, labelled with their logical axes.
+
+    vLLM >= 0.32 hands one ``[B, H, N, C]`` view per attention layer (physical order: the
+    resolved ``cache_config.kv_cache_layout``); a legacy ``[2, blocks, ...]`` tensor is split into
+    K and V (``[B, N, H, D]``, any stride order); tuples (vllm-ascend's K/V or nope/rope, Mamba's
+    states) are taken as they are (see `kv_views.label_kv_caches`). The workers then read each
+    tensor's block geometry from its strides.
     """
-    parts: dict[str, list[torch.Tensor]] = {}
-    for name, t in kv_caches.items():
-        if isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[0] == 2:
-            parts[name] = [t[0], t[1]]
-        else:
-            parts[name] = [t] if isinstance(t, torch.Tensor) else list(t)
-    return parts
+    native = _native_views()
+    parts, layout = label_kv_caches(kv_caches, native=native, layout_name=kv_cache_layout_name(vllm_config))
+    logger.info("KV caches of %d layers, layout %s", len(parts), layout.name or "from strides")
+    return parts, layout
+
+
+def split_kv_caches(kv_caches: Mapping[str, Any]) -> dict[str, list[torch.Tensor]]:
+    """`read_kv_caches` without vLLM's layout: legacy ``[2, blocks, ...]`` split, everything else as given."""
+    return label_kv_caches(kv_caches)[0]
 
 
 # How D's failed loads reach vLLM 0.33. Block ids repeat across KV-cache groups, so for a model with

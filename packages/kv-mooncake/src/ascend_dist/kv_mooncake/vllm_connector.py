@@ -31,7 +31,7 @@ from ascend_dist.kv_mooncake.vllm_common import (
     block_load_errors,
     connector_config,
     parallel_ranks,
-    split_kv_caches,
+    read_kv_caches,
     transfer_results,
 )
 from ascend_dist.kv_mooncake.worker import PullWorker
@@ -216,8 +216,12 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register vLLM's caches: ``[2, blocks, ...]`` split K/V, or one MLA tensor per layer."""
-        parts = split_kv_caches(kv_caches)
+        """Register vLLM's caches: ``[B, H, N, C]`` views (vLLM >= 0.32), split K/V, or MLA tensors.
+
+        Raises:
+            LayoutError: A tensor's layout cannot be served (e.g. vLLM's ``LHBNC``); names the layout.
+        """
+        parts, layout = read_kv_caches(kv_caches, self._vllm_config)
         groups = [[n for n in g if n in parts] for g in self._groups]
         self._work().register_kv_caches(
             parts,
@@ -226,6 +230,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             block_size=self._block_size,
             state_groups=self._state_groups,
             state_layout=self._state_layout,
+            layout=layout,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -21,6 +21,8 @@ from ascend_dist.common.zmq_server import RpcServer
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.cp_plan import cp_layouts, cp_p_fan_in
 from ascend_dist.kv_mooncake.engine import TransferBackend, get_engine
+from ascend_dist.kv_mooncake.kv_geometry import CacheLayout, layout_label
+from ascend_dist.kv_mooncake.kv_views import layer_axes, state_geometry, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.messages import (
     PROTOCOL,
     PROTOCOL_VERSION,
@@ -37,57 +39,18 @@ from ascend_dist.kv_mooncake.messages import (
     reply_codec,
     request_codec,
 )
-from ascend_dist.kv_mooncake.plan import PLAN_VERSION, TensorGeom
+from ascend_dist.kv_mooncake.plan import PLAN_VERSION
 from ascend_dist.kv_mooncake.plan_groups import StateLayout, source_fan_in, state_source_ranks
 from ascend_dist.kv_mooncake.pull_batch import LocalCache
 from ascend_dist.kv_mooncake.scheduler import PullMetadata
 from ascend_dist.kv_mooncake.threads import Receiver
 from ascend_dist.kv_mooncake.tracker import SendTracker
 
-__all__ = ["KVCaches", "PullWorker", "state_geometry", "tensor_geometry"]
+__all__ = ["KVCaches", "PullWorker", "state_geometry", "tensor_geometry"]  # the geometry lives in kv_views
 
 logger = logging.getLogger(__name__)
 
 KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
-
-
-def tensor_geometry(name: str, t: torch.Tensor, num_blocks: int) -> TensorGeom:
-    """Geometry of ``[blocks, tokens, heads, head_dim]`` (or ``[blocks, tokens, dim]``: one head).
-
-    ``blocks`` may be ``scale * num_blocks`` kernel blocks of ``block_size / scale`` tokens each
-    (spec §5.4.3: the attention kernel's block is smaller than vLLM's logical block); the geometry
-    then describes one kernel block.
-
-    Raises:
-        LayoutError: Wrong rank, block count, or inner dimensions not contiguous.
-    """
-    if t.dim() == 3:
-        t = t.unsqueeze(2)
-    if t.dim() != 4:
-        raise LayoutError(f"{name}.shape", tuple(t.shape), "[blocks, tokens, heads, head_dim] or [blocks, tokens, dim]")
-    if num_blocks <= 0 or t.shape[0] % num_blocks:
-        raise LayoutError(
-            f"{name}.shape[0]", t.shape[0], f"a multiple of num_blocks ({num_blocks}): kernel blocks per logical block"
-        )
-    _, tokens, heads, dim = t.shape
-    if t.stride(3) != 1 or t.stride(2) != dim or t.stride(1) != heads * dim:
-        raise LayoutError(f"{name}.stride", t.stride(), "contiguous [tokens, heads, head_dim] inside each block")
-    elt = t.element_size()
-    return TensorGeom(t.data_ptr(), tokens * heads * dim * elt, t.stride(0) * elt, tokens, heads, dim * elt)
-
-
-def state_geometry(name: str, t: torch.Tensor, num_blocks: int) -> TensorGeom:
-    """Geometry of a state (Mamba conv or ssm) tensor ``[blocks, ...]``: one opaque block of bytes.
-
-    Raises:
-        LayoutError: Wrong block count, or a block that is not contiguous.
-    """
-    if t.dim() < 2 or t.shape[0] != num_blocks:
-        raise LayoutError(f"{name}.shape", tuple(t.shape), f"[num_blocks={num_blocks}, ...] (a state tensor)")
-    if not t[0].is_contiguous():
-        raise LayoutError(f"{name}.stride", t.stride(), "each state block contiguous")
-    block_len = t[0].numel() * t.element_size()
-    return TensorGeom(t.data_ptr(), block_len, t.stride(0) * t.element_size(), 1, 1, block_len)
 
 
 def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -141,7 +104,9 @@ class PullWorker:
         self._handshake: Handshake | None = None
         self._requests: Codec[Request] = request_codec(config.max_message_bytes)
         self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
-        self._layout = "mla" if use_mla else "split_kv"
+        self._layout = "mla/NHD" if use_mla else "kv/NHD"  # kind/order; set from the tensors at registration
+        self._head_major: dict[str, list[bool]] = {}
+        self._axes: dict[str, list[str]] = {}
         self._state_groups: list[int] = []
         self._has_attention = True
 
@@ -207,6 +172,7 @@ class PullWorker:
         block_size: int,
         state_groups: Sequence[int] = (),
         state_layout: StateLayout | None = None,
+        layout: CacheLayout | None = None,
     ) -> None:
         """Register the KV cache, then start the server (P) or the receiver (D).
 
@@ -219,9 +185,11 @@ class PullWorker:
             state_groups: Indices of the state (Mamba) groups in ``groups``.
             state_layout: D with ``P_tp > D_tp`` and state groups: the conv row's sub-projection
                 sizes per P rank (spec §5.13.3).
+            layout: The tensors' logical axes and the engine's layout name
+                (`kv_views.label_kv_caches`); default vllm-ascend's ``[blocks, tokens, heads, dim]``.
 
         Raises:
-            LayoutError: A tensor's layout is unsupported.
+            LayoutError: A tensor's layout is unsupported (the error names the layout).
             ConfigError: A layer of ``groups`` is missing from ``kv_caches``, a state group index
                 is out of range, or state groups are combined with context parallelism.
         """
@@ -233,7 +201,10 @@ class PullWorker:
         state_layers = {n for g in states for n in groups[g]}
         layers = {
             name: [
-                (state_geometry if name in state_layers else tensor_geometry)(name, t, num_blocks) for t in _tensors(v)
+                state_geometry(name, t, num_blocks)
+                if name in state_layers
+                else tensor_geometry(name, t, num_blocks, layout)
+                for t in _tensors(v)
             ]
             for name, v in kv_caches.items()
         }
@@ -248,6 +219,12 @@ class PullWorker:
         self._regions = collect_storage_merged_register_regions([_tensors(v) for v in kv_caches.values()])
         engine.register(self._regions)
         attn_geoms = [geoms[0] for n, geoms in layers.items() if n not in state_layers and geoms]
+        label = layout_label(
+            layout or CacheLayout(), [g for n, gs in layers.items() if n not in state_layers for g in gs]
+        )
+        self._layout = f"{'mla' if self._use_mla else 'kv'}/{label}"
+        self._head_major = {n: [g.head_major for g in gs] for n, gs in layers.items()}
+        self._axes = {n: layer_axes(layout, n, _tensors(v)) for n, v in kv_caches.items()}
         kernels = {g.tokens for g in attn_geoms}
         if len(kernels) > 1 or (kernels and block_size % min(kernels)):
             raise LayoutError("kernel block tokens", sorted(kernels), f"one size dividing block_size={block_size}")
@@ -264,7 +241,10 @@ class PullWorker:
                 block_size=block_size,
                 num_blocks=num_blocks,
                 layers={
-                    n: [TensorMeta(g.base, g.block_len, g.stride, g.tokens, g.heads, g.head_bytes) for g in gs]
+                    n: [
+                        TensorMeta(g.base, g.block_len, g.stride, g.tokens, g.heads, g.head_bytes, g.head_major)
+                        for g in gs
+                    ]
                     for n, gs in layers.items()
                 },
             )
@@ -313,12 +293,16 @@ class PullWorker:
     def _reformat(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
         """Stacked pulls ``[pull][token][h]`` -> ``[token][pull*h]`` in each listed block.
 
-        ``sub_tokens``: the ids are sub-blocks of that many tokens (CP with D's block a multiple
-        of P's); the tensor is then viewed as ``[blocks * r, sub_tokens, heads, dim]``.
+        Head-major tensors are skipped: P's whole ``[h][token]`` block landed at its heads' offset,
+        which is already D's ``[pull*h][token]`` order. ``sub_tokens``: the ids are sub-blocks of
+        that many tokens (CP with D's block a multiple of P's); the tensor is then viewed as
+        ``[blocks * r, sub_tokens, heads, dim]``.
         """
         idx = torch.tensor(list(block_ids), dtype=torch.long)
-        for t in self._tensors[layer]:
-            view = t if t.dim() == 4 else t.unsqueeze(2)
+        for t, head_major, axes in zip(self._tensors[layer], self._head_major[layer], self._axes[layer], strict=True):
+            if head_major:
+                continue
+            view = token_rows(t, axes)  # token-major: its element order is the physical order
             if sub_tokens:
                 view = view.view(-1, sub_tokens, *view.shape[2:])
             _, tokens, heads, dim = view.shape
