@@ -92,3 +92,40 @@ def test_prefill_killed_after_prefill_decode_recomputes(
     # D still serves the live pair afterwards.
     again = make_prompts(304, (100,))
     assert_same_output([r.decode for r in disaggregated_generate(pair[0], d, again)], reference.generate(local(again)))
+
+
+def test_multi_connector_with_a_pull_child(
+    host: EngineHost, models: dict[str, Path], pair: tuple[Engine, Engine], reference: Engine
+) -> None:
+    """D as `AscendMultiConnector` [pull consumer, recompute offload]: the pull child loads from the same P."""
+    p, _ = pair
+    pull_child = pull_connector_config(
+        CONNECTOR, "kv_consumer", engine_id="multi-d", kv_port=free_port_base(1), extra=FAST_FAILURE
+    )
+    config = {
+        "kv_connector": "AscendMultiConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "multi-d",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                pull_child,
+                {"kv_connector": "RecomputeCPUOffloadConnector", "kv_role": "kv_both", "engine_id": "multi-d"},
+            ]
+        },
+    }
+    d = host.spawn(EngineSpec(model=str(models["a"]), kv_transfer_config=config), "multi-D")
+    try:
+        prompts = make_prompts(404)
+        out = disaggregated_generate(p, d, prompts)
+        assert_same_output([r.decode for r in out], reference.generate(local(prompts)))
+        other = producer(host, models["b"], "multi-p-other", "multi-P-other-weights")
+        try:
+            prompts = make_prompts(405)
+            out = disaggregated_generate(other, d, prompts)
+            want = reference.generate(local(prompts))
+            assert all(r.decode.token_ids != w.token_ids for r, w in zip(out, want, strict=True))
+        finally:
+            other.close()
+    finally:
+        d.close()

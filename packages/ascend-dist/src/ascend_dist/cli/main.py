@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ascend_dist.common.scenarios import Scenario
 
 __all__ = ["build_parser", "main"]
 
@@ -30,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--list", action="store_true", help="list the installed scenarios and exit")
         cmd.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run")
         cmd.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        cmd.add_argument(
+            "--engine",
+            choices=("synthetic", "vllm"),
+            default="synthetic",
+            help="synthetic: our scheduler and worker code around a synthetic model (default); vllm: real vLLM "
+            "engines (the CPU build) generating tokens, run under $ASCEND_DIST_ENGINE_PYTHON",
+        )
         if mode == "bench":
             cmd.add_argument(
                 "--repeat", type=int, default=3, help="timed repetitions per figure (each scenario summarises them)"
@@ -37,11 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _list(mode: str) -> int:
-    from ascend_dist.cli.render import render_table
+def _discover(engine: str) -> Callable[[], tuple[dict[str, Scenario], dict[str, str]]]:
+    """Where the scenarios come from: installed entry points, or the real-engine ones."""
+    if engine == "vllm":
+        from ascend_dist.cli.engines.demo import engine_scenarios
+
+        return engine_scenarios
     from ascend_dist.common.scenarios import discover_scenarios
 
-    available, broken = discover_scenarios()
+    return discover_scenarios
+
+
+def _list(mode: str, engine: str) -> int:
+    from ascend_dist.cli.render import render_table
+
+    available, broken = _discover(engine)()
     rows = [(s.name, s.summary) for s in available.values() if mode in s.modes]
     print(render_table(("scenario", "what it does"), rows) if rows else f"no {mode} scenarios are installed")
     for name, reason in broken.items():
@@ -58,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_doctor(json_path=args.json)
     if args.list:
-        return _list(args.command)
+        return _list(args.command, args.engine)
     from ascend_dist.cli.runner import run_scenarios
 
     if args.command == "bench" and args.repeat < 1:
@@ -70,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         quick=args.quick,
         repeat=getattr(args, "repeat", 1),
         json_path=args.json,
+        discover=_discover(args.engine),
     )
 
 
