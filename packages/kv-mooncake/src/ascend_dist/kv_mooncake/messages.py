@@ -15,7 +15,6 @@ bumps `PROTOCOL_VERSION`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.wire import Codec, Handshake
+from ascend_dist.kv_mooncake.admission import Count, Port, Text, check_host, convert_params
 
 __all__ = [
     "PROTOCOL",
@@ -145,49 +145,40 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``remote_block_ids`` has one list per KV-cache group (P's logical ids, already trimmed).
     ``remote_window_blocks`` (blocks kept per sliding-window group, 0 for others) and
     ``remote_state_groups`` let D refuse to pair groups it sees differently (D then recomputes).
+    Every field is bounded (strings `Text`, counts and ids `Count`): the params come from clients.
     """
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_block_ids: list[list[int]] | None = None
-    remote_ptp_size: int | None = None
-    remote_block_size: int | None = None
-    num_prompt_blocks: int = 0
-    num_computed_tokens: int = 0
-    last_token_id: int | None = None
+    remote_engine_id: Text | None = None
+    remote_request_id: Text | None = None
+    remote_host: Text | None = None
+    remote_port: Port | None = None
+    remote_block_ids: list[list[Count]] | None = None
+    remote_ptp_size: Count | None = None
+    remote_block_size: Count | None = None
+    num_prompt_blocks: Count = 0
+    num_computed_tokens: Count = 0
+    last_token_id: Count | None = None
     do_virtual: bool = False
-    remote_window_blocks: list[int] | None = None
-    remote_state_groups: list[int] | None = None
+    remote_window_blocks: list[Count] | None = None
+    remote_state_groups: list[Count] | None = None
 
 
-_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+_REQUIRED_FOR_PULL = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
 
 
 def parse_transfer_params(raw: Mapping[str, Any]) -> TransferParams:
-    """Validate a ``kv_transfer_params`` dict.
+    """Validate a ``kv_transfer_params`` dict (types, ranges, lengths; flags must be booleans).
 
     Raises:
-        ConfigError: A key has the wrong type; the error names ``kv_transfer_params.<key>``.
+        ConfigError: A key has the wrong type or range, or a key D needs to pull is missing; the
+            error names ``kv_transfer_params.<key>``.
     """
-    if not isinstance(raw, Mapping):
-        raise ConfigError("kv_transfer_params", type(raw).__name__, "a dict")
-    try:
-        params = msgspec.convert(dict(raw), TransferParams, strict=False)
-    except msgspec.ValidationError as exc:
-        match = _PATH_RE.search(str(exc))
-        key = match.group(1) if match else "?"
-        raise ConfigError(f"kv_transfer_params.{key}", raw.get(key.split("[")[0]), str(exc)) from exc
+    params = convert_params(raw, TransferParams)
     if params.do_remote_prefill:
-        for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids"):
+        for key in _REQUIRED_FOR_PULL:
             if getattr(params, key) is None:
                 raise ConfigError(f"kv_transfer_params.{key}", None, "present when do_remote_prefill is true")
-        port = params.remote_port
-        if port is not None and not 0 < port <= 65535:
-            raise ConfigError("kv_transfer_params.remote_port", port, "an int in [1, 65535]")
-        if any(b < 0 for ids in params.remote_block_ids or [] for b in ids):
-            raise ConfigError("kv_transfer_params.remote_block_ids", params.remote_block_ids, "non-negative ids")
+        check_host("remote_host", params.remote_host or "")
     return params

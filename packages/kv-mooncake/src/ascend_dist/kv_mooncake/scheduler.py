@@ -11,15 +11,16 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.ports import PortLayout
+from ascend_dist.common.ports import MAX_PORT, PortLayout
 from ascend_dist.common.states import StateTable
+from ascend_dist.kv_mooncake.admission import check_block_ids
 from ascend_dist.kv_mooncake.config import PullConfig
 from ascend_dist.kv_mooncake.messages import TransferParams, parse_transfer_params
 from ascend_dist.kv_mooncake.plan import trim_block_ids
@@ -157,6 +158,40 @@ class PullScheduler:
     def tracked(self) -> int:
         """Requests with scheduler state (0 when idle: nothing leaks)."""
         return len(self._recv) + len(self._pending) + len(self._to_send) + len(self._in_batch)
+
+    def check_params(self, request_id: str, raw: Mapping[str, Any], prompt_len: int) -> TransferParams:
+        """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
+
+        Beyond `parse_transfer_params`: the flag must suit this instance's role (only P lends, only
+        D pulls), and a pull must name one block list per KV-cache group of no more blocks than the
+        prompt needs, P's TP size as configured (or none) and a base port that fits P's ports.
+        A pure function of its arguments (``request_id`` is unused here).
+
+        Raises:
+            ConfigError: Names ``kv_transfer_params.<key>``.
+        """
+        params = parse_transfer_params(raw)
+        producer = self._config.is_producer
+        if params.do_remote_prefill and producer:
+            raise ConfigError("kv_transfer_params.do_remote_prefill", True, "false on P (kv_producer): P never pulls")
+        if params.do_remote_decode and not producer:
+            raise ConfigError("kv_transfer_params.do_remote_decode", True, "false on D (kv_consumer): D never lends")
+        if not params.do_remote_prefill:
+            return params
+        p = self._config.prefill
+        if params.remote_ptp_size and params.remote_ptp_size != p.tp_size:
+            raise ConfigError(
+                "kv_transfer_params.remote_ptp_size", params.remote_ptp_size, f"prefill.tp_size={p.tp_size} or absent"
+            )
+        span = p.tp_size * p.pp_size * p.pcp_size
+        if (params.remote_port or 0) + span - 1 > MAX_PORT:
+            raise ConfigError(
+                "kv_transfer_params.remote_port", params.remote_port, f"a base with {span} ports <= 65535"
+            )
+        block = min([*self._block_sizes, params.remote_block_size or self._attn_block])
+        per_group = math.ceil(max(prompt_len, 1) / block) + 2 + self._num_spec
+        check_block_ids("remote_block_ids", params.remote_block_ids or [], len(self._block_sizes), per_group)
+        return params
 
     def get_num_new_matched_tokens(self, request: SchedRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens D will load from P beyond its local prefix hit, and whether asynchronously.

@@ -24,7 +24,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.admission import ParamsGate
 from ascend_dist.kv_mooncake.config import PullConfig
+from ascend_dist.kv_mooncake.messages import TransferParams
 from ascend_dist.kv_mooncake.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.scheduler import PullMetadata, PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.vllm_common import (
@@ -139,6 +141,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         mamba = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
         self._state_layout = _state_layout(vllm_config, mamba[0] if mamba else None)
         self._scheduler: PullScheduler | None = None
+        self._gate: ParamsGate | None = None
         self._worker: PullWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             windows = [
@@ -152,6 +155,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
                 state_groups=self._state_groups,
                 num_speculative_tokens=max((m.num_speculative_blocks for m in mamba), default=0),
             )
+            self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, TransferParams.__struct_fields__)
         else:
             model = vllm_config.model_config
             tp_rank, pp_rank, pcp_rank = parallel_ranks()
@@ -171,20 +175,35 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         return self._scheduler
 
+    def _admitted(self, request: Request) -> SchedRequest:
+        """The request as `PullScheduler` sees it; params failing `check_params` are dropped (one warning)."""
+        if self._gate is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        self._gate.admit(request, request.num_prompt_tokens)
+        return _sched_request(request)
+
     def on_new_request(self, request: Request) -> None:
-        """P with state (Mamba) groups: drop the request's last prompt token once (spec §5.3.2)."""
-        if self._scheduler is not None and self._scheduler.truncate_for_state(_sched_request(request)):
+        """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates (§5.3.2)."""
+        if self._scheduler is not None and self._scheduler.truncate_for_state(self._admitted(request)):
             _truncate_prompt(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens D loads from P (async); P truncates a hybrid request here if `on_new_request` did not."""
+        """Tokens D loads from P (async); P truncates a hybrid request here if `on_new_request` did not.
+
+        A request whose params fail the check gets ``(0, False)``: nothing is logged or changed here
+        (vLLM requires this hook to be free of side effects); the next hook that may change it drops them.
+        """
+        sched = self._sched()
+        assert self._gate is not None
+        if not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens):
+            return 0, False
         self.on_new_request(request)
-        return self._sched().get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+        return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Record the pull into the freshly allocated (unhashed) blocks."""
         local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
-        self._sched().update_state_after_alloc(_sched_request(request), local, num_external_tokens)
+        self._sched().update_state_after_alloc(self._admitted(request), local, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's pulls and delayed frees."""
@@ -192,13 +211,13 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Single-group form of `request_finished_all_groups`."""
-        return self._sched().request_finished(_sched_request(request), [block_ids])
+        return self._sched().request_finished(self._admitted(request), [block_ids])
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Delayed free and P's kv_transfer_params (spec §5.2)."""
-        return self._sched().request_finished(_sched_request(request), list(block_ids))
+        """Delayed free and P's kv_transfer_params (spec §5.2); a rejected request is freed at once."""
+        return self._sched().request_finished(self._admitted(request), list(block_ids))
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Accept every (pp_rank, tp_rank) worker, PP stages > 0 included (PP on P is supported).
