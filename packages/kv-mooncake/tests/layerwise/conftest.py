@@ -76,7 +76,10 @@ def p_single() -> Iterator[LwPeerProcess]:
 
 @pytest.fixture
 def make_lw_pair(p_single: LwPeerProcess) -> Iterator[Callable[..., LwPair]]:
-    """Build P/D pairs. ``p_procs=True`` puts each P rank in its own child (gloo when resharding)."""
+    """Build P/D pairs. ``p_procs=True`` puts each P rank in its own child (gloo when resharding).
+
+    ``p_model`` overrides model fields on P only (for example another KV layout).
+    """
     made: list[LwPair] = []
 
     def build(
@@ -87,6 +90,7 @@ def make_lw_pair(p_single: LwPeerProcess) -> Iterator[Callable[..., LwPair]]:
         d_extra: dict[str, Any] | None = None,
         p_extra: dict[str, Any] | None = None,
         fail_announce: str = "",
+        p_model: dict[str, Any] | None = None,
         **model: Any,
     ) -> LwPair:
         n = next(_IDS)
@@ -116,8 +120,9 @@ def make_lw_pair(p_single: LwPeerProcess) -> Iterator[Callable[..., LwPair]]:
         pair = LwPair(peers, name, d, ms, extra, spec, own)
         made.append(pair)
         p_cfg = {**extra, **(p_extra or {})}
+        p_spec = {**spec, **(p_model or {})}  # model fields that differ on P only
         if not p_procs:
-            p_single.call({"cmd": "create", "name": name, "config": p_cfg, "model": spec}, timeout_s=60.0)
+            p_single.call({"cmd": "create", "name": name, "config": p_cfg, "model": p_spec}, timeout_s=60.0)
             peers.append(p_single)
             return pair
         init = f"file://{tempfile.mkdtemp(prefix='lw-gloo-')}/pg"
@@ -125,7 +130,9 @@ def make_lw_pair(p_single: LwPeerProcess) -> Iterator[Callable[..., LwPair]]:
         own.extend(LwPeerProcess() for _ in range(p_tp))
         for rank, peer in enumerate(own):
             gloo = {"init_method": init, "rank": rank, "world_size": p_tp, "timeout_s": 30.0} if reshard else None
-            peer.send({"cmd": "create", "name": name, "config": p_cfg, "model": spec, "tp_ranks": [rank], "gloo": gloo})
+            peer.send(
+                {"cmd": "create", "name": name, "config": p_cfg, "model": p_spec, "tp_ranks": [rank], "gloo": gloo}
+            )
         for peer in own:
             reply = peer.read(60.0)
             assert "error" not in reply, reply

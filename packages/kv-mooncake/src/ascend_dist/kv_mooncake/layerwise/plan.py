@@ -12,7 +12,8 @@ adds the per-request wrapper and the two descriptor layouts of spec §7.5:
 * plain (``pd_head_ratio == 1``): whole blocks, consecutive runs merged;
 * resharded (``pd_head_ratio = r > 1``): after the all-to-all each P rank holds all heads of a
   ``1/r`` token slice of every block, contiguous in its staging buffer; it writes it at byte offset
-  ``j · P_block_len`` of D's block, ``j`` its index in the all-to-all group.
+  ``j · P_block_len`` of D's block, ``j`` its index in the all-to-all group. Head-major blocks
+  (``[heads][tokens]``) need no exchange: P's own block is D's heads ``j·h ..``, the same offset.
 """
 
 from __future__ import annotations
@@ -256,10 +257,10 @@ def resharded_pieces(
 
     Args:
         staging: Base address of each tensor's staging buffer (block ``i`` of the rearranged list
-            at ``i · P_block_len``).
-        local: P's tensors of the layer (for ``block_len``).
+            at ``i · P_block_len``); empty: head-major blocks written from P's cache itself.
+        local: P's tensors of the layer (for ``block_len``; with no staging also base and stride).
         remote: D's tensors of the layer.
-        positions: Each block's index in the rearranged list.
+        positions: Each block's index in the rearranged list (with no staging: P's block ids).
         remote_ids: D's block id for each position.
         member: This rank's index in its all-to-all group (``0 <= member < ratio``).
         ratio: ``pd_head_ratio``.
@@ -268,18 +269,19 @@ def resharded_pieces(
         LayoutError: D's block is not ``ratio`` times P's, or the tensor counts differ.
         ConfigError: ``member`` is outside ``[0, ratio)``.
     """
-    if len(local) != len(remote) or len(staging) != len(local):
+    if len(local) != len(remote) or (staging and len(staging) != len(local)):
         raise LayoutError("layer tensors", len(remote), f"{len(local)} tensors on D and staging buffers")
     if not 0 <= member < ratio:
         raise ConfigError("member", member, f"an index in [0, {ratio})")
     lo: list[int] = []
     ro: list[int] = []
     ln: list[int] = []
-    for i, (base, lt, rt) in enumerate(zip(staging, local, remote, strict=True)):
+    for i, (lt, rt) in enumerate(zip(local, remote, strict=True)):
         _check_same_len(lt, rt, lt.block_len * ratio, f"tensor[{i}]")
         size = lt.block_len
+        base, step = (staging[i], size) if staging else (lt.base, lt.stride)
         for pos, rid in zip(positions, remote_ids, strict=True):
-            lo.append(base + pos * size)
+            lo.append(base + pos * step)
             ro.append(rt.base + rid * rt.stride + member * size)
             ln.append(size)
     return lo, ro, ln

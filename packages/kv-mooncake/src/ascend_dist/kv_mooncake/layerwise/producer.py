@@ -6,6 +6,8 @@ metadata once; a D that refuses or does not answer fails that request only); ``s
 closes the layer's reuse gate and queues its writes to the `SendThread`. With ``pd_head_ratio > 1``
 it first gathers the layer's blocks and runs the all-to-all into a registered staging slot (a
 collective: every member calls it for the same layer, which the shared scheduler output ensures).
+Head-major blocks (``[heads][tokens]``, vLLM's HND layouts) need no exchange: each P rank's whole
+block is one run of D's block, at its heads' offset, and is written from the cache directly.
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ STAGING_SLOTS = 2
 
 @dataclass(frozen=True)
 class LayerTable:
-    """The registered layers of one worker, in index order."""
+    """The registered layers of one worker, in index order.
+
+    ``tensors`` are ``[blocks, tokens, heads, dim]`` views of the registered tensors (whatever their
+    storage order); ``metas`` their block geometry.
+    """
 
     names: Sequence[str]
     group_of: Mapping[str, int]
@@ -92,12 +98,17 @@ class Producer:
         self._staging: list[list[torch.Tensor]] = []
         self._free_slots: queue.Queue[int] = queue.Queue()
         self._step: list[tuple[SendReqMeta, RequestPlan]] = []
-        if self._ratio > 1:
+        if self._ratio > 1 and not all(self._direct(n) for n in layers.names):
             self._make_staging(register)
         slots = {i: [t.data_ptr() for t in layers.tensors[n]] for i, n in enumerate(layers.names)}
         self._sender: SendThread | None = None
         self.gate = ReuseGate(slots, alive=lambda: self._sender is not None and self._sender.alive)
         self._sender = make_sender(self.gate)
+
+    def _direct(self, layer_name: str) -> bool:
+        """Head-major layer: with ``pd_head_ratio > 1`` P's own blocks are D's head slices, no all-to-all."""
+        metas = self._layers.metas[layer_name]
+        return bool(metas) and all(m.head_major for m in metas)
 
     @property
     def sender(self) -> SendThread:
@@ -164,7 +175,7 @@ class Producer:
         tasks = [(t, plan) for _, plan in self._step for t in plan.tasks if t.group == group]
         staging: list[int] = []
         positions: dict[int, int] = {}
-        if self._ratio > 1 and tasks:
+        if self._ratio > 1 and tasks and not self._direct(layer_name):
             slot, staging, positions = self._reshard(
                 layer_name, sorted({b for t, _ in tasks for b in t.local_block_ids})
             )
@@ -209,8 +220,7 @@ class Producer:
             raise DeadlineExceeded(f"no staging slot free within {self._config.gate_timeout_s} s") from None
         idx = torch.tensor(union, dtype=torch.long)
         bases = []
-        for c, t in enumerate(self._layers.tensors[layer_name]):
-            view = t if t.dim() == 4 else t.unsqueeze(2)
+        for c, view in enumerate(self._layers.tensors[layer_name]):
             _, b, h, dim = view.shape
             gathered = view.index_select(0, idx).reshape(len(union) * b, h, dim)
             out = rearrange_output(self._a2a.exchange(chunk_major(gathered, self._ratio, b)), self._ratio, h)

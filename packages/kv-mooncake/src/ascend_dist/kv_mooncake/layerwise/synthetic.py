@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, TransferError
+from ascend_dist.kv_mooncake.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.layerwise.engine import PushBackend, PushEngine, get_push_engine
 from ascend_dist.kv_mooncake.layerwise.metaserver import Metaserver
@@ -31,6 +32,7 @@ from ascend_dist.kv_mooncake.plan import head_range
 from ascend_dist.kv_mooncake.scheduler import SchedRequest
 from ascend_dist.kv_mooncake.synthetic import Model, pattern
 from ascend_dist.kv_mooncake.synthetic_common import aggregate_ranks, wait_received
+from ascend_dist.kv_mooncake.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
 
 __all__ = ["CollectingMetaserver", "LwInstance"]
 
@@ -99,17 +101,18 @@ class LwInstance:
     def _make_rank(self, tp: int) -> _Rank:
         m = self.model
         first, count = (0, 1) if m.mla else head_range(tp, self.tp, m.heads)
-        dims = m.part_dims()
-        storage = torch.zeros(sum(m.num_blocks * m.block_size * count * d for d in dims) * m.layers, dtype=torch.int16)
-        caches: dict[str, tuple[torch.Tensor, ...]] = {}
-        offset = 0
-        for i in range(m.layers):
-            parts = []
-            for d in dims:
-                n = m.num_blocks * m.block_size * count * d
-                parts.append(storage[offset : offset + n].view(m.num_blocks, m.block_size, count, d))
-                offset += n
-            caches[m.layer_name(i)] = tuple(parts)
+        built = build_attention_caches(
+            m.layout,
+            [m.layer_name(i) for i in range(m.layers)],
+            blocks=m.num_blocks,
+            tokens=m.block_size,
+            heads=count,
+            dims=m.part_dims(),
+            mla=m.mla,
+        )
+        native = m.layout in NATIVE_LAYOUTS
+        parts, layout = label_kv_caches(built.raw, native=native, layout_name=m.layout if native else "")
+        caches = built.rows  # [blocks, tokens, heads, dim] views, whatever the storage order
         worker = LayerwiseWorker(
             self.config,
             tp_rank=tp,
@@ -119,7 +122,7 @@ class LwInstance:
             all_to_all=self.all_to_all,
         )
         groups = [[m.layer_name(i) for i in range(m.layers) if i % m.groups == g] for g in range(m.groups)]
-        worker.register_kv_caches(caches, groups=groups, num_blocks=m.num_blocks, block_size=m.block_size)
+        worker.register_kv_caches(parts, groups=groups, num_blocks=m.num_blocks, block_size=m.block_size, layout=layout)
         return _Rank(tp, (first, count), caches, worker)
 
     def _alloc(self, rid: str, tokens: int) -> list[list[int]]:

@@ -34,7 +34,7 @@ from ascend_dist.kv_mooncake.vllm_common import (
     block_load_errors,
     connector_config,
     parallel_ranks,
-    split_kv_caches,
+    read_kv_caches,
     transfer_results,
 )
 
@@ -166,10 +166,14 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register vLLM's caches (``[2, blocks, ...]`` split K/V, or one MLA tensor per layer)."""
+        """Register vLLM's caches: ``[B, H, N, C]`` views (vLLM >= 0.32), split K/V, or MLA tensors.
+
+        Raises:
+            LayoutError: A tensor's layout cannot be served (e.g. vLLM's ``LHBNC``); names the layout.
+        """
         if self._scheduler is not None:
             raise ConfigError("role", "SCHEDULER", "WORKER for register_kv_caches")
-        parts = split_kv_caches(kv_caches)
+        parts, layout = read_kv_caches(kv_caches, self._vllm_config)
         ratio = self._lw_config.parallel_infos(1 if self._use_mla else self._heads, self._use_mla)[0].pd_head_ratio
         self._worker = LayerwiseWorker(
             self._lw_config,
@@ -181,7 +185,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         )
         groups = [[n for n in g if n in parts] for g in self._groups]
         self._worker.register_kv_caches(
-            parts, groups=groups, num_blocks=self._num_blocks, block_size=self._block_sizes[0]
+            parts, groups=groups, num_blocks=self._num_blocks, block_size=self._block_sizes[0], layout=layout
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

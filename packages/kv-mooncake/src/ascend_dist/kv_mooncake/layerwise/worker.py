@@ -22,12 +22,14 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from ascend_dist.common.descriptors import Descriptors
-from ascend_dist.common.errors import ConfigError, IncompatiblePeer
+from ascend_dist.common.errors import ConfigError, IncompatiblePeer, LayoutError
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.timeouts import transfer_timeout_ms
 from ascend_dist.common.wire import Handshake, check_compatible, make_handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.kv_geometry import CacheLayout, layout_label
+from ascend_dist.kv_mooncake.kv_views import layer_axes, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.layerwise.engine import PushBackend, get_push_engine
 from ascend_dist.kv_mooncake.layerwise.gate import ReuseGate
@@ -51,7 +53,6 @@ from ascend_dist.kv_mooncake.layerwise.scheduler import LayerwiseMetadata
 from ascend_dist.kv_mooncake.layerwise.sender import MetaCache, SendThread
 from ascend_dist.kv_mooncake.messages import TensorMeta
 from ascend_dist.kv_mooncake.plan import TensorGeom
-from ascend_dist.kv_mooncake.worker import tensor_geometry
 
 __all__ = ["LayerwiseWorker"]
 
@@ -121,6 +122,7 @@ class LayerwiseWorker:
         self._load_errors: set[int] = set()
         self._failed_rids: set[str] = set()
         self.failure_reasons: dict[str, str] = {}
+        self._layout = "mla/NHD" if use_mla else "kv/NHD"  # kind/order; set from the tensors at registration
 
     @property
     def handshake_port(self) -> int:
@@ -149,7 +151,7 @@ class LayerwiseWorker:
             block_size=block_size,
             num_kv_heads=self._heads,
             num_layers=len(self._names),
-            layout="mla" if self._use_mla else "split_kv",
+            layout=self._layout,
             prefill_tp=c.prefill.tp_size,
             decode_tp=c.decode.tp_size,
             cp=f"P{c.prefill.pcp_size}x{c.prefill.dcp_size}/D{c.decode.pcp_size}x{c.decode.dcp_size}",
@@ -162,6 +164,7 @@ class LayerwiseWorker:
         groups: Sequence[Sequence[str]],
         num_blocks: int,
         block_size: int,
+        layout: CacheLayout | None = None,
     ) -> None:
         """Register the KV cache, then start D's server or P's send thread.
 
@@ -170,9 +173,12 @@ class LayerwiseWorker:
             groups: Per KV-cache group, its layer names.
             num_blocks: Logical blocks per tensor.
             block_size: Tokens per block.
+            layout: The tensors' logical axes and the engine's layout name
+                (`kv_views.label_kv_caches`); default vllm-ascend's ``[blocks, tokens, heads, dim]``.
 
         Raises:
-            LayoutError: A tensor's layout is unsupported.
+            LayoutError: A tensor's layout is unsupported (the error names the layout), or a layer
+                mixes token- and head-major tensors.
             ConfigError: A layer is in no group.
         """
         self._names = list(kv_caches)
@@ -181,15 +187,24 @@ class LayerwiseWorker:
             if n not in self._group_of:
                 raise ConfigError("groups", n, "every layer of kv_caches in one KV-cache group")
         self._tensors = {n: _tensors(v) for n, v in kv_caches.items()}
-        self._metas = {
-            n: [TensorMeta(*_geom(tensor_geometry(n, t, num_blocks))) for t in ts] for n, ts in self._tensors.items()
+        geoms = {n: [tensor_geometry(n, t, num_blocks, layout) for t in ts] for n, ts in self._tensors.items()}
+        for n, gs in geoms.items():
+            if len({g.head_major for g in gs}) > 1:
+                raise LayoutError(f"{n} block order", "mixed", "one order (token- or head-major) per layer")
+        self._metas = {n: [TensorMeta(*_geom(g)) for g in gs] for n, gs in geoms.items()}
+        label = layout_label(layout or CacheLayout(), [g for gs in geoms.values() for g in gs])
+        self._layout = f"{'mla' if self._use_mla else 'kv'}/{label}"
+        # P's all-to-all gathers token rows: ``[blocks, tokens, heads, dim]`` views, any storage order.
+        rows = {
+            n: [token_rows(t, a) for t, a in zip(ts, layer_axes(layout, n, ts), strict=True)]
+            for n, ts in self._tensors.items()
         }
         engine = self._engine or get_push_engine(self._config.host, self._config.protocol)
         self._engine = engine
         self._register(collect_storage_merged_register_regions(list(self._tensors.values())))
         self._handshake = self.make_handshake(block_size)
         self._block_size, self._num_blocks = block_size, num_blocks
-        self._table = LayerTable(self._names, self._group_of, self._tensors, self._metas, block_size)
+        self._table = LayerTable(self._names, self._group_of, rows, self._metas, block_size)
         if self._config.is_producer:
             self._start_producer(engine)
         else:
@@ -362,5 +377,5 @@ class LayerwiseWorker:
         self._regions = []
 
 
-def _geom(g: TensorGeom) -> tuple[int, int, int, int, int, int]:
-    return (g.base, g.block_len, g.stride, g.tokens, g.heads, g.head_bytes)
+def _geom(g: TensorGeom) -> tuple[int, int, int, int, int, int, bool]:
+    return (g.base, g.block_len, g.stride, g.tokens, g.heads, g.head_bytes, g.head_major)
