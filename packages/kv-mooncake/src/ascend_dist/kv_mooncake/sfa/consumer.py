@@ -121,12 +121,13 @@ class ConsumerWorker:
         with self._cond:
             return len(self._recv)
 
-    def register(self, dest: Mapping[str, DestLayer], regions: Sequence[tuple[int, int]]) -> None:
+    def register(self, dest: Mapping[str, DestLayer], regions: Sequence[tuple[int, int]], layout: str = "NHD") -> None:
         """Register D's destinations and start the read thread.
 
         Args:
             dest: Main layer name -> destinations (host pool K/V, this rank's indexer tensors).
             regions: ``(ptr, size)`` memory regions to register (pool and indexer caches).
+            layout: D's layout name (`producer.span_label`); P's must be the same.
 
         Raises:
             NativeLibraryError: The engine refused a region.
@@ -135,7 +136,9 @@ class ConsumerWorker:
         self._dest = dict(dest)
         validate_register_region_count(RegisterRegions(tuple(p for p, _ in regions), tuple(n for _, n in regions)))
         register_all(self._backend, regions)
-        self._handshake = make_sfa_handshake(self._config, f"{self._config.engine_id}/d{self._tp_rank}", len(dest))
+        self._handshake = make_sfa_handshake(
+            self._config, f"{self._config.engine_id}/d{self._tp_rank}", len(dest), layout
+        )
         self._server = RpcServer(
             self._config.host,
             self.port,

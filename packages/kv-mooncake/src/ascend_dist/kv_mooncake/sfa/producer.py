@@ -24,6 +24,8 @@ import torch
 from ascend_dist.common.errors import BlockIdError, ConfigError, DeadlineExceeded, LayoutError, TransferError
 from ascend_dist.common.regions import collect_storage_merged_register_regions, validate_register_region_count
 from ascend_dist.common.wire import Handshake, make_handshake
+from ascend_dist.kv_mooncake.kv_geometry import CacheLayout, layout_label
+from ascend_dist.kv_mooncake.kv_views import tensor_geometry
 from ascend_dist.kv_mooncake.sfa.backend import RemoteReadBackend, register_all
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.links import Dispatcher, Part, Slot
@@ -39,7 +41,7 @@ from ascend_dist.kv_mooncake.sfa.messages import (
 from ascend_dist.kv_mooncake.sfa.plan import chunk_block_range, contributor_of, d_endpoint_port, layer_index
 from ascend_dist.kv_mooncake.sfa.scheduler import ProducerMetadata, SendReq
 
-__all__ = ["KVCaches", "ProducerWorker", "make_sfa_handshake", "tensor_span"]
+__all__ = ["KVCaches", "ProducerWorker", "make_sfa_handshake", "span_label", "tensor_span"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,25 +49,46 @@ KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
 _GATE_LOG_S = 10.0
 
 
-def tensor_span(name: str, t: torch.Tensor) -> TensorSpan:
+def tensor_span(name: str, t: torch.Tensor, layout: CacheLayout | None = None) -> TensorSpan:
     """``(base, bytes per logical block)`` of a ``[blocks, ...]`` tensor whose blocks are dense.
 
+    3-D and 4-D tensors are read like the pull connector's (`kv_views.tensor_geometry`: vLLM's
+    ``[B, H, N, C]`` views by their strides, either order inside a block); SFA reads whole blocks,
+    so they must also lie back to back.
+
     Raises:
-        LayoutError: The tensor's blocks are not back to back (``stride(0) * elt != block bytes``).
+        LayoutError: The tensor's layout cannot be served, or its blocks are not back to back
+            (block-outermost layouts); the error names the layout.
     """
     elt = t.element_size()
+    if t.dim() in (3, 4):
+        g = tensor_geometry(name, t, t.shape[0], layout)
+        if g.stride != g.block_len:
+            raise LayoutError(
+                f"{name} kv_cache_layout",
+                (layout.name if layout else "") or f"strides {tuple(t.stride())}",
+                f"blocks back to back (block stride {g.stride} = block bytes {g.block_len}): SFA reads whole "
+                "blocks; a block-outermost layout (BLHNC, BLNHC) interleaves the layers' pages",
+            )
+        return TensorSpan(g.base, g.block_len)
     block = elt * (t[0].numel() if t.shape[0] else 0)
     if t.dim() < 2 or t.stride(0) * elt != block or not t[0].is_contiguous():
         raise LayoutError(f"{name}.stride", tuple(t.stride()), "dense blocks: [blocks, ...] with contiguous blocks")
     return TensorSpan(t.data_ptr(), block)
 
 
+def span_label(layout: CacheLayout | None, tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """The layout's name as P and D compare it at the hello (see `kv_geometry.layout_label`)."""
+    geoms = [tensor_geometry(n, t, t.shape[0], layout) for n, t in tensors if t.dim() in (3, 4)]
+    return layout_label(layout or CacheLayout(), geoms)
+
+
 def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
-def make_sfa_handshake(config: SfaConfig, sender: str, layers: int) -> Handshake:
-    """The values P and D must agree on (a mismatch names the field)."""
+def make_sfa_handshake(config: SfaConfig, sender: str, layers: int, layout: str = "NHD") -> Handshake:
+    """The values P and D must agree on (a mismatch names the field); ``layout`` from `span_label`."""
     return make_handshake(
         PROTOCOL,
         PROTOCOL_VERSION,
@@ -73,6 +96,7 @@ def make_sfa_handshake(config: SfaConfig, sender: str, layers: int) -> Handshake
         model=config.model,
         dtype=config.dtype,
         layers=layers,
+        layout=layout,
         prefill_tp=config.prefill.tp_size,
         decode_tp=config.decode.tp_size,
     )
@@ -122,7 +146,14 @@ class ProducerWorker:
             raise ConfigError("register_kv_caches", "not called", "called before the first layer is dispatched")
         return self._hello
 
-    def register_kv_caches(self, kv_caches: KVCaches, *, block_size: int, indexer_block_size: int = 0) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: KVCaches,
+        *,
+        block_size: int,
+        indexer_block_size: int = 0,
+        layout: CacheLayout | None = None,
+    ) -> None:
         """Describe and register the caches: per layer its main tensor(s), then its indexer tensors.
 
         Args:
@@ -130,18 +161,20 @@ class ProducerWorker:
                 transformer layer with the same ``layers.<i>`` index.
             block_size: Tokens per block of the main group.
             indexer_block_size: Tokens per block of the indexer group (0: same as main).
+            layout: The tensors' logical axes and the engine's layout name
+                (`kv_views.label_kv_caches`); default vllm-ascend's forms.
 
         Raises:
             LayoutError: A main layer has other than two tensors, an indexer has no main layer, or
-                blocks are not dense.
+                blocks are not dense (the error names the layout).
             NativeLibraryError: The engine refused a region.
         """
         mains: dict[int, tuple[str, list[torch.Tensor]]] = {}
-        indexers: dict[int, list[torch.Tensor]] = {}
+        indexers: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for name, value in kv_caches.items():
             idx, ts = layer_index(name), _tensors(value)
             if "indexer" in name:
-                indexers.setdefault(idx, []).extend(ts)
+                indexers.setdefault(idx, []).extend((name, t) for t in ts)
             elif len(ts) not in (1, 2):
                 raise LayoutError(name, len(ts), "1 (vLLM's MLA) or 2 (Ascend's nope/rope) main tensors")
             else:
@@ -150,8 +183,8 @@ class ProducerWorker:
             raise LayoutError("indexer layers", orphans, "an indexer only beside a main layer of the same index")
         slots: dict[tuple[int, ...], Slot] = {}
         for idx, (name, ts) in sorted(mains.items()):
-            main = [tensor_span(name, t) for t in ts]
-            idx_spans = [tensor_span(f"{name}.indexer", t) for t in indexers.get(idx, [])]
+            main = [tensor_span(name, t, layout) for t in ts]
+            idx_spans = [tensor_span(n, t, layout) for n, t in indexers.get(idx, [])]
             keys = [tuple(s.base for s in main)] + ([tuple(s.base for s in idx_spans)] if idx_spans else [])
             layer_slots = tuple(slots.setdefault(k, Slot()) for k in keys)  # shared storage, shared gate
             self._layers[name] = _Layer(name, LayerMeta(layer_idx=idx, main=main, indexer=idx_spans), layer_slots)
@@ -163,8 +196,9 @@ class ProducerWorker:
         validate_register_region_count(regions)  # <= 256 regions per process (HCCL, MemFabric)
         register_all(self._backend, list(zip(regions.ptrs, regions.lengths, strict=True)))
         session = f"{self._config.host}:{self._backend.get_rpc_port()}"
+        label = span_label(layout, [(n, t) for n, v in kv_caches.items() for t in _tensors(v)])
         self._hello = Hello(
-            handshake=make_sfa_handshake(self._config, self._sender, len(mains)),
+            handshake=make_sfa_handshake(self._config, self._sender, len(mains), label),
             engine_id=self._config.engine_id,
             sender=self._sender,
             session=session,

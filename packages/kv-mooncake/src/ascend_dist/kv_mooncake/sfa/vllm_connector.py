@@ -34,7 +34,7 @@ from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
 from ascend_dist.kv_mooncake.sfa.metaserver import MetaserverClient
 from ascend_dist.kv_mooncake.sfa.plan import DestLayer, infer_groups, layer_index
-from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker, tensor_span
+from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker, span_label, tensor_span
 from ascend_dist.kv_mooncake.sfa.scheduler import (
     ConsumerMetadata,
     ConsumerScheduler,
@@ -47,6 +47,7 @@ from ascend_dist.kv_mooncake.vllm_common import (
     block_load_errors,
     connector_config,
     parallel_ranks,
+    read_kv_caches,
     transfer_results,
 )
 
@@ -189,26 +190,37 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         self.host_pool = pool
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """P: describe and register its caches. D: allocate/register the host pool and its indexer caches."""
+        """P: describe and register its caches. D: allocate/register the host pool and its indexer caches.
+
+        Both read the tensors' layout like the pull connector (vLLM's ``[B, H, N, C]`` views by
+        their strides) and send its name in the hello.
+
+        Raises:
+            LayoutError: A layout SFA cannot serve (blocks not back to back, e.g. vLLM's ``BLHNC``
+                or ``LHBNC``); the error names the layout.
+        """
         main_bs = self._block_sizes[self._group_ids.main]
         idx_bs = self._block_sizes[self._group_ids.indexer]
+        parts, layout = read_kv_caches(kv_caches, self._vllm_config)
         if self._producer is not None:
-            self._producer.register_kv_caches(kv_caches, block_size=main_bs, indexer_block_size=idx_bs)
+            self._producer.register_kv_caches(parts, block_size=main_bs, indexer_block_size=idx_bs, layout=layout)
             return
         if self._consumer is None:
             raise ConfigError("role", "SCHEDULER", "WORKER for register_kv_caches")
         indexers: dict[str, list[torch.Tensor]] = {}
         mains: dict[str, list[torch.Tensor]] = {}
-        for name, value in kv_caches.items():
-            (indexers if "indexer" in name else mains)[name] = _tensors(value)
+        for name, ts in parts.items():
+            (indexers if "indexer" in name else mains)[name] = ts
         index_of = {layer_index(n): n for n in indexers}
         dest: dict[str, DestLayer] = {}
         regions: list[tuple[int, int]] = []
         for name, ts in mains.items():
+            for t in ts:
+                tensor_span(name, t, layout)  # D's own cache: the same layout as P's, refused the same way
             pool = self.host_pool.setdefault(name, [torch.empty_like(t, device="cpu") for t in ts])
-            spans = [tensor_span(name, t) for t in pool]
+            spans = [tensor_span(name, t, layout) for t in pool]
             idx_name = index_of.get(layer_index(name))
-            ispans = [tensor_span(idx_name, t) for t in indexers[idx_name]] if idx_name else []
+            ispans = [tensor_span(idx_name, t, layout) for t in indexers[idx_name]] if idx_name else []
             dest[name] = DestLayer(
                 tuple(s.base for s in spans),
                 tuple(s.block_bytes for s in spans),
@@ -217,7 +229,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             )
             regions += [(t.data_ptr(), t.numel() * t.element_size()) for t in pool]
         regions += [(t.data_ptr(), t.numel() * t.element_size()) for ts in indexers.values() for t in ts]
-        self._consumer.register(dest, regions)
+        self._consumer.register(dest, regions, span_label(layout, [(n, t) for n, ts in parts.items() for t in ts]))
 
     def _meta(self) -> ConsumerMetadata | ProducerMetadata:
         meta = self._get_connector_metadata()
