@@ -10,8 +10,12 @@ Not a test module: the tests load it by path (the tests folder is not a package 
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
 import pytest
@@ -184,3 +188,40 @@ class Engine:
     def close(self) -> None:
         """Shut the Scheduler (and its connector) down."""
         self.sched.shutdown()
+
+
+class Metaserver:
+    """The proxy's metaserver endpoint on 127.0.0.1: keeps every body D's scheduler POSTs, by request id."""
+
+    def __init__(self) -> None:
+        """Start serving on a free port."""
+        self.got: dict[str, dict[str, Any]] = {}
+        got = self.got
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                got[str(body.get("request_id"))] = body
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/metaserver"
+
+    def wait_for(self, ids: Iterable[str], timeout_s: float = 10.0) -> None:
+        """Until a body for each id arrived."""
+        deadline = time.monotonic() + timeout_s
+        while not set(ids) <= set(self.got):
+            assert time.monotonic() < deadline, f"posted only {sorted(self.got)}"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)

@@ -25,6 +25,7 @@ import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.wire import Codec, Handshake
+from ascend_dist.kv_mooncake.admission import Count, ParallelSize, Port, Text, check_host, convert_params
 from ascend_dist.kv_mooncake.messages import TensorMeta
 
 __all__ = [
@@ -48,9 +49,6 @@ __all__ = [
 
 PROTOCOL = "kv-mooncake/layerwise"
 PROTOCOL_VERSION = 1
-
-_PATH_RE = re.compile(r"at `\$\.?([^`\[]*)")
-_MISSING_RE = re.compile(r"missing required field `([^`]*)`")
 
 
 class DAgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,20 +136,21 @@ class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """``kv_transfer_params`` D's scheduler posts to the metaserver and the proxy hands to P (spec §7.1).
 
     ``remote_block_ids`` has one list per KV-cache group (D's logical ids, prefix-hit blocks included).
+    Every field is bounded (`Text`, `Count`, `ParallelSize`): P receives them from the proxy's clients.
     """
 
-    request_id: str
+    request_id: Text
     do_remote_decode: bool = True
     do_remote_prefill: bool = False
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_block_ids: list[list[int]]
-    remote_block_size: list[int] = []
-    remote_tp_size: int = 1
-    remote_pcp_size: int = 1
-    remote_dcp_size: int = 1
-    remote_cached_tokens: int = 0
+    remote_engine_id: Text
+    remote_host: Text
+    remote_port: Port
+    remote_block_ids: list[list[Count]]
+    remote_block_size: list[Count] = []
+    remote_tp_size: ParallelSize = 1
+    remote_pcp_size: ParallelSize = 1
+    remote_dcp_size: ParallelSize = 1
+    remote_cached_tokens: Count = 0
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -170,26 +169,13 @@ def external_request_id(request_id: str) -> str:
 
 
 def parse_push_params(raw: Mapping[str, Any]) -> PushParams:
-    """Validate the params P receives from the proxy.
+    """Validate the params P receives from the proxy (types, ranges, lengths; flags must be booleans).
 
     Raises:
         ConfigError: A key is missing or has the wrong type or range; names ``kv_transfer_params.<key>``.
     """
-    if not isinstance(raw, Mapping):
-        raise ConfigError("kv_transfer_params", type(raw).__name__, "a dict")
-    try:
-        params = msgspec.convert(dict(raw), PushParams, strict=False)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _PATH_RE.search(text) or _MISSING_RE.search(text)
-        key = match.group(1) if match else "?"
-        raise ConfigError(f"kv_transfer_params.{key}", raw.get(key.split("[")[0]), text) from exc
-    if not 0 < params.remote_port <= 65535:
-        raise ConfigError("kv_transfer_params.remote_port", params.remote_port, "an int in [1, 65535]")
-    if any(b < 0 for ids in params.remote_block_ids for b in ids):
-        raise ConfigError("kv_transfer_params.remote_block_ids", params.remote_block_ids, "non-negative ids")
+    params = convert_params(raw, PushParams)
+    check_host("remote_host", params.remote_host)
     if params.protocol_version != PROTOCOL_VERSION:
         raise ConfigError("kv_transfer_params.protocol_version", params.protocol_version, str(PROTOCOL_VERSION))
-    if params.remote_cached_tokens < 0:
-        raise ConfigError("kv_transfer_params.remote_cached_tokens", params.remote_cached_tokens, "an int >= 0")
     return params

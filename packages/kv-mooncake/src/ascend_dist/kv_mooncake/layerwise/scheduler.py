@@ -19,13 +19,17 @@ Order of calls (vLLM v1): ``get_num_new_matched_tokens`` -> ``update_state_after
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.ports import MAX_PORT
+from ascend_dist.kv_mooncake.admission import Preview, check_block_ids, check_flags, check_url
 from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.layerwise.messages import PushParams, external_request_id, parse_push_params
 from ascend_dist.kv_mooncake.layerwise.metaserver import AsyncAnnouncer, HttpMetaserver, Metaserver
@@ -134,6 +138,54 @@ class LayerwiseScheduler:
         """Requests with scheduler state (0 when idle: nothing leaks)."""
         with self._lock:
             return len(self._recv) + len(self._send) + len(self._failed)
+
+    def check_params(self, request_id: str, raw: Mapping[str, Any], prompt_len: int) -> PushParams | None:
+        """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
+
+        D (``do_remote_prefill``) needs an http(s) ``metaserver`` URL (https with ``ssl_enable``); P
+        (``do_remote_decode``) needs D's announcement (`parse_push_params`) with D's TP/PCP/DCP sizes
+        as configured under ``decode``, a base port that fits D's ports and one block list per group
+        of no more blocks than the prompt needs. Each flag only on its role. Pure.
+
+        Returns:
+            P's parsed push params, or None when the request asks for no push.
+
+        Raises:
+            ConfigError: Names ``kv_transfer_params.<key>``.
+        """
+        if not isinstance(raw, Mapping):
+            raise ConfigError("kv_transfer_params", Preview(raw), "a dict")
+        check_flags(raw)
+        producer = self._config.is_producer
+        if raw.get("do_remote_prefill"):
+            if producer:
+                raise ConfigError("kv_transfer_params.do_remote_prefill", True, "false on P (kv_producer)")
+            url = check_url("metaserver", raw.get("metaserver"))
+            if self._config.tls.ssl_enable and not url.startswith("https://"):
+                raise ConfigError("kv_transfer_params.metaserver", Preview(url), "https:// (tls_config.ssl_enable)")
+        if not raw.get("do_remote_decode"):
+            return None
+        if not producer:
+            raise ConfigError("kv_transfer_params.do_remote_decode", True, "false on D (kv_consumer)")
+        return self._check_push(request_id, raw, prompt_len)
+
+    def _check_push(self, request_id: str, raw: Mapping[str, Any], prompt_len: int) -> PushParams:
+        params = parse_push_params({"request_id": request_id, **raw})
+        d = self._config.decode
+        for key, got, want in (
+            ("tp_size", params.remote_tp_size, d.tp_size),
+            ("pcp_size", params.remote_pcp_size, d.pcp_size),
+            ("dcp_size", params.remote_dcp_size, d.dcp_size),
+        ):
+            if got != want:
+                raise ConfigError(f"kv_transfer_params.remote_{key}", got, f"decode.{key}={want}")
+        if params.remote_port + d.tp_size * d.pcp_size - 1 > MAX_PORT:
+            raise ConfigError("kv_transfer_params.remote_port", params.remote_port, "a base with D's ports <= 65535")
+        if params.remote_cached_tokens > prompt_len:
+            raise ConfigError("kv_transfer_params.remote_cached_tokens", params.remote_cached_tokens, "<= the prompt")
+        per_group = math.ceil(max(prompt_len, 1) / self._block) + 2
+        check_block_ids("remote_block_ids", params.remote_block_ids, len(self._block_sizes), per_group)
+        return params
 
     def get_num_new_matched_tokens(self, request: SchedRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """D: tokens P pushes beyond D's prefix hit (async); P: none.

@@ -25,7 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.admission import ParamsGate
 from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.layerwise.messages import PushParams
 from ascend_dist.kv_mooncake.layerwise.reshard import AllToAll, GlooAllToAll
 from ascend_dist.kv_mooncake.layerwise.scheduler import LayerwiseMetadata, LayerwiseScheduler, Scheduled
 from ascend_dist.kv_mooncake.layerwise.worker import LayerwiseWorker
@@ -120,12 +122,14 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups = [list(g.layer_names) for g in groups]
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler: LayerwiseScheduler | None = None
+        self._gate: ParamsGate | None = None
         self._worker: LayerwiseWorker | None = None
         model = vllm_config.model_config
         self._heads = model.get_total_num_kv_heads()
         self._use_mla = bool(model.use_mla)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = LayerwiseScheduler(self._lw_config, self._block_sizes)
+            self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, PushParams.__struct_fields__)
         else:
             self._tp_rank, _, self._pcp_rank = parallel_ranks()
 
@@ -136,13 +140,29 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         return self._scheduler
 
+    def _admitted(self, request: Request) -> SchedRequest:
+        """The request as `LayerwiseScheduler` sees it; params failing `check_params` are dropped (one warning)."""
+        if self._gate is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        self._gate.admit(request, request.num_prompt_tokens)
+        return _sched_request(request)
+
+    def on_new_request(self, request: Request) -> None:
+        """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once."""
+        if self._gate is not None:
+            self._gate.admit(request, request.num_prompt_tokens)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """D: tokens P pushes (async); P: none."""
-        return self._sched().get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+        """D: tokens P pushes (async); P: none. Params failing the check: ``(0, False)``, no side effect."""
+        sched = self._sched()
+        assert self._gate is not None
+        if not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens):
+            return 0, False
+        return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """D: announce ALL the request's blocks to the metaserver; P: start tracking the push."""
-        self._sched().update_state_after_alloc(_sched_request(request), blocks.get_block_ids(), num_external_tokens)
+        self._sched().update_state_after_alloc(self._admitted(request), blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's waits (D) and pushes (P)."""
@@ -150,13 +170,13 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Blocks are freed at once (P: the reuse gate protects layers still in flight)."""
-        return self._sched().request_finished(_sched_request(request), [block_ids])
+        return self._sched().request_finished(self._admitted(request), [block_ids])
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """As `request_finished`, every KV group."""
-        return self._sched().request_finished(_sched_request(request), list(block_ids))
+        return self._sched().request_finished(self._admitted(request), list(block_ids))
 
     # ---- worker side ----------------------------------------------------------------------------
 
