@@ -16,14 +16,13 @@ an incompatible change bumps `PROTOCOL_VERSION`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.wire import Codec, Handshake
+from ascend_dist.kv_mooncake.admission import Count, ParallelSize, Port, Text, check_host, convert_params
 
 __all__ = [
     "PROTOCOL",
@@ -169,40 +168,28 @@ class ContactInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         remote_cached_tokens: Prompt tokens D already holds (P starts after them).
     """
 
-    request_id: str
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
-    remote_cached_tokens: int = 0
+    request_id: Text
+    remote_engine_id: Text
+    remote_host: Text
+    remote_port: Port
+    remote_tp_size: ParallelSize
+    remote_cached_tokens: Count = 0
     do_remote_prefill: bool = False
     do_remote_decode: bool = True
-    remote_pcp_size: int = 1
-    remote_dcp_size: int = 1
-
-
-_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+    remote_pcp_size: ParallelSize = 1
+    remote_dcp_size: ParallelSize = 1
 
 
 def parse_contact(raw: Mapping[str, Any]) -> ContactInfo:
     """Validate D's contact info as P's scheduler receives it in ``kv_transfer_params``.
 
+    Types, ranges and lengths are bounded (the params come from the proxy's clients); flags must be
+    booleans.
+
     Raises:
-        ConfigError: A key is missing or has the wrong type; the error names
+        ConfigError: A key is missing or has the wrong type or range; the error names
             ``kv_transfer_params.<key>``.
     """
-    if not isinstance(raw, Mapping):
-        raise ConfigError("kv_transfer_params", type(raw).__name__, "a dict")
-    try:
-        info = msgspec.convert(dict(raw), ContactInfo, strict=False)
-    except msgspec.ValidationError as exc:
-        match = _PATH_RE.search(str(exc))
-        key = match.group(1) if match else str(exc).rsplit("`", 2)[-2] if "`" in str(exc) else "?"
-        raise ConfigError(f"kv_transfer_params.{key}", raw.get(key.split("[")[0]), str(exc)) from exc
-    if not 0 < info.remote_port <= 65535:
-        raise ConfigError("kv_transfer_params.remote_port", info.remote_port, "an int in [1, 65535]")
-    if info.remote_tp_size < 1:
-        raise ConfigError("kv_transfer_params.remote_tp_size", info.remote_tp_size, "a positive int")
-    if info.remote_cached_tokens < 0:
-        raise ConfigError("kv_transfer_params.remote_cached_tokens", info.remote_cached_tokens, "an int >= 0")
+    info = convert_params(raw, ContactInfo)
+    check_host("remote_host", info.remote_host)
     return info

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.ports import MAX_PORT
+from ascend_dist.kv_mooncake.admission import Preview, check_flags, check_url
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
 from ascend_dist.kv_mooncake.sfa.plan import GroupIds
@@ -39,6 +41,15 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _check_role(raw: object, *, refused: str, role: str) -> None:
+    """``raw`` is a dict whose flags are booleans and whose ``refused`` flag is not set on this role."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("kv_transfer_params", Preview(raw), "a dict")
+    check_flags(raw)
+    if raw.get(refused):
+        raise ConfigError(f"kv_transfer_params.{refused}", True, f"false on {role}")
 
 
 class ContactSink(Protocol):
@@ -110,6 +121,19 @@ class ConsumerScheduler:
     def tracked(self) -> int:
         """Requests waiting for P (allocated, not finished)."""
         return len(self._active)
+
+    def check_params(self, ext_id: str, raw: Mapping[str, Any], prompt_len: int) -> None:
+        """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
+
+        ``do_remote_decode`` is refused (D never prefills for another instance); ``do_remote_prefill``
+        needs an http(s) ``metaserver`` URL unless ``do_virtual``. Pure.
+
+        Raises:
+            ConfigError: Names ``kv_transfer_params.<key>``.
+        """
+        _check_role(raw, refused="do_remote_decode", role="D (kv_consumer)")
+        if raw.get("do_remote_prefill") and not raw.get("do_virtual"):
+            check_url("metaserver", raw.get("metaserver"))
 
     def get_num_new_matched_tokens(self, request: SfaRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """``(prompt_len - computed, True)`` for a remote-prefill request, else ``(0, False)``.
@@ -258,15 +282,41 @@ class ProducerScheduler:
         """P never loads anything."""
         return 0, False
 
-    def _contact(self, request: SfaRequest, params: Mapping[str, Any]) -> ContactInfo:
+    def _contact(self, ext_id: str, params: Mapping[str, Any]) -> ContactInfo:
         batch = params.get("batch_kv_transfer_params")
         if batch is not None:
-            if not isinstance(batch, Mapping) or request.ext_id not in batch:
+            if not isinstance(batch, Mapping) or ext_id not in batch:
                 raise ConfigError(
-                    f"kv_transfer_params.batch_kv_transfer_params[{request.ext_id!r}]", None, "an entry per child"
+                    f"kv_transfer_params.batch_kv_transfer_params[{Preview(ext_id)}]", None, "an entry per child"
                 )
-            params = batch[request.ext_id]
+            params = batch[ext_id]
         return parse_contact(params)
+
+    def check_params(self, ext_id: str, raw: Mapping[str, Any], prompt_len: int) -> ContactInfo | None:
+        """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
+
+        ``do_remote_prefill`` is refused (P never loads); ``do_remote_decode`` needs D's contact info
+        (`parse_contact`, or this child's entry of ``batch_kv_transfer_params``) with D's TP size as
+        configured under ``decode``, a base port that fits D's ranks and at most the prompt cached. Pure.
+
+        Returns:
+            D's contact info, or None when the request asks for no transfer.
+
+        Raises:
+            ConfigError: Names ``kv_transfer_params.<key>``.
+        """
+        _check_role(raw, refused="do_remote_prefill", role="P (kv_producer)")
+        if not raw.get("do_remote_decode"):
+            return None
+        contact = self._contact(ext_id, raw)
+        d_tp = self._config.decode.tp_size
+        if contact.remote_tp_size != d_tp:
+            raise ConfigError("kv_transfer_params.remote_tp_size", contact.remote_tp_size, f"decode.tp_size={d_tp}")
+        if contact.remote_port + d_tp - 1 > MAX_PORT:
+            raise ConfigError("kv_transfer_params.remote_port", contact.remote_port, "a base with D's ports <= 65535")
+        if contact.remote_cached_tokens > prompt_len:
+            raise ConfigError("kv_transfer_params.remote_cached_tokens", contact.remote_cached_tokens, "<= the prompt")
+        return contact
 
     def update_state_after_alloc(self, request: SfaRequest) -> None:
         """Start tracking a request whose params carry D's contact info (``do_remote_decode``).
@@ -277,7 +327,7 @@ class ProducerScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or request.request_id in self._sends:
             return
-        self._sends[request.request_id] = _Send(self._contact(request, params), request.prompt_len)
+        self._sends[request.request_id] = _Send(self._contact(request.ext_id, params), request.prompt_len)
 
     def build_connector_meta(self, steps: Sequence[StepRequest]) -> ProducerMetadata:
         """This step's chunks; forgets requests whose prompt completes in this step."""

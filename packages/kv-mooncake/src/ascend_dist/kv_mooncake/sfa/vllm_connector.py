@@ -29,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.admission import ParamsGate
 from ascend_dist.kv_mooncake.sfa.backend import make_backend
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
+from ascend_dist.kv_mooncake.sfa.messages import ContactInfo
 from ascend_dist.kv_mooncake.sfa.metaserver import MetaserverClient
 from ascend_dist.kv_mooncake.sfa.plan import DestLayer, infer_groups, layer_index
 from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker, span_label, tensor_span
@@ -112,17 +114,23 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         self._producer_sched: ProducerScheduler | None = None
         self._consumer_sched: ConsumerScheduler | None = None
         self._metaserver: MetaserverClient | None = None
+        self._gate: ParamsGate | None = None
         self._producer: ProducerWorker | None = None
         self._consumer: ConsumerWorker | None = None
         self.host_pool: dict[str, list[torch.Tensor]] = {}
         if role == KVConnectorRole.SCHEDULER:
             if self._sfa.is_producer:
-                self._producer_sched = ProducerScheduler(self._sfa, self._block_sizes, self._group_ids)
+                sched: ProducerScheduler | ConsumerScheduler = ProducerScheduler(
+                    self._sfa, self._block_sizes, self._group_ids
+                )
+                self._producer_sched = sched
             else:
                 self._metaserver = MetaserverClient()
-                self._consumer_sched = ConsumerScheduler(
-                    self._sfa, self._block_sizes, self._group_ids, self._metaserver
-                )
+                sched = ConsumerScheduler(self._sfa, self._block_sizes, self._group_ids, self._metaserver)
+                self._consumer_sched = sched
+            known = {*ContactInfo.__struct_fields__, "batch_kv_transfer_params", "do_virtual"}
+            check = sched.check_params
+            self._gate = ParamsGate(type(self).__name__, lambda rid, raw, n: check(external_id(rid), raw, n), known)
             return
         side = "Prefill" if self._sfa.is_producer else "Decode"
         backend = make_backend(self._sfa.transfer_backend, self._sfa.host, protocol=self._sfa.protocol, role=side)
@@ -133,15 +141,29 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side -------------------------------------------------------------------------
 
+    def _admitted(self, request: Request) -> SfaRequest:
+        """The request as the scheduler half sees it; params failing `check_params` are dropped (one warning)."""
+        if self._gate is not None:
+            self._gate.admit(request, request.num_prompt_tokens)
+        return _request(request)
+
+    def on_new_request(self, request: Request) -> None:
+        """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once."""
+        if self._gate is not None:
+            self._gate.admit(request, request.num_prompt_tokens)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """D: the prompt tokens P computes for it (async); P: nothing."""
-        if self._consumer_sched is not None:
-            return self._consumer_sched.get_num_new_matched_tokens(_request(request), num_computed_tokens)
-        return 0, False
+        """D: the prompt tokens P computes for it (async); P: nothing. Rejected params: ``(0, False)``."""
+        gate = self._gate
+        if self._consumer_sched is None or gate is None:
+            return 0, False
+        if not gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens):
+            return 0, False
+        return self._consumer_sched.get_num_new_matched_tokens(_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """D: record every block of the request (prefix hits included) and post the contact info."""
-        req = _request(request)
+        req = self._admitted(request)
         if self._consumer_sched is not None:
             ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
             self._consumer_sched.update_state_after_alloc(req, ids, num_external_tokens, request.num_computed_tokens)
@@ -178,9 +200,9 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Drop the request's state (D also stops its metaserver post)."""
         if self._consumer_sched is not None:
-            return self._consumer_sched.request_finished(_request(request))
+            return self._consumer_sched.request_finished(self._admitted(request))
         if self._producer_sched is not None:
-            return self._producer_sched.request_finished(_request(request))
+            return self._producer_sched.request_finished(self._admitted(request))
         return False, None
 
     # ---- worker side ----------------------------------------------------------------------------
