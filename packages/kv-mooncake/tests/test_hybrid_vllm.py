@@ -297,3 +297,50 @@ def test_a_failed_load_with_a_mamba_group_is_reported_by_request_and_recomputed(
         d.close()
         if p_open:
             p.close()
+
+
+_hspec = importlib.util.spec_from_file_location("kvm_hostile", Path(__file__).parent / "hostile_requests.py")
+hr = importlib.util.module_from_spec(_hspec)  # type: ignore[arg-type]
+_hspec.loader.exec_module(hr)  # type: ignore[union-attr]
+
+
+def _hybrid_tracked(engine: Any) -> int:
+    connector = engine.connector
+    assert isinstance(connector, MooncakeHybridConnector) and connector._scheduler is not None
+    return connector._scheduler.tracked
+
+
+def test_hostile_params_on_a_hybrid_p_and_d(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's real Scheduler on P and on D: a hostile request is neither truncated nor pulled, one warning each."""
+    p = hr.Engine(make_config(model_dir, "kv_producer", "P-hh", 40300), hybrid_kv_cache_config(), BLOCK)
+    d = hr.Engine(make_config(model_dir, "kv_consumer", "D-hh", 40300), hybrid_kv_cache_config(), BLOCK)
+    try:
+        good_p = {"do_remote_decode": True}
+        a = p.add("good-a", 41, dict(good_p))
+        bad = p.add("bad", 41, {"do_remote_decode": "yes"}, first=500)
+        b = p.add("good-b", 41, dict(good_p), first=900)
+        assert (a.num_prompt_tokens, bad.num_prompt_tokens, b.num_prompt_tokens) == (40, 41, 40)  # P-side truncation
+        out = p.schedule()
+        hr.assert_one_warning(caplog, "do_remote_decode")
+        assert out.num_scheduled_tokens == {"good-a": 40, "bad": 41, "good-b": 40}
+        p.step(out, sampled=["good-a", "bad", "good-b"])
+        assert p.params["bad"] is None and len(p.params["good-a"]["remote_block_ids"]) == 2
+        p.step(p.schedule(), sending=["good-a", "good-b"])
+        p.assert_idle(lambda: _hybrid_tracked(p))
+        caplog.clear()
+        good_d = {**p.params["good-a"], "remote_prefill_cached_tokens": 0}
+        d.add("good-a", 41, dict(good_d))
+        d_bad = d.add("bad", 41, {**good_d, "remote_block_ids": [[4, 5, 6]]}, first=500)  # one group of two
+        d.add("good-b", 41, dict(good_d), first=900)
+        out = d.schedule()
+        hr.assert_one_warning(caplog, "remote_block_ids")
+        assert d_bad.kv_transfer_params is None and out.num_scheduled_tokens == {"bad": 41}
+        assert sorted(out.kv_connector_metadata.inner.requests) == ["good-a", "good-b"]
+        d.step(out, sampled=["bad"], recving=["good-a", "good-b"])
+        out = d.schedule()
+        assert out.num_scheduled_tokens == {"good-a": 1, "good-b": 1}
+        d.step(out, sampled=["good-a", "good-b"])
+        d.assert_idle(lambda: _hybrid_tracked(d))
+    finally:
+        p.close()
+        d.close()
