@@ -65,6 +65,19 @@ def test_pull_is_byte_exact_mla_kernel_and_cp(make_pair: Callable[..., Any], top
     _round_trip(make_pair(**topo))
 
 
+@pytest.mark.timeout(60)
+def test_cp_sub_blocks_of_head_major_blocks(make_pair: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+    """CP with D's block twice P's: one head (MLA) reads fine; several heads cannot (one run per head)."""
+    mla = make_pair(p_tp=2, d_tp=1, p_cp=(2, 1), mla=True, layout="LBHNC", block_size=32, p_model={"block_size": 16})
+    assert mla.transfer("m", 16 * 7 - 3, seed=7) == set()
+    assert mla.d.verify("m", 7) > 0
+    gqa = make_pair(p_tp=1, d_tp=1, p_cp=(2, 1), layout="LBHNC", block_size=32, p_model={"block_size": 16})
+    with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.threads"):
+        assert gqa.transfer("g", 16 * 7 - 3, seed=8) == set(gqa.d.blocks["g"][0])  # refused: D recomputes
+    assert "D block order='head-major' is invalid" in caplog.text
+    assert gqa.wait_p_idle()["blocks_lent"] == 0
+
+
 def test_a_layout_with_heads_outside_blocks_is_refused_at_registration() -> None:
     cfg = PullConfig.from_kv_transfer_config(
         engine_id="D-lhbnc",

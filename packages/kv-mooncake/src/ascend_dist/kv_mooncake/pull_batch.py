@@ -117,13 +117,14 @@ def _sub_blocks(geom: TensorGeom, r: int) -> TensorGeom:
     """D's block as ``r`` sub-blocks of P's size (CP with ``Bd = r * Bp``, spec §5.11).
 
     Sub-block ``x`` is tokens ``(x % r) * Bp ..`` of block ``x // r``: linear in ``x`` only for
-    dense token-major blocks (in a head-major block a token range is one run per head).
+    dense token-major blocks (in a head-major block of several heads a token range is one run per
+    head).
 
     Raises:
-        LayoutError: D's blocks are head-major, not dense (stride != block length) or not
-            divisible by ``r``.
+        LayoutError: D's blocks are head-major with several heads, not dense (stride != block
+            length) or not divisible by ``r``.
     """
-    if geom.head_major:
+    if geom.head_major and geom.heads > 1:
         raise LayoutError(
             "D block order", "head-major", f"token-major to read D's blocks as {r} P-sized sub-blocks (CP)"
         )
