@@ -276,3 +276,74 @@ def test_invalid_children_and_hma_mismatch_are_typed_errors(model_dir: Path) -> 
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     with pytest.raises(ConfigError, match=r"disable_hybrid_kv_cache_manager.*ExampleConnector"):
         AscendMultiConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_hostile_kv_transfer_params_through_vllms_scheduler(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """D's real v1 Scheduler over [pull, recompute]: the pull child drops the hostile params for every child.
+
+    One warning names the key; the hostile request is computed locally, the good ones still pull,
+    and no child keeps anything once all finished.
+    """
+    import logging
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = make_config(model_dir, "kv_consumer", "D-hostile", 40500)
+    sched = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config(),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+    multi = sched.connector
+    assert isinstance(multi, AscendMultiConnector)
+    multi.bind_gpu_block_pool(sched.kv_cache_manager.block_pool)
+    free_at_start = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def run(out: Any, sampled: list[str], recving: set[str] | None = None) -> None:
+        runner = ModelRunnerOutput(
+            req_ids=sampled,
+            req_id_to_index={r: i for i, r in enumerate(sampled)},
+            sampled_token_ids=[[7] for _ in sampled],
+            kv_connector_output=KVConnectorOutput(finished_recving=recving),
+        )
+        sched.update_from_output(out, runner)
+
+    try:
+        good = {
+            "do_remote_prefill": True, "remote_engine_id": "P-x", "remote_request_id": "p", "remote_host": "127.0.0.1",
+            "remote_port": 40500, "remote_block_ids": [[4, 5, 6]], "remote_ptp_size": 1,
+        }  # fmt: skip
+        caplog.set_level(logging.WARNING, logger="ascend_dist")
+        for rid, params, first in (
+            ("good-a", good, 100),
+            ("bad", {**good, "remote_port": "abc"}, 500),
+            ("good-b", good, 900),
+        ):
+            sched.add_request(
+                Request(
+                    rid,
+                    list(range(first, first + 40)),
+                    SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(params)}),
+                    None,
+                )
+            )
+        out = sched.schedule()
+        warnings = [r.getMessage() for r in caplog.records if r.name.startswith("ascend_dist")]
+        assert len(warnings) == 1 and "kv_transfer_params.remote_port" in warnings[0]
+        assert out.num_scheduled_tokens == {"bad": 40}
+        assert sched.requests["bad"].kv_transfer_params is None
+        assert {sched.requests[r].status for r in ("good-a", "good-b")} == {RequestStatus.WAITING_FOR_REMOTE_KVS}
+        run(out, ["bad"], {"good-a", "good-b"})
+        out = sched.schedule()
+        assert out.num_scheduled_tokens == {"good-a": 1, "good-b": 1}
+        run(out, ["good-a", "good-b"])
+        run(sched.schedule(), [])
+        assert not sched.requests and sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_at_start
+        pull = multi.sub_connectors[0]
+        assert isinstance(pull, MooncakeConnectorV1) and pull._scheduler is not None and pull._scheduler.tracked == 0
+    finally:
+        sched.shutdown()
