@@ -251,7 +251,7 @@ class ParamsGate:
         logger.warning(
             "%s: request %s: ignoring its kv_transfer_params and computing it locally: %s=%r is invalid (expected %s)",
             self._connector,
-            request.request_id,
+            request.request_id[:128],  # ids can come from clients too (X-Request-Id)
             error.field,
             error.value if isinstance(error.value, Preview) else Preview(error.value),
             error.expected[:200],
