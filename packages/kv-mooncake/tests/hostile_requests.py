@@ -10,15 +10,21 @@ Not a test module: the tests load it by path (the tests folder is not a package 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+
+_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).with_name("vllm_builders.py"))
+_builders = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(_builders)  # type: ignore[union-attr]
 
 
 class Garbage(NamedTuple):
@@ -123,16 +129,9 @@ class Engine:
         return self.sched.connector
 
     def add(self, rid: str, tokens: int, params: Any, *, first: int = 100) -> Any:
-        """Add a request (prompt ``first..first+tokens``, one output token) carrying ``params``."""
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-
-        req = Request(
-            rid,
-            list(range(first, first + tokens)),
-            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
-            None,
-        )
+        """Add a request (prompt ``first..first+tokens``, one output token) carrying ``params``, as vLLM hashes it."""
+        hasher = _builders.block_hasher(self.sched.vllm_config, self.sched.kv_cache_config)
+        req = _builders.request(rid, tokens, params, first=first, hasher=hasher)
         self.sched.add_request(req)
         return req
 

@@ -25,13 +25,12 @@ vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
 from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
@@ -148,12 +147,7 @@ def test_d_scheduler_waits_for_the_pull_then_recomputes_only_the_last_token(mode
         _, params = p.sched.request_finished(req_p, [4, 5, 6])
         p.step()
         assert params is not None
-        req_d = Request(
-            "d-req",
-            list(range(100, 140)),
-            SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
-            None,
-        )
+        req_d = request("d-req", 40, params, max_tokens=4, hasher=vb.block_hasher(d_config, kcc))
         sched.add_request(req_d)
         out = sched.schedule()
         assert req_d.status == RequestStatus.WAITING_FOR_REMOTE_KVS

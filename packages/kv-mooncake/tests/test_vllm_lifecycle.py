@@ -49,8 +49,6 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -85,9 +83,7 @@ class D:
             raise
         self.free_at_start = self.free_blocks()
         # vLLM's EngineCore gives every request this block hasher when a KV connector is configured.
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(_h.BLOCK, hash_fn)
+        self._hasher = _h.vb.block_hasher(config, kcc)
 
     def request(self, rid: str, tokens: int, params: dict[str, Any] | None = None) -> Request:
         """A request as EngineCore builds it: prompt ``100..``, one output token, P's params if given."""

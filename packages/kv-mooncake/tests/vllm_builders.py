@@ -118,13 +118,39 @@ def blocks(*groups: list[int]) -> Any:
     return KVCacheBlocks(tuple([KVCacheBlock(i) for i in ids] for ids in groups))
 
 
-def request(rid: str, n: int, params: dict[str, Any], max_tokens: int = 1) -> Any:
-    """A vLLM ``Request`` with prompt ``100..100+n`` carrying ``params`` as its kv_transfer_params."""
+def block_hasher(config: Any = None, kcc: Any = None) -> Any:
+    """The block hasher vLLM's ``EngineCore`` gives every request of ``config`` (which has a KV connector).
+
+    As ``EngineCore.__init__`` builds it: the hash function ``prefix_caching_hash_algo`` names,
+    ``init_none_hash`` with it, hashes every hash block vLLM resolves for ``config`` and ``kcc``.
+    Without them (``config`` needs ``kcc``): what it resolves for `make_vllm_config` and one group of
+    `BLOCK`-token blocks.
+    """
+    from vllm.config import CacheConfig
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
+
+    cache = config.cache_config if config is not None else CacheConfig(block_size=BLOCK)
+    hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hash_block = BLOCK if config is None else resolve_kv_cache_block_sizes(kcc, config)[1]
+    # vLLM 0.33 hashes a block with the tokens after it when drafting needs them; 0.32 has no lookahead.
+    lookahead = getattr(config, "num_hash_lookahead_tokens", 0)
+    if lookahead:
+        return get_request_block_hasher(hash_block, hash_fn, lookahead)
+    return get_request_block_hasher(hash_block, hash_fn)
+
+
+def request(rid: str, n: int, params: Any, max_tokens: int = 1, *, first: int = 100, hasher: Any = None) -> Any:
+    """A vLLM ``Request`` with prompt ``first..first+n`` carrying ``params`` as its kv_transfer_params.
+
+    Hashed as vLLM's engine hashes it: with ``hasher``, else `block_hasher`'s default.
+    """
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     sampling = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": params})
-    return Request(rid, list(range(100, 100 + n)), sampling, None)
+    return Request(rid, list(range(first, first + n)), sampling, None, block_hasher=hasher or block_hasher())
 
 
 class Side:

@@ -30,14 +30,13 @@ vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError, DeviceUnavailable  # noqa: E402
 from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
@@ -129,6 +128,7 @@ def test_layerwise_remote_d2h_through_the_vllm_connector(model_dir: Path, metase
     kcc = kv_cache_config()
     p_cfg = make_config(model_dir, "kv_producer", "P-sfa", port)
     d_cfg = make_config(model_dir, "kv_consumer", "D-sfa", port)
+    hasher = vb.block_hasher(d_cfg, kcc)  # P and D hash alike: one block size and algorithm
     p_sched = KVConnectorFactory.create_connector(p_cfg, KVConnectorRole.SCHEDULER, kcc)
     p_work = KVConnectorFactory.create_connector(p_cfg, KVConnectorRole.WORKER, kcc)
     d_sched = KVConnectorFactory.create_connector(d_cfg, KVConnectorRole.SCHEDULER, kcc)
@@ -140,8 +140,7 @@ def test_layerwise_remote_d2h_through_the_vllm_connector(model_dir: Path, metase
         d_work.register_kv_caches(d_caches)
         # D: vLLM's internal id carries a 9-character suffix; the wire and the proxy use the external id.
         params = {"do_remote_prefill": True, "metaserver": metaserver.url}
-        sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
-        req_d = Request("cmpl-1-0-0123abcd", list(range(100, 140)), sampling, None)
+        req_d = vb.request("cmpl-1-0-0123abcd", 40, params, max_tokens=4, hasher=hasher)
         assert d_sched.get_num_new_matched_tokens(req_d, 0) == (40, True)
         d_sched.update_state_after_alloc(req_d, blocks([7, 8, 9], [20, 21, 22]), 40)
         bind(d_work, d_sched.build_connector_meta(SchedulerOutput.make_empty()))
@@ -151,12 +150,7 @@ def test_layerwise_remote_d2h_through_the_vllm_connector(model_dir: Path, metase
             time.sleep(0.01)
         # P: the proxy sends the original request with D's contact info.
         contact = {**metaserver.got["cmpl-1-0"], "do_remote_decode": True}
-        req_p = Request(
-            "cmpl-1-0-89abcdef",
-            list(range(100, 140)),
-            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": contact}),
-            None,
-        )
+        req_p = vb.request("cmpl-1-0-89abcdef", 40, contact, hasher=hasher)
         assert p_sched.get_num_new_matched_tokens(req_p, 0) == (0, False)
         p_sched.update_state_after_alloc(req_p, blocks([3, 4], [11, 12]), 0)
         # Two prefill chunks: 24 tokens in blocks (3, 4)/(11, 12), then 16 more in block 5/13.
@@ -247,6 +241,7 @@ def test_d_driven_by_vllms_scheduler_loads_or_recomputes(model_dir: Path, metase
     p_cfg = make_config(model_dir, "kv_producer", "P-s", port)
     d_cfg = make_config(model_dir, "kv_consumer", "D-s", port, recv_timeout_s=2.0, quarantine_s=0.05)
     d_cfg.kv_transfer_config.kv_load_failure_policy = "recompute"  # type: ignore[union-attr]
+    hasher = vb.block_hasher(d_cfg, kcc)  # P and D hash alike: one block size and algorithm
     p_sched = KVConnectorFactory.create_connector(p_cfg, KVConnectorRole.SCHEDULER, kcc)
     p_work = KVConnectorFactory.create_connector(p_cfg, KVConnectorRole.WORKER, kcc)
     d_work = KVConnectorFactory.create_connector(d_cfg, KVConnectorRole.WORKER, kcc)
@@ -256,18 +251,8 @@ def test_d_driven_by_vllms_scheduler_loads_or_recomputes(model_dir: Path, metase
         p_work.register_kv_caches(p_caches)
         d_work.register_kv_caches(d_caches)
         params = {"do_remote_prefill": True, "metaserver": metaserver.url}
-        ok = Request(
-            "ok-0123abcd",
-            list(range(100, 140)),
-            SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": dict(params)}),
-            None,
-        )
-        lost = Request(
-            "lost-0123abcd",
-            list(range(200, 230)),
-            SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": dict(params)}),
-            None,
-        )
+        ok = vb.request("ok-0123abcd", 40, dict(params), max_tokens=4, hasher=hasher)
+        lost = vb.request("lost-0123abcd", 30, dict(params), max_tokens=4, first=200, hasher=hasher)
         sched.add_request(ok)
         sched.add_request(lost)
         out = sched.schedule()
@@ -279,12 +264,7 @@ def test_d_driven_by_vllms_scheduler_loads_or_recomputes(model_dir: Path, metase
             assert time.monotonic() < deadline
             time.sleep(0.01)
         contact = {**metaserver.got["ok"], "do_remote_decode": True}
-        req_p = Request(
-            "ok-89abcdef",
-            list(range(100, 140)),
-            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": contact}),
-            None,
-        )
+        req_p = vb.request("ok-89abcdef", 40, contact, hasher=hasher)
         p_sched.update_state_after_alloc(req_p, blocks([3, 4, 5], [11, 12, 13]), 0)
         p_out = SchedulerOutput.make_empty()
         p_out.scheduled_new_reqs = [NewRequestData.from_request(req_p, ([3, 4, 5], [11, 12, 13]))]
@@ -321,6 +301,7 @@ def test_p_and_d_both_driven_by_vllms_scheduler_with_chunked_prefill(model_dir: 
     p_cfg.scheduler_config.max_num_batched_tokens = 16
     p_cfg.scheduler_config.enable_chunked_prefill = True
     d_cfg = make_config(model_dir, "kv_consumer", "D-c", port)
+    hasher = vb.block_hasher(d_cfg, kcc)  # P and D hash alike: one block size and algorithm
     p_work = KVConnectorFactory.create_connector(p_cfg, KVConnectorRole.WORKER, kcc)
     d_work = KVConnectorFactory.create_connector(d_cfg, KVConnectorRole.WORKER, kcc)
     p_sched, d_sched = _scheduler(p_cfg, kcc), _scheduler(d_cfg, kcc)
@@ -329,12 +310,7 @@ def test_p_and_d_both_driven_by_vllms_scheduler_with_chunked_prefill(model_dir: 
         p_work.register_kv_caches(p_caches)
         d_work.register_kv_caches(d_caches)
         params = {"do_remote_prefill": True, "metaserver": metaserver.url}
-        req_d = Request(
-            "c-0123abcd",
-            list(range(300, 345)),
-            SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
-            None,
-        )
+        req_d = vb.request("c-0123abcd", 45, params, max_tokens=4, first=300, hasher=hasher)
         d_sched.add_request(req_d)
         d_out = d_sched.schedule()
         bind(d_work, d_out.kv_connector_metadata)
@@ -343,12 +319,7 @@ def test_p_and_d_both_driven_by_vllms_scheduler_with_chunked_prefill(model_dir: 
             assert time.monotonic() < deadline
             time.sleep(0.01)
         contact = {**metaserver.got["c"], "do_remote_decode": True}
-        req_p = Request(
-            "c-89abcdef",
-            list(range(300, 345)),
-            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": contact}),
-            None,
-        )
+        req_p = vb.request("c-89abcdef", 45, contact, first=300, hasher=hasher)
         p_sched.add_request(req_p)
         chunks = 0
         while req_p.request_id in p_sched.requests and not req_p.is_finished():
