@@ -7,16 +7,20 @@ Runs in: the trainer process, when the RL framework goes through vLLM's trainer 
 ``engine.send_weights()`` each round). Trainers that do not have vLLM installed use
 `BroadcastTrainer` / `IpcTrainer` directly: these classes only wrap them.
 
-Per the pinned ``vllm/distributed/weight_transfer/base.py`` (0.33): ``TrainerInitInfo`` has a
+Per ``vllm/distributed/weight_transfer/base.py`` (0.32 and 0.33): ``TrainerInitInfo`` has a
 keyword-only ``rank`` (rank 0 sends) and a class-level ``backend``; ``trainer_init`` is a
 classmethod called on every trainer rank; ``send_weights`` drives start, update(s) and finish
-through the client. The broadcast engine runs the client's ``update_weights`` in a thread while it
-broadcasts, since both sides meet inside the same collectives.
+through the client. The two versions differ only in ``WeightSource``'s iteration API and the
+engine's ``rank`` (see `_SOURCE_HAS_MODES`, `_ENGINE_TAKES_RANK`). The broadcast engine runs
+the client's ``update_weights`` in a thread while it broadcasts, since both sides meet inside the
+same collectives.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -53,11 +57,29 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+# vLLM 0.32's WeightSource has ``metadata()`` (a method), ``__iter__`` and ``held_names()``; 0.33 made
+# ``metadata`` a cached property and added ``iter_full()``, ``owned_names(rank)`` and the
+# ``implements_iter_full()`` check. `_metadata`, `_iter_full` and `_checked_source` tell them apart.
+_SOURCE_HAS_MODES = hasattr(WeightSource, "implements_iter_full")
+# vLLM 0.32's TrainerWeightTransferEngine.__init__ takes no ``rank`` (0.33 keeps it on the engine).
+_ENGINE_TAKES_RANK = "rank" in inspect.signature(TrainerWeightTransferEngine.__init__).parameters
+
+
+def _metadata(source: WeightSource) -> list[Any]:
+    """The source's ``ParamMeta`` list."""
+    return list(source.metadata if _SOURCE_HAS_MODES else source.metadata())  # type: ignore[operator]
+
+
+def _iter_full(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """One fresh pass over the source's full tensors."""
+    return source.iter_full() if _SOURCE_HAS_MODES else iter(source)  # type: ignore[call-overload]
+
+
 def _manifest(
     source: WeightSource, *, packed: bool, buffer_size_bytes: int, num_buffers: int, direct_threshold_bytes: int = 0
 ) -> Manifest:
     return make_manifest(
-        [(m.name, dtype_to_str(m.dtype), tuple(m.shape)) for m in source.metadata],
+        [(m.name, dtype_to_str(m.dtype), tuple(m.shape)) for m in _metadata(source)],
         packed=packed, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers,
         direct_threshold_bytes=direct_threshold_bytes,
     )  # fmt: skip
@@ -66,11 +88,23 @@ def _manifest(
 def _checked_source(source: WeightSource | None, rank: int) -> WeightSource:
     if source is None:
         raise ConfigError("source", None, "a vLLM WeightSource (full-resync backend)")
-    if not source.implements_iter_full():
+    if _SOURCE_HAS_MODES and not source.implements_iter_full():
         raise ConfigError("source", type(source).__name__, "a WeightSource implementing iter_full()")
-    if len(source.owned_names(rank)) != len(source.metadata):
+    names = [m.name for m in _metadata(source)]
+    held = source.owned_names(rank) if _SOURCE_HAS_MODES else source.held_names()  # type: ignore[attr-defined]
+    if held is not None and set(held) != set(names):
         raise ConfigError("source", f"rank {rank} owns a subset", "every parameter on every trainer rank")
     return source
+
+
+def _base_init(engine: TrainerWeightTransferEngine[Any], client: VLLMWeightSyncClient, source: WeightSource,
+               is_sender: bool, rank: int) -> None:  # fmt: skip
+    """Run the base engine's ``__init__``; ``engine.rank`` is set on every vLLM version."""
+    if _ENGINE_TAKES_RANK:
+        TrainerWeightTransferEngine.__init__(engine, client=client, source=source, is_sender=is_sender, rank=rank)
+    else:
+        TrainerWeightTransferEngine.__init__(engine, client=client, source=source, is_sender=is_sender)
+        engine.rank = rank  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -97,7 +131,7 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True,
                  rank: int = 0, init_info: HCCLTrainerInitInfo) -> None:  # fmt: skip
         """Store the wire parameters; `trainer_init` connects."""
-        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        _base_init(self, client, source, is_sender, rank)
         self.init_info = init_info
         self.trainer: BroadcastTrainer | None = None
 
@@ -137,7 +171,7 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         """One round: start, update (concurrently with the broadcast), finish."""
         assert self.source is not None
         if not self.is_sender:
-            for _ in self.source.iter_full():  # join the trainer-side gathers only
+            for _ in _iter_full(self.source):  # join the trainer-side gathers only
                 pass
             return
         assert self.trainer is not None, "trainer_init() must run first"
@@ -151,7 +185,7 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-update")
         try:
             future = pool.submit(self.client.update_weights, update)
-            self.trainer.send(self.source.iter_full(), manifest)
+            self.trainer.send(_iter_full(self.source), manifest)
             future.result(timeout=info.op_timeout_s)
         finally:
             # The broadcast either completed (the RPC returns promptly) or failed (the workers fail
@@ -204,7 +238,7 @@ class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTraine
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True,
                  rank: int = 0, init_info: NPUIPCTrainerInitInfo) -> None:  # fmt: skip
         """Create the core `IpcTrainer` on the process's device runtime."""
-        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        _base_init(self, client, source, is_sender, rank)
         self.init_info = init_info
         self.trainer = IpcTrainer(
             _ClientAdapter(client, init_info.layerwise_reload), get_runtime(), packed=init_info.packed,
@@ -229,4 +263,4 @@ class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTraine
         info = self.init_info
         manifest = _manifest(self.source, packed=info.packed, buffer_size_bytes=info.packed_buffer_size_bytes,
                              num_buffers=1)  # fmt: skip
-        self.trainer.send(self.source.iter_full(), manifest)
+        self.trainer.send(_iter_full(self.source), manifest)
