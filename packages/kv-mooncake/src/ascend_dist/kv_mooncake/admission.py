@@ -125,12 +125,15 @@ def convert_params(raw: object, struct: type[StructT]) -> StructT:
     try:
         return msgspec.convert(dict(raw), struct, strict=False)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _PATH_RE.search(text) or _MISSING_RE.search(text)
+        text = str(exc)[:300]
+        missing = _MISSING_RE.search(text)
+        match = missing or _PATH_RE.search(text)
         key = match.group(1) if match else ""
         if not key:  # e.g. "Expected `str` - at `key` in `$`": a key that is not a string
-            raise ConfigError("kv_transfer_params", Preview(raw), f"a dict with string keys ({text[:200]})") from exc
-        raise _bad(key, raw.get(key), text[:200]) from exc
+            raise ConfigError("kv_transfer_params", Preview(raw), f"a dict with string keys ({text})") from exc
+        detail = text.split(" - at `")[0]  # "Expected `int | null`, got `str`" -> "`int | null`, got `str`"
+        expected = "present" if missing else detail.removeprefix("Expected ")
+        raise _bad(key, raw.get(key), expected) from exc
 
 
 def check_flags(raw: Mapping[str, Any]) -> None:
@@ -249,7 +252,7 @@ class ParamsGate:
             return True
         request.kv_transfer_params = None
         logger.warning(
-            "%s: request %s: ignoring its kv_transfer_params and computing it locally: %s=%r is invalid (expected %s)",
+            "%s: request %s: ignoring its kv_transfer_params and computing it locally: %s=%r is invalid: expected %s",
             self._connector,
             request.request_id[:128],  # ids can come from clients too (X-Request-Id)
             error.field,
