@@ -173,6 +173,19 @@ def test_tracker_lease_expires_and_renew_extends_it() -> None:
     assert t.take_finished() == {"b"} and len(t) == 0
 
 
+def test_tracker_holds_only_requests_whose_blocks_it_still_has() -> None:
+    """`renew` is D's check before a read: a consumed or unknown request must not be read (replays)."""
+    t = SendTracker(5.0, clock=Clock())
+    assert not t.renew("never-seen")
+    t.add_processing("a")
+    assert t.renew("a")  # still in P's batch: D may arrive before the delayed-free notice
+    t.add_delayed("a", 1)
+    assert t.renew("a")
+    t.done("a")
+    assert t.take_finished() == {"a"}
+    assert not t.renew("a")  # consumed: its blocks may already hold another request's KV
+
+
 def test_tracker_zero_fan_in_frees_at_once() -> None:
     t = SendTracker(5.0, clock=Clock())
     t.add_processing("a")

@@ -91,9 +91,16 @@ class PeerClient:
             self._cache[(engine_id, host, port)] = reply.metadata
         return reply.metadata
 
-    def renew(self, host: str, port: int, remote_request_id: str) -> None:
-        """Extend the lease of a request's blocks on one P worker (raises like `metadata`)."""
-        self._rpc(host, port, Renew(request_ids=[remote_request_id]))
+    def renew(self, host: str, port: int, remote_request_id: str) -> bool:
+        """Extend the lease of a request's blocks on one P worker; whether P still holds them.
+
+        Raises:
+            ProtocolError: An unexpected reply (and like `metadata` on a dead or slow P).
+        """
+        reply = self._rpc(host, port, Renew(request_ids=[remote_request_id]))
+        if not isinstance(reply, Ack):
+            raise ProtocolError(f"expected an ack from {host}:{port}, got {type(reply).__name__}")
+        return reply.known
 
     def send_done(self, host: str, port: int, remote_request_id: str, ok: bool) -> None:
         """Tell a P worker D is done with a request; never raises (P's lease frees the blocks if lost)."""

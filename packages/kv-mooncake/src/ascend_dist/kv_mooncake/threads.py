@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ascend_dist.common.errors import TransferError
 from ascend_dist.common.mappings import context_parallel_parameters_check
 from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.config import PullConfig
@@ -242,8 +243,10 @@ class Receiver:
         agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
         stage = 0 if shard >= 0 or shard == STATE_TASK else (port - meta.remote_port) // meta.remote_ptp_size
         check_peer_rank(agent, port=port, pp_rank=stage, tp_rank=p_rank)
-        if self._clock() - pull.submitted > self._config.lease_s / 3:
-            self._peers.renew(meta.remote_host, port, meta.remote_request_id)
+        # Before reading, P must confirm it still holds this request's blocks: params replayed after
+        # D consumed them, or aimed at a request P already freed, would read reused blocks.
+        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
+            raise TransferError(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
         batch = task_batch(
             self._cache,
             agent,

@@ -89,12 +89,16 @@ class SendTracker:
             self._states.advance(request_id, SendState.AWAITING_DONE)
 
     def renew(self, request_id: str) -> bool:
-        """Extend a waiting request's lease; return whether it was waiting."""
+        """Whether this rank still holds the request's blocks (extending a waiting request's lease).
+
+        A request still in P's batch is held too: D may reach P before P's worker has seen the
+        delayed-free notice. A finished, expired or never-seen request is not, so D must not read it.
+        """
         with self._lock:
-            if self._states.get(request_id) is not SendState.AWAITING_DONE:
-                return False
-            self._deadline[request_id] = self._clock() + self._lease_s
-            return True
+            state = self._states.get(request_id)
+            if state is SendState.AWAITING_DONE:
+                self._deadline[request_id] = self._clock() + self._lease_s
+            return state in (SendState.PROCESSING, SendState.AWAITING_DONE)
 
     def done(self, request_id: str) -> bool:
         """Count one DONE; return whether the request was known."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable, Mapping
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "block_load_errors",
     "connector_config",
     "kv_cache_layout_name",
+    "model_name",
     "parallel_ranks",
     "read_kv_caches",
     "split_kv_caches",
@@ -59,9 +61,21 @@ def connector_config(vllm_config: VllmConfig, connector: str, parse: Callable[..
         kv_role=ktc.kv_role,
         kv_port=ktc.kv_port,
         extra=extra,
-        model=str(vllm_config.model_config.model),
+        model=model_name(vllm_config),
         dtype=str(cache_dtype if cache_dtype != "auto" else vllm_config.model_config.dtype),
     )
+
+
+def model_name(vllm_config: VllmConfig) -> str:
+    """The model's name as P and D compare it at the handshake: the served name, else the model.
+
+    A local path counts by its last component: P and D on different machines mount the same
+    checkpoint at different paths, and what must match is the model, not the mount point.
+    """
+    model = vllm_config.model_config
+    served = getattr(model, "served_model_name", None)
+    name = str((served[0] if isinstance(served, list | tuple) and served else served) or model.model)
+    return PurePath(name).name if name.startswith(("/", ".")) else name
 
 
 def parallel_ranks() -> tuple[int, int, int]:
