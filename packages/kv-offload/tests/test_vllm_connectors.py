@@ -7,6 +7,8 @@ connector talk only through vLLM's metadata objects.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -25,13 +27,33 @@ def _register(name: str, module: str, cls: str) -> None:
         KVConnectorFactory.register_connector(name, module, cls)
 
 
-def _configs(name: str, extra: dict[str, Any], *, prefix_caching: bool = False) -> tuple[Any, Any]:
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama ``config.json`` (no weights): vLLM's scheduler-side classes read the model config."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(
+        json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "num_hidden_layers": 1, "vocab_size": 1000, "max_position_embeddings": 512, "torch_dtype": "float16",
+        })
+    )  # fmt: skip
+    return d
+
+
+def _configs(
+    name: str, extra: dict[str, Any], *, prefix_caching: bool = False, model_dir: Path | None = None
+) -> tuple[Any, Any]:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
+    model: dict[str, Any] = {}
+    if model_dir is not None:
+        model["model_config"] = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=256)
     vllm_config = VllmConfig(
+        **model,
         device_config=DeviceConfig("cpu"),
-        cache_config=CacheConfig(enable_prefix_caching=prefix_caching),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra),
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.int8)
@@ -97,7 +119,7 @@ def test_recompute_preempt_reuse_restore_cycle() -> None:
     worker.shutdown()
 
 
-def test_simple_worker_override_and_ucm_wrapper_without_ucm() -> None:
+def test_simple_worker_override_and_ucm_wrapper_without_ucm(model_dir: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleCPUOffloadWorkerMetadata
 
@@ -107,12 +129,19 @@ def test_simple_worker_override_and_ucm_wrapper_without_ucm() -> None:
 
     _register("SimpleCPUOffloadConnector", "ascend_dist.kv_offload.vllm_simple", "AscendSimpleCPUOffloadConnector")
     _register("UCMConnector", "ascend_dist.kv_offload.vllm_ucm", "UCMConnector")
-    vllm_config, kv_config = _configs("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 4096}, prefix_caching=True)
+    extra = {"cpu_bytes_to_use": 4096}
+    vllm_config, kv_config = _configs("SimpleCPUOffloadConnector", extra, prefix_caching=True, model_dir=model_dir)
+    sched = AscendSimpleCPUOffloadConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_config)
+    assert sched.scheduler_manager is not None
+    sched.shutdown()
     conn = AscendSimpleCPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
     assert isinstance(conn.worker_handler, AscendSimpleWorkerHandler)
     k, v = _kv()
     conn.register_kv_caches({"l0": (k, v)})
-    assert conn.get_aligned_num_cpu_blocks() == conn.worker_handler.num_cpu_blocks == 32
+    # vLLM's own scheduler side (no worker count handed to it yet) plans over as many host blocks.
+    assert sched.scheduler_manager.num_cpu_blocks == conn.worker_handler.num_cpu_blocks == 32
+    if hasattr(conn, "get_aligned_num_cpu_blocks"):  # vLLM 0.33 also hands the workers' count to its scheduler
+        assert conn.get_aligned_num_cpu_blocks() == 32
     meta = SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3, 4], store_cpu_blocks=[0, 1])
     conn.bind_connector_metadata(meta)
     conn.wait_for_save()
@@ -133,6 +162,27 @@ def test_simple_worker_override_and_ucm_wrapper_without_ucm() -> None:
     ucm_config, _ = _configs("UCMConnector", {})
     with pytest.raises(UcmUnavailable, match="uc-manager"):
         UCMConnector(ucm_config, KVConnectorRole.SCHEDULER, kv_config)
+
+
+def test_simple_num_cpu_blocks_is_honoured_on_vllm_0_33_and_refused_on_0_32() -> None:
+    """vLLM 0.32's scheduler sizes its host pool alone: a worker-side override would disagree with it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
+
+    from ascend_dist.common.errors import ConfigError
+    from ascend_dist.kv_offload.vllm_simple import AscendSimpleCPUOffloadConnector
+
+    extra = {"cpu_bytes_to_use": 4096, "num_cpu_blocks": 8}
+    vllm_config, kv_config = _configs("SimpleCPUOffloadConnector", extra, prefix_caching=True)
+    if not hasattr(SimpleCPUOffloadConnector, "get_aligned_num_cpu_blocks"):  # vLLM 0.32
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ConfigError, match=r"num_cpu_blocks=8 .*vLLM 0\.32"):
+                AscendSimpleCPUOffloadConnector(vllm_config, role, kv_config)
+        return
+    conn = AscendSimpleCPUOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
+    assert conn.worker_handler is not None and conn.worker_handler.num_cpu_blocks == 8
+    assert conn.get_aligned_num_cpu_blocks() == 8
+    conn.shutdown()
 
 
 class _FakeUcm:

@@ -244,8 +244,6 @@ def test_load_failure_with_several_groups_fails_the_request_not_the_step(tmp_pat
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from ascend_dist.common.errors import TransferError
-
     conn, runtime = _two_group_worker(tmp_path)
     try:
         dst = GPULoadStoreSpec([8, 9, 8, 9], [2, 2], [0, 0])  # the same ids in both groups (one chunk each)
@@ -268,8 +266,30 @@ def test_load_failure_with_several_groups_fails_the_request_not_the_step(tmp_pat
         assert conn.get_block_ids_with_load_errors() == set()
         assert conn.build_connector_worker_meta().completed_jobs == {1: 1, 2: 1}
         conn.clear_connector_metadata()
-        # A synchronous load cannot be reported per request: a typed error instead of vLLM's assertion.
-        sync = TransferJob("s", CPULoadStoreSpec([0, 1, 2, 3]), dst, sync=True)
+    finally:
+        conn.shutdown()
+        runtime.close()
+
+
+def test_failed_sync_load_with_several_groups_is_a_typed_error(tmp_path: Any) -> None:
+    """A synchronous load cannot be reported per request: a typed error instead of vLLM's assertion."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from ascend_dist.common.errors import TransferError
+
+    if "sync" not in {f.name for f in dataclasses.fields(TransferJob)}:
+        pytest.skip("vLLM 0.32's scheduler never plans a synchronous load (TransferJob.sync is new in 0.33)")
+    conn, runtime = _two_group_worker(tmp_path)
+    try:
+        dst = GPULoadStoreSpec([8, 9, 8, 9], [2, 2], [0, 0])  # the same ids in both groups (one chunk each)
+        sync = TransferJob("s", CPULoadStoreSpec([0, 1, 2, 3]), dst, sync=True)  # type: ignore[call-arg]
         runtime.inject_copy_fault(0)
         conn.bind_connector_metadata(OffloadingConnectorMetadata(load_jobs={3: sync}, store_jobs={}))
         conn.start_load_kv(None)  # waits for the sync job

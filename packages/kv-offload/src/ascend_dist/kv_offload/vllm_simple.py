@@ -29,15 +29,29 @@ __all__ = ["AscendSimpleCPUOffloadConnector", "AscendSimpleWorkerHandler", "simp
 
 logger = logging.getLogger(__name__)
 
+# vLLM 0.33's scheduler takes its host block count from the workers (``get_aligned_num_cpu_blocks``)
+# and honours ``num_cpu_blocks``. vLLM 0.32's sizes its pool alone, as ``max(1, gpu_blocks *
+# per_rank // kv_cache_tensors[0].size)``, and has no ``num_cpu_blocks``: there the worker must use
+# exactly that count.
+_SCHEDULER_TAKES_WORKER_COUNT = hasattr(SimpleCPUOffloadConnector, "get_aligned_num_cpu_blocks")
+
 
 def simple_capacity(vllm_config: Any, kv_cache_config: Any) -> HostCapacity:
     """Host blocks per rank: ``max(1, gpu_blocks * per_rank // device KV bytes)``, or ``num_cpu_blocks``.
 
+    On vLLM 0.32 the device KV bytes are those vLLM 0.32's scheduler divides by (the first tensor's
+    backing allocation), so both sides count the same blocks.
+
     Raises:
-        ConfigError: ``num_cpu_blocks`` is not a positive int within the byte budget's count.
+        ConfigError: ``num_cpu_blocks`` is not a positive int within the byte budget's count, or is
+            set on vLLM 0.32.
     """
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     per_rank = per_rank_capacity(extra, vllm_config.parallel_config.world_size)
+    _refuse_num_cpu_blocks_without_alignment(extra)
+    if not _SCHEDULER_TAKES_WORKER_COUNT:
+        size = int(kv_cache_config.kv_cache_tensors[0].size)
+        return HostCapacity.from_device(int(kv_cache_config.num_blocks), size, per_rank)
     total = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
     capacity = HostCapacity.from_device(int(kv_cache_config.num_blocks), total, per_rank)
     requested = extra.get("num_cpu_blocks")
@@ -46,6 +60,16 @@ def simple_capacity(vllm_config: Any, kv_cache_config: Any) -> HostCapacity:
     if type(requested) is not int or not 0 < requested <= capacity.num_cpu_blocks:
         raise ConfigError("num_cpu_blocks", requested, f"an int in 1..{capacity.num_cpu_blocks}")
     return HostCapacity(requested, capacity.capacity_per_rank, capacity.device_bytes_per_block)
+
+
+def _refuse_num_cpu_blocks_without_alignment(extra: Any) -> None:
+    """``num_cpu_blocks`` on vLLM 0.32: its scheduler would size a different pool than the worker."""
+    if not _SCHEDULER_TAKES_WORKER_COUNT and extra.get("num_cpu_blocks") is not None:
+        raise ConfigError(
+            "num_cpu_blocks",
+            extra["num_cpu_blocks"],
+            "unset on vLLM 0.32 (its scheduler sizes the host pool from cpu_bytes_to_use alone; vLLM 0.33 honours it)",
+        )
 
 
 class AscendSimpleWorkerHandler:
@@ -99,7 +123,12 @@ class AscendSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
     """``SimpleCPUOffloadConnector`` with the Ascend worker handler."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        """Run vLLM's constructor, then swap the worker handler (when one exists)."""
+        """Run vLLM's constructor, then swap the worker handler (when one exists).
+
+        Raises:
+            ConfigError: ``num_cpu_blocks`` on vLLM 0.32 (either role), or a bad host capacity.
+        """
+        _refuse_num_cpu_blocks_without_alignment(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         super().__init__(vllm_config, role, kv_cache_config)
         self.ascend_handler: AscendSimpleWorkerHandler | None = None
         if role == KVConnectorRole.WORKER and self.worker_handler is not None:
