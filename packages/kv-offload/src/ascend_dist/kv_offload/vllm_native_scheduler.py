@@ -1,9 +1,9 @@
 """vLLM adapter of native offloading, scheduler side: failed stores never become loadable.
 
 Runs in: vLLM's scheduler process (the metadata class also in workers, which build it). Imports
-vLLM (0.33: ``...kv_connector.v1.offloading``); part of the native adapter with `vllm_native`.
+vLLM (0.32 and 0.33: ``...kv_connector.v1.offloading``); part of the native adapter with `vllm_native`.
 
-vLLM 0.33's ``OffloadingConnectorWorker`` asserts that every copy succeeded. Our worker side
+vLLM's ``OffloadingConnectorWorker`` asserts that every copy succeeded. Our worker side
 (`vllm_native.AscendOffloadingConnectorWorker`) reports a failed store's job id in
 `AscendOffloadingWorkerMetadata.failed_jobs`; `AscendOffloadingConnectorScheduler` then completes
 that store with ``success=False`` once every worker reported it, so the manager drops the chunks
@@ -28,6 +28,11 @@ from ascend_dist.kv_offload.messages import decode_failed_stores, encode_failed_
 __all__ = ["AscendOffloadingConnectorScheduler", "AscendOffloadingWorkerMetadata"]
 
 logger = logging.getLogger(__name__)
+
+# vLLM 0.33's update_connector_output takes the manager lock and runs ``_update_connector_output``
+# inside it; vLLM 0.32 has only update_connector_output (no lock). Failed stores are completed in
+# whichever of the two runs the job bookkeeping.
+_HAS_LOCKED_UPDATE = hasattr(OffloadingConnectorScheduler, "_update_connector_output")
 
 
 @dataclasses.dataclass
@@ -77,11 +82,21 @@ class AscendOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         super().__init__(spec, vllm_config, kv_cache_config)
         self._failed_store_jobs: set[int] = set()
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Run vLLM's update; on vLLM 0.32 the failed stores are completed here first."""
+        if not _HAS_LOCKED_UPDATE:
+            self._fail_reported_stores(connector_output)
+        super().update_connector_output(connector_output)
+
     def _update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Run vLLM 0.33's update under the manager lock, the failed stores completed first."""
+        self._fail_reported_stores(connector_output)
+        super()._update_connector_output(connector_output)
+
+    def _fail_reported_stores(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, AscendOffloadingWorkerMetadata):
             self._fail_stores(meta)
-        super()._update_connector_output(connector_output)
 
     def _fail_stores(self, meta: AscendOffloadingWorkerMetadata) -> None:
         """Complete, with ``success=False``, each failed store whose last worker report is in ``meta``."""
