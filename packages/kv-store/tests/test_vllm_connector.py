@@ -1,4 +1,4 @@
-"""AscendStoreConnector against the real vLLM 0.33.0 classes (scheduler, requests, configs, factory).
+"""AscendStoreConnector against the real vLLM classes, 0.32 and 0.33 (scheduler, requests, configs, factory).
 
 Two "instances" share one real Mooncake Store: each has its own vLLM ``Scheduler`` (which creates the
 SCHEDULER-role connector through vLLM's factory) and a WORKER-role connector over CPU caches. The
@@ -25,6 +25,8 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -104,11 +106,28 @@ def kv_cache_config() -> KVCacheConfig:
     )
 
 
+def block_hasher(config: VllmConfig, kcc: KVCacheConfig) -> Any:
+    """The block hasher vLLM's ``EngineCore.__init__`` gives every request (a KV connector is set).
+
+    The hash function ``prefix_caching_hash_algo`` names, ``init_none_hash`` with it, hashes every
+    hash block vLLM resolves for ``config`` and ``kcc``.
+    """
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hash_block = resolve_kv_cache_block_sizes(kcc, config)[1]
+    # vLLM 0.33 hashes a block with the tokens after it when drafting needs them; 0.32 has no lookahead.
+    lookahead = getattr(config, "num_hash_lookahead_tokens", 0)
+    if lookahead:
+        return get_request_block_hasher(hash_block, hash_fn, lookahead)
+    return get_request_block_hasher(hash_block, hash_fn)
+
+
 class Instance:
     """A vLLM scheduler plus a worker-role connector over CPU caches."""
 
     def __init__(self, config: VllmConfig, seed: int, kcc: KVCacheConfig | None = None) -> None:
         self.kcc = kcc or kv_cache_config()
+        self.hasher = block_hasher(config, self.kcc)
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
         gen = torch.Generator().manual_seed(seed)
         self.caches = {
@@ -122,6 +141,10 @@ class Instance:
             block_size=BLOCK,
             log_stats=False,
         )
+
+    def request(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+        """A request as this instance's engine builds it (hashed with its block hasher)."""
+        return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=self.hasher)
 
     def block(self, block_id: int) -> bytes:
         return b"".join(self.caches[n][kv, block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
@@ -144,10 +167,6 @@ class Instance:
         self.worker.shutdown()
 
 
-def request(req_id: str, prompt: list[int]) -> Request:
-    return Request(req_id, prompt, SamplingParams(max_tokens=4), None)
-
-
 def test_second_instance_loads_first_instances_prefix(model_dir, mooncake_master, kvtools) -> None:
     a = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=1)
     b = Instance(
@@ -157,13 +176,13 @@ def test_second_instance_loads_first_instances_prefix(model_dir, mooncake_master
         assert type(a.scheduler.connector) is AscendStoreConnector
         assert isinstance(b.worker, MooncakeConnectorStoreV1)
         prompt = list(range(100, 170))  # 4 full chunks + 6 tokens
-        a.scheduler.add_request(request("ra", prompt))
+        a.scheduler.add_request(a.request("ra", prompt))
         out = a.step()
         blocks_a = out.scheduled_new_reqs[0].block_ids[0]
         a.worker._worker.drain(20)
         assert a.worker._worker.stats.saved_keys == 4
 
-        b.scheduler.add_request(request("rb", prompt))
+        b.scheduler.add_request(b.request("rb", prompt))
         out = b.step()
         new = out.scheduled_new_reqs[0]
         assert new.num_computed_tokens == 64  # the pool hit, floored to whole chunks
@@ -183,11 +202,11 @@ def test_layerwise_mode_through_the_connector(model_dir, mooncake_master, kvtool
     try:
         assert AscendStoreConnector.requires_piecewise_for_cudagraph(cfg)
         prompt = list(range(400, 470))
-        a.scheduler.add_request(request("la", prompt))
+        a.scheduler.add_request(a.request("la", prompt))
         blocks_a = a.step(layerwise=True).scheduled_new_reqs[0].block_ids[0]
         a.worker._worker.drain(20)
         assert a.worker._worker.stats.saved_keys == 4 * len(LAYERS)  # one object per chunk and layer
-        b.scheduler.add_request(request("lb", prompt))
+        b.scheduler.add_request(b.request("lb", prompt))
         out = b.step(layerwise=True)
         new = out.scheduled_new_reqs[0]
         assert new.num_computed_tokens == 64
@@ -234,7 +253,7 @@ def test_unreachable_store_runs_with_zero_hits(model_dir, kvtools, caplog) -> No
     try:
         with caplog.at_level(logging.WARNING, logger="ascend_dist"):
             for i in range(2):
-                inst.scheduler.add_request(request(f"r{i}", list(range(200 + i, 264 + i))))
+                inst.scheduler.add_request(inst.request(f"r{i}", list(range(200 + i, 264 + i))))
             out = inst.step()
         assert all(r.num_computed_tokens == 0 for r in out.scheduled_new_reqs)
         assert inst.worker.get_block_ids_with_load_errors() == set()
@@ -248,7 +267,7 @@ def test_finished_request_blocks_held_until_saves_complete(model_dir, mooncake_m
 
     inst = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=4)
     try:
-        req = Request("done", list(range(300, 364)), SamplingParams(max_tokens=1), None)
+        req = inst.request("done", list(range(300, 364)), max_tokens=1)
         inst.scheduler.add_request(req)
         free_before = inst.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         out = inst.step()
@@ -281,7 +300,7 @@ def test_kv_events_reach_the_scheduler(model_dir, mooncake_master, kvtools) -> N
     inst = Instance(config, seed=5)
     try:
         prompt = list(range(700, 748))
-        inst.scheduler.add_request(request("ev", prompt))
+        inst.scheduler.add_request(inst.request("ev", prompt))
         inst.step()
         inst.worker._worker.drain(20)
         reported = inst.worker.get_kv_connector_kv_cache_events()
@@ -367,14 +386,14 @@ def test_hybrid_model_async_load_failure_is_reported_by_request_and_recomputed(
         assert sum("load_async=true" in r.getMessage() for r in caplog.records) == 1  # logged once per process
         assert b.worker._cfg.async_loads and b.scheduler.connector._cfg.async_loads  # both roles agree
         good, bad = list(range(1000, 1048)), list(range(2000, 2048))  # 3 chunks each
-        a.scheduler.add_request(request("a-good", good))
-        a.scheduler.add_request(request("a-bad", bad))
+        a.scheduler.add_request(a.request("a-good", good))
+        a.scheduler.add_request(a.request("a-bad", bad))
         out_a = a.step()  # a hybrid model's saves finish inside the step
         blocks_a = {r.req_id: r.block_ids for r in out_a.scheduled_new_reqs}
         assert all(x == 1 for x in b.worker._worker.backend.exists(pool_keys(b, good)[:3]))
 
-        b.scheduler.add_request(request("b-good", good))
-        b.scheduler.add_request(request("b-bad", bad))
+        b.scheduler.add_request(b.request("b-good", good))
+        b.scheduler.add_request(b.request("b-bad", bad))
         out = b.scheduler.schedule()  # the lookup hits both prompts: both wait for remote KV
         reqs = b.scheduler.requests
         assert {reqs["b-good"].status, reqs["b-bad"].status} == {RequestStatus.WAITING_FOR_REMOTE_KVS}
@@ -429,10 +448,10 @@ def test_one_group_async_load_failure_still_reports_blocks(model_dir, mooncake_m
     assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_master.address) == 0
     try:
         prompt = list(range(3000, 3048))
-        a.scheduler.add_request(request("a1", prompt))
+        a.scheduler.add_request(a.request("a1", prompt))
         a.step()
         a.worker._worker.drain(20)
-        b.scheduler.add_request(request("b1", prompt))
+        b.scheduler.add_request(b.request("b1", prompt))
         out = b.scheduler.schedule()
         assert admin.remove(pool_keys(b, prompt)[1], True) == 0  # the second chunk is gone before the load
         b.worker.bind_connector_metadata(out.kv_connector_metadata)
