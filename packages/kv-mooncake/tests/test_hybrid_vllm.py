@@ -331,7 +331,7 @@ def test_hostile_params_on_a_hybrid_p_and_d(model_dir: Path, caplog: pytest.LogC
         good_d = {**p.params["good-a"], "remote_prefill_cached_tokens": 0}
         d.add("good-a", 41, dict(good_d))
         d_bad = d.add("bad", 41, {**good_d, "remote_block_ids": [[4, 5, 6]]}, first=500)  # one group of two
-        d.add("good-b", 41, dict(good_d), first=900)
+        d.add("good-b", 41, {**p.params["good-b"], "remote_prefill_cached_tokens": 0}, first=900)
         out = d.schedule()
         hr.assert_one_warning(caplog, "remote_block_ids")
         assert d_bad.kv_transfer_params is None and out.num_scheduled_tokens == {"bad": 41}

@@ -43,13 +43,14 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from ascend_dist.kv_mooncake.messages import prompt_digest  # noqa: E402
 from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1  # noqa: E402
 
 PROMPT = 40  # tokens: 3 blocks of 16
 
 
-def good_d(port: int = 40100, ids: list[int] | None = None) -> dict[str, Any]:
+def good_d(port: int = 40100, ids: list[int] | None = None, first: int = 100) -> dict[str, Any]:
     """What P returns for a 40-token prompt (as the proxy forwards it, vLLM's extra key included)."""
     return {
         "do_remote_prefill": True,
@@ -65,6 +66,9 @@ def good_d(port: int = 40100, ids: list[int] | None = None) -> dict[str, Any]:
         "remote_window_blocks": [0],
         "remote_state_groups": [],
         "remote_prefill_cached_tokens": 0,
+        # P binds its params to the prompt it computed (the harness's ``first..first+PROMPT``).
+        "remote_prompt_tokens": PROMPT,
+        "remote_prompt_digest": prompt_digest(range(first, first + PROMPT)),
     }
 
 
@@ -79,6 +83,11 @@ D_GARBAGE = [
     hr.Garbage("ptp-size-other", hr.with_(remote_ptp_size=4096), "remote_ptp_size"),
     hr.Garbage("tokens-nan", hr.with_(num_computed_tokens=float("nan")), "num_computed_tokens"),
     hr.Garbage("block-size-negative", hr.with_(remote_block_size=-16), "remote_block_size"),
+    # Well-formed params of another prompt (replayed by a client, or copied from someone else's request).
+    hr.Garbage("params-of-another-prompt", lambda good: good_d(), "remote_prompt_digest"),
+    hr.Garbage("digest-missing", hr.without("remote_prompt_digest"), "remote_prompt_digest"),
+    hr.Garbage("digest-not-a-str", hr.with_(remote_prompt_digest=12), "remote_prompt_digest"),
+    hr.Garbage("prompt-tokens-beyond-prompt", hr.with_(remote_prompt_tokens=PROMPT + 1), "remote_prompt_tokens"),
 ]
 
 P_GARBAGE = [
@@ -107,8 +116,8 @@ def test_d_computes_a_hostile_request_locally(model_dir: Path, caplog: pytest.Lo
     d = _engine(model_dir, "kv_consumer")
     try:
         good_a = d.add("good-a", PROMPT, good_d())
-        bad = d.add("bad", PROMPT, garbage.make(good_d()), first=500)
-        good_b = d.add("good-b", PROMPT, good_d(ids=[7, 8, 9]), first=900)
+        bad = d.add("bad", PROMPT, garbage.make(good_d(first=500)), first=500)
+        good_b = d.add("good-b", PROMPT, good_d(ids=[7, 8, 9], first=900), first=900)
         out = d.schedule()
         hr.assert_one_warning(caplog, garbage.key)
         assert bad.kv_transfer_params is None and bad.status == RequestStatus.RUNNING
@@ -156,7 +165,7 @@ def test_unknown_keys_are_ignored_and_each_logged_once(model_dir: Path, caplog: 
     try:
         odd = {**good_d(), "surprise": "x" * 100_000}
         a = d.add("good-a", PROMPT, odd)
-        b = d.add("good-b", PROMPT, dict(odd), first=900)
+        b = d.add("good-b", PROMPT, {**good_d(first=900), "surprise": "x" * 100_000}, first=900)
         out = d.schedule()
         assert a.status == b.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # the pulls go ahead
         messages = hr.ascend_warnings(caplog)
@@ -199,14 +208,19 @@ def test_d_dead_peer_fails_fast_and_is_recomputed(model_dir: Path, caplog: pytes
     d = hr.Engine(config, kcc, _h.BLOCK)
     try:
         params = {}
-        for rid, ids in (("p-a", [4, 5, 6]), ("p-b", [8, 9, 10])):
-            req_p = _h.request(rid, PROMPT, {"do_remote_decode": True})
+        for rid, ids, first in (("p-a", [4, 5, 6], 100), ("p-b", [8, 9, 10], 900)):
+            req_p = _h.request(rid, PROMPT, {"do_remote_decode": True}, first=first)
             p.sched.update_state_after_alloc(req_p, _h.blocks(ids), 0)
             p.step()
             req_p.status = RequestStatus.FINISHED_LENGTH_CAPPED
             params[rid] = p.sched.request_finished(req_p, ids)[1]
             p.step()
-        dead = {**params["p-a"], "remote_port": free_port_range(1), "remote_request_id": "nobody"}
+        dead = {
+            **params["p-a"],
+            "remote_port": free_port_range(1),
+            "remote_request_id": "nobody",
+            "remote_prompt_digest": prompt_digest(range(500, 500 + PROMPT)),
+        }
         d.add("good-a", PROMPT, params["p-a"])
         d.add("dead", PROMPT, dead, first=500)
         d.add("good-b", PROMPT, params["p-b"], first=900)

@@ -250,6 +250,11 @@ class ParamsGate:
             if isinstance(raw, Mapping):
                 self._log_unknown(raw)
             return True
+        self.drop(request, error)
+        return False
+
+    def drop(self, request: _Carrier, error: ConfigError) -> None:
+        """Drop the request's params after one warning naming ``error``'s key (a check of the adapter's own)."""
         request.kv_transfer_params = None
         logger.warning(
             "%s: request %s: ignoring its kv_transfer_params and computing it locally: %s=%r is invalid: expected %s",
@@ -259,7 +264,6 @@ class ParamsGate:
             error.value if isinstance(error.value, Preview) else Preview(error.value),
             error.expected[:200],
         )
-        return False
 
     def _log_unknown(self, raw: Mapping[str, Any]) -> None:
         new = [

@@ -15,16 +15,19 @@ bumps `PROTOCOL_VERSION`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.kv_mooncake.admission import Count, Port, Text, check_host, convert_params
 
 __all__ = [
+    "prompt_digest",
     "PROTOCOL",
     "PROTOCOL_VERSION",
     "Ack",
@@ -145,6 +148,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``remote_block_ids`` has one list per KV-cache group (P's logical ids, already trimmed).
     ``remote_window_blocks`` (blocks kept per sliding-window group, 0 for others) and
     ``remote_state_groups`` let D refuse to pair groups it sees differently (D then recomputes).
+    ``remote_prompt_digest`` binds the params to the prompt P computed (its first
+    ``remote_prompt_tokens`` tokens, see `prompt_digest`): D pulls only for that prompt.
     Every field is bounded (strings `Text`, counts and ids `Count`): the params come from clients.
     """
 
@@ -163,6 +168,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     do_virtual: bool = False
     remote_window_blocks: list[Count] | None = None
     remote_state_groups: list[Count] | None = None
+    remote_prompt_tokens: Count | None = None
+    remote_prompt_digest: Text | None = None
 
 
 _REQUIRED_FOR_PULL = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
@@ -182,3 +189,12 @@ def parse_transfer_params(raw: Mapping[str, Any]) -> TransferParams:
                 raise ConfigError(f"kv_transfer_params.{key}", None, "present when do_remote_prefill is true")
         check_host("remote_host", params.remote_host or "")
     return params
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 (first 32 hex digits) of prompt token ids as little-endian int64.
+
+    P puts it in its params; D pulls only when its own prompt has the same digest, so params
+    replayed onto another prompt, or copied from another client's request, never read that KV.
+    """
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:32]

@@ -39,12 +39,14 @@ class SchedRequest:
         prompt_len: Prompt tokens.
         kv_transfer_params: The request's params dict (mutated in place, as vLLM does).
         length_capped: The request finished because it hit ``max_tokens`` (P's normal end).
+        prompt_digest: `messages.prompt_digest` of the prompt (P sends it; None: prompt embeddings).
     """
 
     request_id: str
     prompt_len: int
     kv_transfer_params: dict[str, Any] | None
     length_capped: bool = False
+    prompt_digest: str | None = None
 
 
 class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -394,4 +396,9 @@ class PullScheduler:
             "num_prompt_blocks": math.ceil(request.prompt_len / self._attn_block),
             "remote_window_blocks": list(self._windows),
             "remote_state_groups": list(self._states),
+            **(
+                {"remote_prompt_tokens": request.prompt_len, "remote_prompt_digest": request.prompt_digest}
+                if request.prompt_digest is not None
+                else {}
+            ),
         }

@@ -24,9 +24,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_mooncake.admission import ParamsGate
+from ascend_dist.kv_mooncake.admission import ParamsGate, Preview
 from ascend_dist.kv_mooncake.config import PullConfig
-from ascend_dist.kv_mooncake.messages import TransferParams
+from ascend_dist.kv_mooncake.messages import TransferParams, prompt_digest
 from ascend_dist.kv_mooncake.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.scheduler import PullMetadata, PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.vllm_common import (
@@ -107,13 +107,36 @@ def _truncate_prompt(request: Request) -> None:
     request.max_tokens = 1
 
 
-def _sched_request(request: Request) -> SchedRequest:
+def _sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
+    tokens = request.prompt_token_ids
     return SchedRequest(
         request_id=request.request_id,
         prompt_len=request.num_prompt_tokens,
         kv_transfer_params=request.kv_transfer_params,
         length_capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+        prompt_digest=prompt_digest(tokens[: request.num_prompt_tokens]) if digest and tokens is not None else None,
     )
+
+
+def _prompt_binding_error(request: Request) -> ConfigError | None:
+    """D: P's params must carry the digest of this request's prompt (see `messages.prompt_digest`).
+
+    Params for another prompt (replayed by a client, or copied from someone else's request) would
+    make D decode that prompt's KV cache: refused, so the request is computed locally.
+    """
+    raw = request.kv_transfer_params
+    tokens = request.prompt_token_ids
+    if not isinstance(raw, dict) or raw.get("do_remote_prefill") is not True or tokens is None:
+        return None
+    n, digest = raw.get("remote_prompt_tokens"), raw.get("remote_prompt_digest")
+    # P may have dropped the last prompt token (state groups, spec §5.3.2): it covers n <= prompt tokens.
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= request.num_prompt_tokens:
+        return ConfigError("kv_transfer_params.remote_prompt_tokens", Preview(n), "P's prompt length")
+    if not isinstance(digest, str) or digest != prompt_digest(tokens[:n]):
+        return ConfigError(
+            "kv_transfer_params.remote_prompt_digest", Preview(digest), "the digest of this request's prompt"
+        )
+    return None
 
 
 class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
@@ -179,7 +202,10 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         """The request as `PullScheduler` sees it; params failing `check_params` are dropped (one warning)."""
         if self._gate is None:
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
-        self._gate.admit(request, request.num_prompt_tokens)
+        if self._gate.admit(request, request.num_prompt_tokens):
+            binding = _prompt_binding_error(request)  # only once the params are well formed
+            if binding is not None:
+                self._gate.drop(request, binding)
         return _sched_request(request)
 
     def on_new_request(self, request: Request) -> None:
@@ -195,7 +221,10 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         """
         sched = self._sched()
         assert self._gate is not None
-        if not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens):
+        if (
+            not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+            or _prompt_binding_error(request) is not None
+        ):
             return 0, False
         self.on_new_request(request)
         return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
@@ -211,13 +240,15 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Single-group form of `request_finished_all_groups`."""
-        return self._sched().request_finished(self._admitted(request), [block_ids])
+        self._admitted(request)
+        return self._sched().request_finished(_sched_request(request, digest=True), [block_ids])
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Delayed free and P's kv_transfer_params (spec §5.2); a rejected request is freed at once."""
-        return self._sched().request_finished(self._admitted(request), list(block_ids))
+        self._admitted(request)
+        return self._sched().request_finished(_sched_request(request, digest=True), list(block_ids))
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Accept every (pp_rank, tp_rank) worker, PP stages > 0 included (PP on P is supported).
