@@ -102,6 +102,7 @@ def test_multi_connector_with_a_pull_child(
     pull_child = pull_connector_config(
         CONNECTOR, "kv_consumer", engine_id="multi-d", kv_port=free_port_base(1), extra=FAST_FAILURE
     )
+    del pull_child["engine_id"]  # vLLM's MultiConnector hands every child the parent's engine_id
     config = {
         "kv_connector": "AscendMultiConnector",
         "kv_role": "kv_consumer",
@@ -110,7 +111,7 @@ def test_multi_connector_with_a_pull_child(
         "kv_connector_extra_config": {
             "connectors": [
                 pull_child,
-                {"kv_connector": "RecomputeCPUOffloadConnector", "kv_role": "kv_both", "engine_id": "multi-d"},
+                {"kv_connector": "RecomputeCPUOffloadConnector", "kv_role": "kv_both"},
             ]
         },
     }

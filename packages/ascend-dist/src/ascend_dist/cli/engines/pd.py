@@ -45,16 +45,17 @@ def disaggregated_generate(
         timeout_s,
     )
     for i, c in enumerate(first):
-        if c.kv_transfer_params is None:
+        if c.kv_transfer_params is None and c.finish_reason != "stop":
             raise EngineError(f"{prefill.name} returned no kv_transfer_params for prompt {i} ({c.error or 'no error'})")
+    # A request P finished itself (its first token was a stop token) has nothing left for D.
+    to_decode = [i for i, c in enumerate(first) if c.kv_transfer_params is not None]
     second = decode.generate_timed(
-        [
-            Prompt(token_ids=list(p), max_tokens=max_tokens, kv_transfer_params=c.kv_transfer_params)
-            for p, c in zip(prompts, first, strict=True)
-        ],
+        [Prompt(token_ids=list(prompts[i]), max_tokens=max_tokens, kv_transfer_params=first[i].kv_transfer_params)
+         for i in to_decode],
         timeout_s,
-    )
-    return [Disaggregated(p, d, second.seconds) for p, d in zip(first, second.completions, strict=True)]
+    )  # fmt: skip
+    decoded = dict(zip(to_decode, second.completions, strict=True))
+    return [Disaggregated(p, decoded.get(i, p), second.seconds) for i, p in enumerate(first)]
 
 
 def pull_connector_config(

@@ -52,12 +52,15 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
 
     ``kv_transfer_params`` is passed to vLLM exactly as a client would send it, garbage included.
     ``request_id`` is the external id (a proxy pairs P's and D's requests by it); default: a fresh one.
+    ``ignore_eos`` (default on): the random model's EOS id may come first, and a request P finishes
+    with it never reaches D, so checks would silently skip the transfer.
     """
 
     token_ids: list[int]
     max_tokens: int = 8
     kv_transfer_params: Any = None
     request_id: str | None = None
+    ignore_eos: bool = True
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

@@ -110,6 +110,7 @@ def _generate(llm: Any, request: Generate, counter: list[int]) -> Generated:
         rid = p.request_id or f"req-{counter[0]}"
         params = SamplingParams(
             max_tokens=p.max_tokens,
+            ignore_eos=p.ignore_eos,
             temperature=0.0,
             logprobs=1,
             detokenize=False,
