@@ -1,7 +1,7 @@
 """vLLM adapter of native offloading on Ascend: the spec, its worker and the layout adapter.
 
 Runs in: vLLM's scheduler and worker processes. With `vllm_native_scheduler`, the only modules of the
-native path that import vLLM (0.33: ``vllm.v1.kv_offload`` and ``...kv_connector.v1.offloading``).
+native path that import vLLM (0.32 and 0.33: ``vllm.v1.kv_offload``, ``...kv_connector.v1.offloading``).
 
 - `NPUOffloadingSpec` keeps vLLM's CPU tier (capacity, manager, eviction policies) and swaps in our
   transfer worker; legacy ``num_cpu_blocks`` is translated into ``cpu_bytes_to_use`` on a copy of
@@ -11,7 +11,7 @@ native path that import vLLM (0.33: ``vllm.v1.kv_offload`` and ``...kv_connector
 - `AscendOffloadingConnector` is vLLM's ``OffloadingConnector`` whose worker canonicalises Ascend
   tuple/list layouts (split K/V, MLA, scales, Mamba states) with `canonical_block_views` before
   handing them to the spec; single-tensor layouts go through vLLM's own path unchanged.
-- Copy failures (vLLM 0.33 asserts on them): `AscendOffloadingConnectorWorker` reports a failed
+- Copy failures (vLLM 0.32 and 0.33 assert on them): `AscendOffloadingConnectorWorker` reports a failed
   load's device blocks through ``get_block_ids_with_load_errors`` (one KV-cache group; with
   several, the request through ``failed_recving``) and still finishes its receive; a failed store
   travels in `AscendOffloadingWorkerMetadata` to `AscendOffloadingConnectorScheduler`
@@ -222,7 +222,7 @@ def unpadded_page(spec: Any) -> int:
 class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
     """vLLM's connector worker with the Ascend layout adapter and per-job failure handling.
 
-    vLLM 0.33 asserts that every transfer succeeded; here a failed load reports the job's device
+    vLLM (0.32 and 0.33) asserts that every transfer succeeded; here a failed load reports the job's device
     blocks through `take_load_errors` (vLLM recomputes them) and still finishes the request's
     receive, and a failed store is carried to the scheduler side in
     `AscendOffloadingWorkerMetadata.failed_jobs` so its host chunks never become loadable.
