@@ -124,6 +124,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: LayerwiseScheduler | None = None
         self._gate: ParamsGate | None = None
         self._worker: LayerwiseWorker | None = None
+        self._started: KVConnectorMetadata | None = None  # the bound metadata whose step was started
         model = vllm_config.model_config
         self._heads = model.get_total_num_kv_heads()
         self._use_mla = bool(model.use_mla)
@@ -208,11 +209,28 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
             parts, groups=groups, num_blocks=self._num_blocks, block_size=self._block_sizes[0], layout=layout
         )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata and start the step: P's pushes must be planned before the forward.
+
+        vLLM (0.32, 0.33) calls `start_load_kv` AFTER the forward when the step has no synchronous
+        loads, by which time every `save_kv_layer` of the step has run; binding happens before it.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._start_step()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """D: start waiting for announced requests; P: plan this step's pushes."""
+        """The step was started when its metadata was bound (see `bind_connector_metadata`)."""
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """D: start waiting for announced requests; P: plan this step's pushes. Once per bound metadata."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, MooncakeLayerwiseMetadata):
             raise ConfigError("connector_metadata", type(meta).__name__, "MooncakeLayerwiseMetadata")
+        if meta is self._started:
+            return
+        self._started = meta
         self._work().start_load_kv(meta.inner)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

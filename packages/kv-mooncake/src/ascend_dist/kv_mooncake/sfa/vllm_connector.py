@@ -117,6 +117,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         self._gate: ParamsGate | None = None
         self._producer: ProducerWorker | None = None
         self._consumer: ConsumerWorker | None = None
+        self._started: object | None = None  # the bound metadata whose step was started
         self.host_pool: dict[str, list[torch.Tensor]] = {}
         if role == KVConnectorRole.SCHEDULER:
             if self._sfa.is_producer:
@@ -259,9 +260,26 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("connector_metadata", type(meta).__name__, "SfaRemoteD2HMetadata")
         return meta.inner
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata and start the step before the forward (its layers are read as written).
+
+        vLLM (0.32, 0.33) calls `start_load_kv` AFTER the forward when the step has no synchronous
+        loads, by which time every layer of the step has been saved.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if self._producer is not None or self._consumer is not None:
+            self._start_step()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """P: take this step's chunks. D: record new destinations."""
+        """The step was started when its metadata was bound (see `bind_connector_metadata`)."""
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """P: take this step's chunks. D: record new destinations. Once per bound metadata."""
         inner = self._meta()
+        if inner is self._started:
+            return
+        self._started = inner
         if self._producer is not None and isinstance(inner, ProducerMetadata):
             self._producer.start_load_kv(inner)
         elif self._consumer is not None and isinstance(inner, ConsumerMetadata):
