@@ -212,9 +212,11 @@ class EngineHost:
                     raise EngineError(f"zygote: unexpected reply {type(reply).__name__}")
                 return reply
 
-    def write_model(self, path: str | Path, seed: int, *, num_layers: int = 4, timeout_s: float = 120.0) -> Path:
-        """Write the tiny random-weight Llama (`model.write_tiny_llama`) into ``path``."""
-        reply = self._request(WriteModel(str(path), seed, num_layers), timeout_s, f"writing {path}")
+    def write_model(
+        self, path: str | Path, seed: int, *, num_layers: int = 4, architecture: str = "llama", timeout_s: float = 120.0
+    ) -> Path:
+        """Write a tiny random-weight model (`model.write_model`: ``llama`` or ``qwen3_next``) into ``path``."""
+        reply = self._request(WriteModel(str(path), seed, num_layers, architecture), timeout_s, f"writing {path}")
         if isinstance(reply, Failure):
             raise EngineError(f"{reply.error}; log:\n{_tail(self._log)}")
         return Path(path)

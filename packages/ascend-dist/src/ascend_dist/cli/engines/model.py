@@ -11,8 +11,9 @@ the same seed hold the same model, and with another seed a different one under t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-__all__ = ["TINY_LLAMA", "write_tiny_llama"]
+__all__ = ["TINY_LLAMA", "TINY_QWEN3_NEXT", "write_model", "write_tiny_llama"]
 
 # 2 KV heads (so TP 2 splits them), head size 32 (CPU attention supports 32..512).
 TINY_LLAMA = {
@@ -27,6 +28,39 @@ TINY_LLAMA = {
 }
 
 
+# A hybrid model: three Gated DeltaNet (linear attention, with conv and recurrent state) layers and
+# one full-attention layer. vLLM's CPU build runs its GDN state in bfloat16 and with head size 128.
+TINY_QWEN3_NEXT = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "full_attention_interval": 4,
+    "max_position_embeddings": 4096,
+}
+
+
+def write_model(path: str | Path, seed: int, *, architecture: str = "llama", num_layers: int = 4) -> Path:
+    """Write ``architecture`` (``llama``, or the hybrid ``qwen3_next``) with seeded weights into ``path``."""
+    if architecture == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(num_hidden_layers=4, dtype="bfloat16", **TINY_QWEN3_NEXT)
+        return _save(Qwen3NextForCausalLM(config), Path(path), seed, scale=0.05)
+    return write_tiny_llama(path, seed, num_layers=num_layers)
+
+
 def write_tiny_llama(path: str | Path, seed: int, *, num_layers: int = 4) -> Path:
     """Write the model into ``path`` (created) and return it.
 
@@ -35,19 +69,22 @@ def write_tiny_llama(path: str | Path, seed: int, *, num_layers: int = 4) -> Pat
         seed: Seed of the weights: the same seed writes the same bytes.
         num_layers: Decoder layers.
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(num_hidden_layers=num_layers, dtype="float32", **TINY_LLAMA)
+    return _save(LlamaForCausalLM(config), Path(path), seed, scale=0.08)
+
+
+def _save(model: Any, out: Path, seed: int, *, scale: float) -> Path:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(config)
     with torch.no_grad():
         for _name, param in sorted(model.named_parameters()):  # sorted: the same order every run
             if param.dim() == 1:  # norm weights around 1, so activations keep their scale
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
             else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=generator))
+                param.copy_(scale * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -83,11 +83,12 @@ class Spawn(msgspec.Struct, frozen=True, tag="spawn"):
 
 
 class WriteModel(msgspec.Struct, frozen=True, tag="write_model"):
-    """Zygote: write a tiny Llama with seeded random weights into ``path`` (see `model.write_tiny_llama`)."""
+    """Zygote: write a tiny model with seeded random weights into ``path`` (see `model.write_model`)."""
 
     path: str
     seed: int
     num_layers: int = 4
+    architecture: str = "llama"
 
 
 class Generate(msgspec.Struct, frozen=True, tag="generate"):

@@ -180,9 +180,9 @@ def _write_model(request: WriteModel) -> Ready | Failure:
     if pid == 0:
         code = 0
         try:
-            from ascend_dist.cli.engines.model import write_tiny_llama
+            from ascend_dist.cli.engines.model import write_model
 
-            write_tiny_llama(request.path, request.seed, num_layers=request.num_layers)
+            write_model(request.path, request.seed, architecture=request.architecture, num_layers=request.num_layers)
         except Exception:
             traceback.print_exc()
             code = 1
