@@ -8,7 +8,10 @@ from collections.abc import Sequence
 
 from ascend_dist.cli.engines.wire import Completion, Prompt
 
-__all__ = ["assert_same_output", "free_port_base", "local", "make_prompts"]
+__all__ = ["TP2_ENV", "assert_every_output_differs", "assert_same_output", "free_port_base", "local", "make_prompts"]
+
+# TP 2 on this 2-core, one-NUMA-node machine: one core per worker (the automatic binding refuses two).
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def free_port_base(count: int) -> int:
@@ -49,3 +52,14 @@ def assert_same_output(got: Sequence[Completion], want: Sequence[Completion], *,
 
 def local(prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Prompt]:
     return [Prompt(token_ids=list(p), max_tokens=max_tokens) for p in prompts]
+
+
+def assert_every_output_differs(got: Sequence[Completion], want: Sequence[Completion]) -> None:
+    """The control: with the producer on other weights, no D output may equal the reference's.
+
+    One that does means D computed the prompt itself instead of using the transferred bytes.
+    """
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.error is None, f"prompt {i}: {g.error}"
+        assert g.token_ids != w.token_ids, f"prompt {i}: D's output equals the reference: it ignored the transfer"
