@@ -35,12 +35,16 @@ model_dir = _h.model_dir  # the tiny-llama config directory fixture
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.kv_mooncake.layerwise.vllm_connector import MooncakeLayerwiseConnector  # noqa: E402
+from ascend_dist.kv_mooncake.messages import prompt_digest  # noqa: E402
 
 PROMPT = 40
 
 
-def good_p(rid: str) -> dict[str, Any]:
-    """D's announcement as the proxy hands it to P (D at TP 1, one group of 16-token blocks)."""
+def good_p(rid: str, first: int = 100) -> dict[str, Any]:
+    """D's announcement as the proxy hands it to P (D at TP 1, one group of 16-token blocks).
+
+    D binds it to its prompt (the harness's ``first..first+PROMPT``): P pushes only for that prompt.
+    """
     return {
         "request_id": rid,
         "do_remote_decode": True,
@@ -55,6 +59,8 @@ def good_p(rid: str) -> dict[str, Any]:
         "remote_dcp_size": 1,
         "remote_cached_tokens": 0,
         "protocol_version": 1,
+        "remote_prompt_tokens": PROMPT,
+        "remote_prompt_digest": prompt_digest(range(first, first + PROMPT)),
     }
 
 
@@ -76,6 +82,9 @@ P_GARBAGE = [
     hr.Garbage("protocol-other", hr.with_(protocol_version=99), "protocol_version"),
     hr.Garbage("cached-beyond-prompt", hr.with_(remote_cached_tokens=10_000), "remote_cached_tokens"),
     hr.Garbage("prefill-flag-on-p", hr.with_(do_remote_prefill=True, metaserver="http://x/"), "do_remote_prefill"),
+    # Well-formed, but D's announcement for another prompt: pushing it would overwrite that request's blocks.
+    hr.Garbage("announcement-of-another-prompt", lambda good: good_p("bad"), "remote_prompt_digest"),
+    hr.Garbage("digest-missing", hr.without("remote_prompt_digest"), "remote_prompt_digest"),
 ]
 
 
@@ -124,8 +133,8 @@ def test_p_computes_a_hostile_request_locally(model_dir: Path, caplog: pytest.Lo
     p = hr.Engine(_h.make_config(model_dir, "kv_producer", "P-lwh", 40200), _h.kv_cache_config(), _h.BLOCK)
     try:
         p.add("good-a", PROMPT, good_p("good-a"))
-        bad = p.add("bad", PROMPT, garbage.make(good_p("bad")), first=500)
-        p.add("good-b", PROMPT, good_p("good-b"), first=900)
+        bad = p.add("bad", PROMPT, garbage.make(good_p("bad", first=500)), first=500)
+        p.add("good-b", PROMPT, good_p("good-b", first=900), first=900)
         out = p.schedule()
         hr.assert_one_warning(caplog, garbage.key)
         assert bad.kv_transfer_params is None

@@ -19,17 +19,23 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.admission import ParamsGate, Preview
 from ascend_dist.kv_mooncake.kv_geometry import CacheLayout
 from ascend_dist.kv_mooncake.kv_views import label_kv_caches
+from ascend_dist.kv_mooncake.messages import prompt_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.request import Request
 
 __all__ = [
     "block_load_errors",
     "connector_config",
     "kv_cache_layout_name",
+    "admit_bound",
     "model_name",
+    "prompt_binding_error",
+    "request_prompt_digest",
     "parallel_ranks",
     "read_kv_caches",
     "split_kv_caches",
@@ -146,3 +152,45 @@ def transfer_results(
 def block_load_errors(errors: set[int], num_groups: int) -> set[int]:
     """The failed block ids vLLM may be given: all of them with one group, none with several."""
     return errors if num_groups == 1 else set()
+
+
+# Prompt binding. The side that computes a prompt's KV (P in a pull, D announcing its blocks in a
+# push) puts the digest of that prompt in the params it hands out; the side acting on them acts only
+# for the same prompt. Params replayed onto another prompt, or copied from another client's request,
+# would otherwise decode (pull) or overwrite (push) that other request's KV.
+
+
+def request_prompt_digest(request: Request) -> str | None:
+    """`messages.prompt_digest` of the request's prompt (None for prompt embeddings)."""
+    tokens = request.prompt_token_ids
+    return prompt_digest(tokens[: request.num_prompt_tokens]) if tokens is not None else None
+
+
+def prompt_binding_error(request: Request, flag: str) -> ConfigError | None:
+    """Whether params carrying ``flag`` are bound to this request's prompt (None: they are, or no flag).
+
+    ``remote_prompt_tokens`` may be one less than the prompt: P drops the last token for state groups.
+    """
+    raw = request.kv_transfer_params
+    tokens = request.prompt_token_ids
+    if not isinstance(raw, dict) or raw.get(flag) is not True or tokens is None:
+        return None
+    n, digest = raw.get("remote_prompt_tokens"), raw.get("remote_prompt_digest")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= request.num_prompt_tokens:
+        return ConfigError("kv_transfer_params.remote_prompt_tokens", Preview(n), "the prompt length of its sender")
+    if not isinstance(digest, str) or digest != prompt_digest(tokens[:n]):
+        return ConfigError(
+            "kv_transfer_params.remote_prompt_digest", Preview(digest), "the digest of this request's prompt"
+        )
+    return None
+
+
+def admit_bound(gate: ParamsGate, request: Request, flag: str) -> bool:
+    """`ParamsGate.admit`, then the prompt binding of well-formed params (dropped, one warning, if unbound)."""
+    if not gate.admit(request, request.num_prompt_tokens):
+        return False
+    error = prompt_binding_error(request, flag)
+    if error is None:
+        return True
+    gate.drop(request, error)
+    return False

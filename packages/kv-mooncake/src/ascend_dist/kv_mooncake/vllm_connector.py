@@ -24,16 +24,19 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_mooncake.admission import ParamsGate, Preview
+from ascend_dist.kv_mooncake.admission import ParamsGate
 from ascend_dist.kv_mooncake.config import PullConfig
-from ascend_dist.kv_mooncake.messages import TransferParams, prompt_digest
+from ascend_dist.kv_mooncake.messages import TransferParams
 from ascend_dist.kv_mooncake.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.scheduler import PullMetadata, PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.vllm_common import (
+    admit_bound,
     block_load_errors,
     connector_config,
     parallel_ranks,
+    prompt_binding_error,
     read_kv_caches,
+    request_prompt_digest,
     transfer_results,
 )
 from ascend_dist.kv_mooncake.worker import PullWorker
@@ -108,35 +111,13 @@ def _truncate_prompt(request: Request) -> None:
 
 
 def _sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
-    tokens = request.prompt_token_ids
     return SchedRequest(
         request_id=request.request_id,
         prompt_len=request.num_prompt_tokens,
         kv_transfer_params=request.kv_transfer_params,
         length_capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
-        prompt_digest=prompt_digest(tokens[: request.num_prompt_tokens]) if digest and tokens is not None else None,
+        prompt_digest=request_prompt_digest(request) if digest else None,
     )
-
-
-def _prompt_binding_error(request: Request) -> ConfigError | None:
-    """D: P's params must carry the digest of this request's prompt (see `messages.prompt_digest`).
-
-    Params for another prompt (replayed by a client, or copied from someone else's request) would
-    make D decode that prompt's KV cache: refused, so the request is computed locally.
-    """
-    raw = request.kv_transfer_params
-    tokens = request.prompt_token_ids
-    if not isinstance(raw, dict) or raw.get("do_remote_prefill") is not True or tokens is None:
-        return None
-    n, digest = raw.get("remote_prompt_tokens"), raw.get("remote_prompt_digest")
-    # P may have dropped the last prompt token (state groups, spec §5.3.2): it covers n <= prompt tokens.
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= request.num_prompt_tokens:
-        return ConfigError("kv_transfer_params.remote_prompt_tokens", Preview(n), "P's prompt length")
-    if not isinstance(digest, str) or digest != prompt_digest(tokens[:n]):
-        return ConfigError(
-            "kv_transfer_params.remote_prompt_digest", Preview(digest), "the digest of this request's prompt"
-        )
-    return None
 
 
 class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
@@ -202,10 +183,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         """The request as `PullScheduler` sees it; params failing `check_params` are dropped (one warning)."""
         if self._gate is None:
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
-        if self._gate.admit(request, request.num_prompt_tokens):
-            binding = _prompt_binding_error(request)  # only once the params are well formed
-            if binding is not None:
-                self._gate.drop(request, binding)
+        admit_bound(self._gate, request, "do_remote_prefill")
         return _sched_request(request)
 
     def on_new_request(self, request: Request) -> None:
@@ -223,7 +201,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         assert self._gate is not None
         if (
             not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
-            or _prompt_binding_error(request) is not None
+            or prompt_binding_error(request, "do_remote_prefill") is not None
         ):
             return 0, False
         self.on_new_request(request)

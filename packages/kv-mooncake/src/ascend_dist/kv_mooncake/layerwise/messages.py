@@ -136,6 +136,8 @@ class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """``kv_transfer_params`` D's scheduler posts to the metaserver and the proxy hands to P (spec §7.1).
 
     ``remote_block_ids`` has one list per KV-cache group (D's logical ids, prefix-hit blocks included).
+    ``remote_prompt_digest`` (of D's first ``remote_prompt_tokens`` prompt tokens): P pushes only for
+    that prompt, so params copied from another request cannot overwrite its blocks.
     Every field is bounded (`Text`, `Count`, `ParallelSize`): P receives them from the proxy's clients.
     """
 
@@ -152,6 +154,8 @@ class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     remote_dcp_size: ParallelSize = 1
     remote_cached_tokens: Count = 0
     protocol_version: int = PROTOCOL_VERSION
+    remote_prompt_tokens: Count | None = None
+    remote_prompt_digest: Text | None = None
 
 
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")

@@ -257,6 +257,8 @@ class LayerwiseScheduler:
             remote_pcp_size=c.decode.pcp_size,
             remote_dcp_size=c.decode.dcp_size,
             remote_cached_tokens=state.computed,
+            remote_prompt_tokens=request.prompt_len if request.prompt_digest is not None else None,
+            remote_prompt_digest=request.prompt_digest,
         )
         state.meta = RecvReqMeta(request_id=rid, transfer_id=wire_id, block_ids=ids)
         state.ids = ids

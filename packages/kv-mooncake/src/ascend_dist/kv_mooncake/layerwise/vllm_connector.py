@@ -33,10 +33,13 @@ from ascend_dist.kv_mooncake.layerwise.scheduler import LayerwiseMetadata, Layer
 from ascend_dist.kv_mooncake.layerwise.worker import LayerwiseWorker
 from ascend_dist.kv_mooncake.scheduler import SchedRequest
 from ascend_dist.kv_mooncake.vllm_common import (
+    admit_bound,
     block_load_errors,
     connector_config,
     parallel_ranks,
+    prompt_binding_error,
     read_kv_caches,
+    request_prompt_digest,
     transfer_results,
 )
 
@@ -77,11 +80,12 @@ def _all_to_all(ratio: int) -> AllToAll | None:
     return GlooAllToAll(mine)
 
 
-def _sched_request(request: Request) -> SchedRequest:
+def _sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
     return SchedRequest(
         request_id=request.request_id,
         prompt_len=request.num_prompt_tokens,
         kv_transfer_params=request.kv_transfer_params,
+        prompt_digest=request_prompt_digest(request) if digest else None,
     )
 
 
@@ -145,19 +149,25 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         """The request as `LayerwiseScheduler` sees it; params failing `check_params` are dropped (one warning)."""
         if self._gate is None:
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
-        self._gate.admit(request, request.num_prompt_tokens)
-        return _sched_request(request)
+        admit_bound(self._gate, request, "do_remote_decode")
+        return _sched_request(request, digest=True)
 
     def on_new_request(self, request: Request) -> None:
-        """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once."""
+        """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once.
+
+        P also requires them bound to its prompt (D's announced digest): see `vllm_common.admit_bound`.
+        """
         if self._gate is not None:
-            self._gate.admit(request, request.num_prompt_tokens)
+            admit_bound(self._gate, request, "do_remote_decode")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """D: tokens P pushes (async); P: none. Params failing the check: ``(0, False)``, no side effect."""
         sched = self._sched()
         assert self._gate is not None
-        if not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens):
+        if (
+            not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+            or prompt_binding_error(request, "do_remote_decode") is not None
+        ):
             return 0, False
         return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
 
