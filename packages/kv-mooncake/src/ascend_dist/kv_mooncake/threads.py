@@ -64,7 +64,6 @@ class _Pull:
     slices: list[HeadSlice]
     pending: int
     deadline: float
-    submitted: float
     failed: bool = False
     pulled_layers: set[str] = field(default_factory=set)
     hold_until: float = 0.0
@@ -161,7 +160,7 @@ class Receiver:
         tasks = [stage * p_tp + p for stage in range(p_pp) for p in ranks]
         now = self._clock()
         with self._lock:
-            self._pulls[meta.request_id] = _Pull(meta, slices, len(tasks), now + self._config.pull_timeout_s, now)
+            self._pulls[meta.request_id] = _Pull(meta, slices, len(tasks), now + self._config.pull_timeout_s)
         for global_rank in tasks:
             self._pool.submit(self._run_task, meta.request_id, global_rank)
 
@@ -204,7 +203,6 @@ class Receiver:
                 slices,
                 len(tasks),
                 now + self._config.pull_timeout_s,
-                now,
                 shards=shards,
                 group_shards=group_shards,
             )

@@ -179,12 +179,15 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         return self._scheduler
 
-    def _admitted(self, request: Request) -> SchedRequest:
-        """The request as `PullScheduler` sees it; params failing `check_params` are dropped (one warning)."""
+    def _admitted(self, request: Request, *, digest: bool = False) -> SchedRequest:
+        """The request as `PullScheduler` sees it; params failing `check_params` are dropped (one warning).
+
+        ``digest``: also hash the prompt (only P's `request_finished` hands it out).
+        """
         if self._gate is None:
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         admit_bound(self._gate, request, "do_remote_prefill")
-        return _sched_request(request)
+        return _sched_request(request, digest=digest)
 
     def on_new_request(self, request: Request) -> None:
         """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates (§5.3.2)."""
@@ -218,15 +221,13 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Single-group form of `request_finished_all_groups`."""
-        self._admitted(request)
-        return self._sched().request_finished(_sched_request(request, digest=True), [block_ids])
+        return self._sched().request_finished(self._admitted(request, digest=True), [block_ids])
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Delayed free and P's kv_transfer_params (spec §5.2); a rejected request is freed at once."""
-        self._admitted(request)
-        return self._sched().request_finished(_sched_request(request, digest=True), list(block_ids))
+        return self._sched().request_finished(self._admitted(request, digest=True), list(block_ids))
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Accept every (pp_rank, tp_rank) worker, PP stages > 0 included (PP on P is supported).

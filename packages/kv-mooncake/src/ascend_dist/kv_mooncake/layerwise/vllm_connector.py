@@ -145,12 +145,15 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         return self._scheduler
 
-    def _admitted(self, request: Request) -> SchedRequest:
-        """The request as `LayerwiseScheduler` sees it; params failing `check_params` are dropped (one warning)."""
+    def _admitted(self, request: Request, *, digest: bool = False) -> SchedRequest:
+        """The request as `LayerwiseScheduler` sees it; params failing `check_params` are dropped (one warning).
+
+        ``digest``: also hash the prompt (only D's announcement in `update_state_after_alloc` carries it).
+        """
         if self._gate is None:
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         admit_bound(self._gate, request, "do_remote_decode")
-        return _sched_request(request, digest=True)
+        return _sched_request(request, digest=digest)
 
     def on_new_request(self, request: Request) -> None:
         """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once.
@@ -173,7 +176,11 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """D: announce ALL the request's blocks to the metaserver; P: start tracking the push."""
-        self._sched().update_state_after_alloc(self._admitted(request), blocks.get_block_ids(), num_external_tokens)
+        self._sched().update_state_after_alloc(
+            self._admitted(request, digest=not self._lw_config.is_producer),  # D announces it
+            blocks.get_block_ids(),
+            num_external_tokens,
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's waits (D) and pushes (P)."""
