@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.common.zmq_server import tcp_endpoint
@@ -20,6 +21,22 @@ from ascend_dist.kv_mooncake.sfa.messages import ReadFailed, ReadReady, Reply, r
 
 def _all_ids(pair: Any, rid: str) -> set[int]:
     return {b for ids in pair.d.alloc.held[rid] for b in ids}
+
+
+def _bind_when_released(port: int, timeout_s: float = 5.0) -> RpcServer:
+    """Bind a mute server on a port another server just stopped serving.
+
+    ZeroMQ tears a closed socket's listener down on its I/O thread, after ``close`` returns, so the
+    port can stay taken for a moment.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return RpcServer("127.0.0.1", port, lambda payload: None, name="mute-d")
+        except ConfigError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.mark.timeout(60)
@@ -72,7 +89,7 @@ def test_missing_confirmation_times_out_and_releases_the_gate(make_sfa_pair: Cal
     pair = make_sfa_pair(p_extra={"read_timeout_s": 1.0, "hello_timeout_s": 0.5})
     params = pair.d.decode("m", 24)
     pair.d.shutdown()
-    with RpcServer("127.0.0.1", pair.extra["kv_port"], lambda payload: None, name="mute-d"):
+    with _bind_when_released(pair.extra["kv_port"]):
         start = time.monotonic()
         pair.p.prefill([{"rid": "p-m", "prompt_len": 24, "seed": 6, "params": params}])
         drained = pair.p.drain()
