@@ -242,3 +242,32 @@ def test_ucm_adapter_delegates_to_the_dispatcher() -> None:
     assert conn.reset_cache() is True and conn.take_events() == () and conn.handle_preemptions(None) is None
     conn.shutdown()
     assert [c[0] for c in _FakeUcm.calls] == ["match", "finished", "shutdown"]
+
+
+def test_simple_capacity_with_several_tensors_matches_vllms_scheduler() -> None:
+    """Several `KVCacheTensor`s share one backing allocation of ``size`` bytes: count it once, as vLLM does."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    from ascend_dist.kv_offload.vllm_simple import simple_capacity
+
+    vllm_config, kv_config = _configs("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 1 << 16})
+    page = kv_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    backing = 4 * NUM_BLOCKS * page  # four layers, layer-outermost, in one allocation
+    tensors = [
+        KVCacheTensor(
+            size=backing,
+            layers=[f"l{i}"],
+            layer_stride=NUM_BLOCKS * page,
+            block_stride=page,
+            offset=i * NUM_BLOCKS * page,
+        )
+        for i in range(4)
+    ]
+    several = dataclasses.replace(kv_config, kv_cache_tensors=tensors)
+    ours = simple_capacity(vllm_config, several).num_cpu_blocks
+    assert ours == NUM_BLOCKS * (1 << 16) // backing  # not a quarter of it
+    vllms = SimpleCPUOffloadScheduler._derive_cpu_config(several, 1 << 16).num_blocks
+    assert ours == vllms

@@ -117,8 +117,22 @@ def test_layout_adapter_covers_mla_and_mamba() -> None:
     assert canonical.tensors[2].tensor.data_ptr() == states[0].data_ptr()
 
 
-def test_factory_created_connector_stores_and_restores_split_kv(tmp_path: Any) -> None:
-    """The real OffloadingConnector flow (deferred store, flush, async load) with tuple caches."""
+_NATIVE = "ascend_dist.kv_offload.vllm_native"
+_SPEC_CHOICES = {
+    "ours-explicit": {"spec_name": "NPUOffloadingSpec", "spec_module_path": _NATIVE},
+    # vLLM's default and its explicit name: vLLM's CPUOffloadingSpec.get_worker raises on this CPU
+    # ("only supported on CUDA-alike and XPU GPUs"), so these two pass only if ours replaced it.
+    "default": {},
+    "vllm-cpu-spec-named": {"spec_name": "CPUOffloadingSpec"},
+}
+
+
+@pytest.mark.parametrize("choice", sorted(_SPEC_CHOICES))
+def test_factory_created_connector_stores_and_restores_split_kv(tmp_path: Any, choice: str) -> None:
+    """The real OffloadingConnector flow (deferred store, flush, async load) with tuple caches.
+
+    Without ``spec_name`` (or naming vLLM's CPU spec) the connector builds `NPUOffloadingSpec`.
+    """
     import json
     import os
     import time
@@ -146,11 +160,7 @@ def test_factory_created_connector_stores_and_restores_split_kv(tmp_path: Any) -
     name = "AscendOffloadingConnectorTest"
     if name not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(name, "ascend_dist.kv_offload.vllm_native", "AscendOffloadingConnector")
-    extra = {
-        "spec_name": "NPUOffloadingSpec",
-        "spec_module_path": "ascend_dist.kv_offload.vllm_native",
-        "cpu_bytes_to_use": 1 << 20,
-    }
+    extra = {**_SPEC_CHOICES[choice], "cpu_bytes_to_use": 1 << 20}
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=256),
         device_config=DeviceConfig("cpu"),
@@ -162,6 +172,10 @@ def test_factory_created_connector_stores_and_restores_split_kv(tmp_path: Any) -
     tensor = KVCacheTensor(size=16 * page, layers=["l0"], layer_stride=16 * page, block_stride=page)
     kv_config = KVCacheConfig(16, [tensor], [KVCacheGroupSpec(["l0"], spec)])
     conn = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_config)
+    from ascend_dist.kv_offload.vllm_native import NPUOffloadingSpec
+
+    assert type(conn.connector_worker.spec) is NPUOffloadingSpec
+    assert extra == {**_SPEC_CHOICES[choice], "cpu_bytes_to_use": 1 << 20}  # vLLM's config is not mutated
     gen = torch.Generator().manual_seed(9)
     k = torch.randint(-128, 127, (16, 16, 1, 4), dtype=torch.int8, generator=gen)
     v = torch.randint(-128, 127, (16, 16, 1, 4), dtype=torch.int8, generator=gen)
@@ -187,6 +201,21 @@ def test_factory_created_connector_stores_and_restores_split_kv(tmp_path: Any) -
     assert recving == {"r"}
     assert torch.equal(k[8:10], k[2:4]) and torch.equal(v[8:10], v[2:4])
     conn.shutdown()
+
+
+def test_other_spec_names_are_left_to_vllms_factory() -> None:
+    from ascend_dist.kv_offload.vllm_native import with_ascend_spec
+
+    tiering = _config({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4096}, worker_bytes=64)
+    assert with_ascend_spec(tiering) is tiering
+    default = _config({"cpu_bytes_to_use": 4096}, worker_bytes=64)
+    ours = with_ascend_spec(default)
+    assert ours.extra_config == {
+        "cpu_bytes_to_use": 4096,
+        "spec_name": "NPUOffloadingSpec",
+        "spec_module_path": _NATIVE,
+    }
+    assert dict(default.extra_config) == {"cpu_bytes_to_use": 4096}
 
 
 def _two_group_worker(tmp_path: Any) -> tuple[Any, Any]:

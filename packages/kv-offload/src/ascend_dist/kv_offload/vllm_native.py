@@ -17,8 +17,10 @@ native path that import vLLM (0.32 and 0.33: ``vllm.v1.kv_offload``, ``...kv_con
   travels in `AscendOffloadingWorkerMetadata` to `AscendOffloadingConnectorScheduler`
   (`vllm_native_scheduler`), which completes it with ``success=False`` so it is never loadable.
 
-Select it with ``kv_connector_extra_config = {"spec_name": "NPUOffloadingSpec",
-"spec_module_path": "ascend_dist.kv_offload.vllm_native", "cpu_bytes_to_use": ...}``.
+Select it with ``kv_connector_extra_config = {"cpu_bytes_to_use": ...}``: `AscendOffloadingConnector`
+builds `NPUOffloadingSpec` when ``spec_name`` is absent or names vLLM's ``CPUOffloadingSpec`` (whose
+worker refuses every platform but CUDA-alike and XPU), so it starts wherever our device runtime
+runs (CPU, NPU, CUDA); any other ``spec_name`` (e.g. an out-of-tree spec) is vLLM's factory's.
 """
 
 from __future__ import annotations
@@ -76,9 +78,13 @@ __all__ = [
     "NPUOffloadingWorker",
     "canonicalise_kv_caches",
     "unpadded_page",
+    "with_ascend_spec",
 ]
 
 logger = logging.getLogger(__name__)
+
+# vLLM's default spec name (``OffloadingSpecFactory``): its worker copies only on CUDA-alike and XPU.
+_VLLM_CPU_SPEC = "CPUOffloadingSpec"
 
 
 def _block_ids(spec: LoadStoreSpec) -> list[int]:
@@ -219,6 +225,22 @@ def unpadded_page(spec: Any) -> int:
     raise ConfigError("kv_cache_spec", type(spec).__name__, "an attention or Mamba spec")
 
 
+def with_ascend_spec(config: OffloadingConfig) -> OffloadingConfig:
+    """``config`` naming `NPUOffloadingSpec` where it names vLLM's CPU spec, explicitly or by default.
+
+    vLLM's factory falls back to ``CPUOffloadingSpec`` when ``spec_name`` is absent; its
+    ``get_worker`` raises on any platform but CUDA-alike and XPU. `NPUOffloadingSpec` is the same
+    host tier (capacity, manager, eviction policy) with our transfer worker over the device runtime,
+    so the default is replaced by ours. A copy is returned; vLLM's config is never mutated.
+    """
+    extra = dict(config.extra_config)
+    if extra.get("spec_name", _VLLM_CPU_SPEC) != _VLLM_CPU_SPEC:
+        return config
+    extra["spec_name"] = NPUOffloadingSpec.__name__
+    extra["spec_module_path"] = __name__
+    return dataclasses.replace(config, extra_config=extra)
+
+
 class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
     """vLLM's connector worker with the Ascend layout adapter and per-job failure handling.
 
@@ -344,7 +366,7 @@ class AscendOffloadingConnector(OffloadingConnector):
         Written out rather than calling it so each process builds its side (and spec) once.
         """
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
-        offloading_config = build_offloading_config(vllm_config, kv_cache_config)
+        offloading_config = with_ascend_spec(build_offloading_config(vllm_config, kv_cache_config))
         self._canonical_layout = offloading_config.canonical_layout
         spec = OffloadingSpecFactory.create_spec(offloading_config)
         self.connector_scheduler: OffloadingConnectorScheduler | None = None

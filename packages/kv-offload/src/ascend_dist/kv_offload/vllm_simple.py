@@ -39,8 +39,10 @@ _SCHEDULER_TAKES_WORKER_COUNT = hasattr(SimpleCPUOffloadConnector, "get_aligned_
 def simple_capacity(vllm_config: Any, kv_cache_config: Any) -> HostCapacity:
     """Host blocks per rank: ``max(1, gpu_blocks * per_rank // device KV bytes)``, or ``num_cpu_blocks``.
 
-    On vLLM 0.32 the device KV bytes are those vLLM 0.32's scheduler divides by (the first tensor's
-    backing allocation), so both sides count the same blocks.
+    The device KV bytes are vLLM's (``simple_kv_offload``'s ``gpu_total_bytes``, 0.32 and 0.33):
+    ``kv_cache_tensors[0].size``. Every `KVCacheTensor` places its layers inside the same backing
+    allocation and ``size`` is that whole allocation, so summing the tensors would count it once
+    per tensor (too few host blocks with several tensors).
 
     Raises:
         ConfigError: ``num_cpu_blocks`` is not a positive int within the byte budget's count, or is
@@ -49,11 +51,8 @@ def simple_capacity(vllm_config: Any, kv_cache_config: Any) -> HostCapacity:
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     per_rank = per_rank_capacity(extra, vllm_config.parallel_config.world_size)
     _refuse_num_cpu_blocks_without_alignment(extra)
-    if not _SCHEDULER_TAKES_WORKER_COUNT:
-        size = int(kv_cache_config.kv_cache_tensors[0].size)
-        return HostCapacity.from_device(int(kv_cache_config.num_blocks), size, per_rank)
-    total = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
-    capacity = HostCapacity.from_device(int(kv_cache_config.num_blocks), total, per_rank)
+    backing_bytes = int(kv_cache_config.kv_cache_tensors[0].size)
+    capacity = HostCapacity.from_device(int(kv_cache_config.num_blocks), backing_bytes, per_rank)
     requested = extra.get("num_cpu_blocks")
     if requested is None:
         return capacity
