@@ -98,6 +98,14 @@ class MasterProcess:
             proc.kill()
             proc.wait(timeout=timeout_s)
 
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL the master and reap it: a crash, for fault tests (clients get no goodbye). Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+
     def __enter__(self) -> MasterProcess:
         self.start()
         return self
