@@ -16,10 +16,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ascend_dist.cli.engines.wire import (
     Completion,
@@ -31,18 +32,34 @@ from ascend_dist.cli.engines.wire import (
     Ready,
     Spawn,
     Spawned,
+    WeightSync,
+    WeightSynced,
     WriteModel,
     decode_reply,
     encode,
 )
 
-__all__ = ["Engine", "EngineError", "EngineHost", "engine_python"]
+__all__ = ["Engine", "EngineError", "EngineHost", "EngineWeightSync", "WeightSyncError", "engine_python"]
 
 ENGINE_PYTHON_ENV = "ASCEND_DIST_ENGINE_PYTHON"
+_WEIGHT_SYNC_GRACE_S = 15.0
 
 
 class EngineError(RuntimeError):
     """An engine (or the zygote) failed, died, or missed a deadline."""
+
+
+class WeightSyncError(EngineError):
+    """A weight-sync call failed inside the engine; ``reason`` is vLLM's (or our engine's) error.
+
+    The engine is still serving (unless ``reason`` says it exited after a missed deadline).
+    """
+
+    def __init__(self, engine: str, method: str, reason: str) -> None:
+        """Name the engine, the method and the reason."""
+        super().__init__(f"{engine}: {method} failed: {reason}")
+        self.method = method
+        self.reason = reason
 
 
 def engine_python() -> str | None:
@@ -76,9 +93,11 @@ class Engine:
         self.log_path = log_path
         self._conn = conn
         self._stream = conn.makefile("rwb")
+        self._lock = threading.Lock()  # one request on the socket at a time (a trainer's relay thread calls too)
         self.start_seconds = 0.0
+        self.weight_sync = EngineWeightSync(self)
 
-    def _read(self, deadline: float, waiting_for: str) -> Ready | Generated | Failure:
+    def _read(self, deadline: float, waiting_for: str) -> Ready | Generated | WeightSynced | Failure:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -108,9 +127,10 @@ class Engine:
 
     def generate_timed(self, prompts: Sequence[Prompt], timeout_s: float = 120.0) -> Generated:
         """Run ``prompts`` in one batch; the completions and the batch's wall time."""
-        self._stream.write(encode(Generate(list(prompts), timeout_s)))
-        self._stream.flush()
-        reply = self._read(time.monotonic() + timeout_s, f"generate of {len(prompts)} prompts")
+        with self._lock:
+            self._stream.write(encode(Generate(list(prompts), timeout_s)))
+            self._stream.flush()
+            reply = self._read(time.monotonic() + timeout_s, f"generate of {len(prompts)} prompts")
         if isinstance(reply, Failure):
             raise EngineError(f"{self.name}: {reply.error}")
         if not isinstance(reply, Generated):
@@ -120,6 +140,24 @@ class Engine:
     def generate(self, prompts: Sequence[Prompt], timeout_s: float = 120.0) -> list[Completion]:
         """Run ``prompts`` in one batch and return one `Completion` each."""
         return self.generate_timed(prompts, timeout_s).completions
+
+    def call_weight_sync(self, message: WeightSync) -> WeightSynced:
+        """Send one `WeightSync` and wait for its answer (the engine's own deadline plus a grace period).
+
+        Raises:
+            WeightSyncError: The call failed in the engine (the reason is vLLM's).
+            EngineError: The engine died or did not answer in time (then it is killed).
+        """
+        with self._lock:
+            self._stream.write(encode(message))
+            self._stream.flush()
+            # the engine enforces timeout_s itself and says why; the grace covers its reply
+            reply = self._read(time.monotonic() + message.timeout_s + _WEIGHT_SYNC_GRACE_S, message.method)
+        if isinstance(reply, Failure):
+            raise WeightSyncError(self.name, message.method, reply.error)
+        if not isinstance(reply, WeightSynced):
+            raise EngineError(f"{self.name}: unexpected reply {type(reply).__name__} to {message.method}")
+        return reply
 
     @property
     def alive(self) -> bool:
@@ -154,6 +192,40 @@ class Engine:
                 return True
             time.sleep(0.05)
         return not _alive(self.pid)
+
+
+class EngineWeightSync:
+    """vLLM's four weight-sync methods on one engine (the `WeightSyncClient` shape `IpcTrainer` takes).
+
+    Each call goes to the engine's `LLM` as a `WeightSync` message and returns once vLLM returned;
+    a failure raises `WeightSyncError` and leaves the engine serving its previous weights.
+    """
+
+    def __init__(self, engine: Engine, *, timeout_s: float = 120.0) -> None:
+        """Drive ``engine``; every call has the deadline ``timeout_s``."""
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.last_weight_version: str | None = None
+
+    def _call(self, method: Any, request: dict[str, Any] | None = None, weight_version: str | None = None) -> None:
+        reply = self.engine.call_weight_sync(WeightSync(method, request, weight_version, self.timeout_s))
+        self.last_weight_version = reply.weight_version
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``LLM.init_weight_transfer_engine({"init_info": init_info})``."""
+        self._call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """``LLM.start_weight_update()``."""
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """``LLM.update_weights({"update_info": update_info})``."""
+        self._call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``LLM.finish_weight_update(weight_version=...)``."""
+        self._call("finish_weight_update", weight_version=weight_version)
 
 
 class EngineHost:
@@ -208,7 +280,7 @@ class EngineHost:
                 if not line:
                     continue  # EOF: poll() reports the exit on the next turn
                 reply = decode_reply(line)
-                if isinstance(reply, Generated):
+                if isinstance(reply, Generated | WeightSynced):
                     raise EngineError(f"zygote: unexpected reply {type(reply).__name__}")
                 return reply
 

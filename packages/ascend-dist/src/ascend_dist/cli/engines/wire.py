@@ -6,7 +6,7 @@ and the standard library: the caller may not have vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final, Literal, get_args
 
 import msgspec
 
@@ -20,6 +20,9 @@ __all__ = [
     "Ready",
     "Spawn",
     "Spawned",
+    "WEIGHT_SYNC_METHODS",
+    "WeightSync",
+    "WeightSynced",
     "WriteModel",
     "decode_reply",
     "decode_request",
@@ -31,6 +34,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine is: vLLM's `LLM` arguments that the tier uses, plus its environment.
 
     ``kv_transfer_config`` is the dict vLLM's ``--kv-transfer-config`` takes (None: no connector).
+    ``weight_transfer_config`` is the dict vLLM's ``--weight-transfer-config`` takes, e.g.
+    ``{"backend": "hccl"}`` (None: the engine accepts no weight updates).
     ``env`` is applied in the engine's process before vLLM reads it (e.g. the OMP binding for TP 2).
     """
 
@@ -43,6 +48,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     kv_transfer_config: dict[str, Any] | None = None
+    weight_transfer_config: dict[str, Any] | None = None
     seed: int = 0
     env: dict[str, str] = {}
 
@@ -98,6 +104,29 @@ class Generate(msgspec.Struct, frozen=True, tag="generate"):
     timeout_s: float = 120.0
 
 
+WeightSyncMethod = Literal[
+    "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"
+]
+WEIGHT_SYNC_METHODS: Final[tuple[str, ...]] = get_args(WeightSyncMethod)
+"""vLLM's four weight-sync methods of `LLM` (RL offline API): the only ones `WeightSync` may call."""
+
+
+class WeightSync(msgspec.Struct, frozen=True, tag="weight_sync"):
+    """Engine: call one of vLLM's weight-sync methods on its `LLM` (``timeout_s`` bounds the call).
+
+    ``request`` is vLLM's request as JSON: ``{"init_info": {...}}`` for ``init_weight_transfer_engine``,
+    ``{"update_info": {...}}`` for ``update_weights``, None for the other two. ``weight_version`` goes
+    to ``finish_weight_update``; after it returns the engine resets vLLM's prefix cache (KV computed
+    under the old weights must not be reused). Any other method name fails to decode (the field is
+    ``method``).
+    """
+
+    method: WeightSyncMethod
+    request: dict[str, Any] | None = None
+    weight_version: str | None = None
+    timeout_s: float = 120.0
+
+
 class Spawned(msgspec.Struct, frozen=True, tag="spawned"):
     """Zygote: the engine process exists (it is ready once its socket answers `Ready`)."""
 
@@ -118,14 +147,22 @@ class Generated(msgspec.Struct, frozen=True, tag="generated"):
     seconds: float
 
 
+class WeightSynced(msgspec.Struct, frozen=True, tag="weight_synced"):
+    """Engine: the weight-sync call returned; its wall time and the engine's weight version after it."""
+
+    method: str
+    seconds: float
+    weight_version: str | None = None
+
+
 class Failure(msgspec.Struct, frozen=True, tag="failure"):
     """Anything that could not be done, with the reason."""
 
     error: str
 
 
-Request = Spawn | WriteModel | Generate
-Reply = Spawned | Ready | Generated | Failure
+Request = Spawn | WriteModel | Generate | WeightSync
+Reply = Spawned | Ready | Generated | WeightSynced | Failure
 
 _encoder = msgspec.json.Encoder()
 _requests = msgspec.json.Decoder(Request)

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -30,6 +31,8 @@ from ascend_dist.cli.engines.wire import (
     Ready,
     Spawn,
     Spawned,
+    WeightSync,
+    WeightSynced,
     WriteModel,
     decode_request,
     encode,
@@ -81,6 +84,10 @@ def _build_llm(spec: EngineSpec) -> Any:
         kwargs["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
     if spec.kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = spec.kv_transfer_config
+    if spec.weight_transfer_config is not None:
+        from vllm.config import WeightTransferConfig
+
+        kwargs["weight_transfer_config"] = WeightTransferConfig(**spec.weight_transfer_config)
     return LLM(**kwargs)
 
 
@@ -134,8 +141,66 @@ def _generate(llm: Any, request: Generate, counter: list[int]) -> Generated:
     return Generated([_completion(done[r]) for r in ids], time.perf_counter() - start)
 
 
+class _WedgedError(TimeoutError):
+    """A weight-sync call is still running inside vLLM past its deadline."""
+
+
+def _weight_sync_call(llm: Any, request: WeightSync) -> None:
+    """Call the one whitelisted `LLM` method, with vLLM's request shapes checked first (typed, naming the field)."""
+    method = request.method
+    if method in ("init_weight_transfer_engine", "update_weights"):
+        key = "init_info" if method == "init_weight_transfer_engine" else "update_info"
+        body = request.request
+        if not isinstance(body, dict) or key not in body:
+            raise TypeError(f"{method}: request must be an object with {key!r}, got {body!r:.200}")
+        if method == "init_weight_transfer_engine":
+            llm.init_weight_transfer_engine(body)
+        else:
+            llm.update_weights(body)
+    elif request.request is not None:
+        raise TypeError(f"{method}: takes no request, got {request.request!r:.200}")
+    elif method == "start_weight_update":
+        llm.start_weight_update()
+    else:
+        llm.finish_weight_update(weight_version=request.weight_version)
+        # KV cached under the old weights must not answer prompts under the new ones (vLLM keeps it:
+        # RL frameworks reset the prefix cache after each update, as `pause_generation(clear_cache=True)`)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError(
+                "finish_weight_update: the weights are loaded but vLLM refused to reset its prefix cache"
+            )
+
+
+def _weight_sync(llm: Any, request: WeightSync) -> WeightSynced:
+    """Run the call in a thread and wait at most ``timeout_s``.
+
+    A collective in vLLM cannot be interrupted, so a call past its deadline leaves the engine in
+    an unknown state: the engine reports it and exits (`serve_engine`), never serving half-loaded
+    weights. A call that raises is an ordinary failure: vLLM closed the update, the engine serves on.
+    """
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _weight_sync_call(llm, request)
+        except BaseException as exc:  # handed to the serving thread
+            failure.append(exc)
+
+    start = time.perf_counter()
+    # daemon: on a missed deadline the process exits without waiting for vLLM's call to return
+    worker = threading.Thread(target=run, name=f"weight-sync-{request.method}", daemon=True)
+    worker.start()
+    worker.join(request.timeout_s)
+    if worker.is_alive():
+        raise _WedgedError(f"{request.method} did not return within {request.timeout_s} s")
+    if failure:
+        raise failure[0]
+    version = llm.get_weight_version()
+    return WeightSynced(request.method, time.perf_counter() - start, None if version is None else str(version))
+
+
 def serve_engine(request: Spawn) -> None:
-    """The body of a forked engine: bind, build vLLM's `LLM`, then answer `Generate` until EOF."""
+    """The body of a forked engine: bind, build vLLM's `LLM`, then answer `Generate`/`WeightSync` until EOF."""
     os.setpgid(0, 0)  # TP workers join this group, so one kill takes the whole engine down
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     _die_with_parent()
@@ -161,16 +226,26 @@ def serve_engine(request: Spawn) -> None:
     stream.flush()
     counter = [0]
     while line := stream.readline():
+        wedged = False
         try:
             message = decode_request(line)
-            if not isinstance(message, Generate):
-                raise TypeError(f"an engine serves only generate, not {type(message).__name__}")
-            reply: Generated | Failure = _generate(llm, message, counter)
-        except Exception as exc:  # the batch failed; the caller decides whether the engine is still usable
+            if isinstance(message, Generate):
+                reply: Generated | WeightSynced | Failure = _generate(llm, message, counter)
+            elif isinstance(message, WeightSync):
+                reply = _weight_sync(llm, message)
+            else:
+                raise TypeError(f"an engine serves only generate and weight_sync, not {type(message).__name__}")
+        except _WedgedError as exc:
+            wedged = True
+            reply = Failure(f"{type(exc).__name__}: {exc}; the engine exits (its weights are unknown)")
+        except Exception as exc:  # the request failed; the caller decides whether the engine is still usable
             traceback.print_exc()
             reply = Failure(f"{type(exc).__name__}: {exc}")
         stream.write(encode(reply))
         stream.flush()
+        if wedged:
+            sys.stdout.flush()
+            os._exit(4)
     sys.stdout.flush()
     os._exit(0)  # the caller hung up: leave at once, as a killed engine would
 
