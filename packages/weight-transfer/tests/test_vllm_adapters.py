@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -219,4 +220,50 @@ def test_hccl_per_round_field_disagreeing_with_init_fails_fast_and_session_resta
         trainer.shutdown()
         for e in engines:
             e.shutdown()
+        client.pool.shutdown()
+
+
+def test_npu_ipc_refused_finish_names_the_recovery_and_a_second_finish_closes_vllms_session(
+    registered: list[str],
+) -> None:
+    """A trainer that died after chunk 0: finish is refused (nothing loaded), then the engine recovers.
+
+    vLLM's worker keeps its update session open when the engine's ``finish_weight_update`` raises,
+    so the refusal must leave a way to close it: the next finish returns, and updates work again.
+    """
+    from ascend_dist.common.device import get_runtime
+    from ascend_dist.common.errors import ProtocolError
+    from ascend_dist.weight_transfer.ipc_trainer import IpcTrainer
+
+    engines, models = _workers("npu_ipc", 1)
+
+    class DiesAfterFirstChunk(EngineClient):
+        """While ``dying``, delivers only an update's first chunk; the trainer's later chunks never arrive."""
+
+        dying = True
+        delivered = 0
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            if not self.dying or self.delivered == 0:
+                super().update_weights(update_info)
+            self.delivered += 1
+
+    client = DiesAfterFirstChunk(engines)
+    trainer_model = LoadableModel(seed=8)
+    before = [t.clone() for _, t in models[0].named_tensors()]
+    trainer = IpcTrainer(client, get_runtime(), packed=True, buffer_size_bytes=3000)
+    try:
+        client.init_weight_transfer_engine({**msgspec.to_builtins(trainer.params), "layerwise_reload": False})
+        with pytest.raises(ProtocolError, match=r"finish after 1 of \d+ chunks.*call finish_weight_update once more"):
+            trainer.send(trainer_model.named_tensors())
+        assert client.delivered > 1
+        for (_, got), old in zip(models[0].named_tensors(), before, strict=True):
+            assert torch.equal(got, old)  # nothing of the dead update was loaded
+        engines[0].finish_weight_update()  # what vLLM's worker forwards for the second finish: closes it
+        client.dying = False
+        trainer.send(trainer_model.named_tensors())
+        for (_, got), (_, want) in zip(models[0].named_tensors(), trainer_model.named_tensors(), strict=True):
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    finally:
+        engines[0].shutdown()
         client.pool.shutdown()

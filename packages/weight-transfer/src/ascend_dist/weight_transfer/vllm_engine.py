@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ascend_dist.common.device import get_runtime
+from ascend_dist.common.errors import ProtocolError
 from ascend_dist.weight_transfer.collective import gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.ipc_worker import IpcWorker
 from ascend_dist.weight_transfer.messages import (
@@ -218,6 +219,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
         super().__init__(config, vllm_config, device, model)
         self._sink = _ModelSink(self, layerwise=True)
         self.worker = IpcWorker(self._sink, get_runtime())
+        self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
         """Record the trainer's must-agree parameters."""
@@ -235,6 +237,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
 
     def start_weight_update(self) -> None:
         """Open an update."""
+        self._refused_finish = None  # vLLM only calls start once its own session is closed
         self.worker.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:  # vLLM passes a JSON dict
@@ -247,8 +250,24 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
         self.worker.update({"chunk": update_info.chunk})
 
     def finish_weight_update(self) -> None:
-        """Close the update (a packed update missing chunks is refused, nothing loaded)."""
-        self.worker.finish()
+        """Close the update (a packed update missing chunks is refused, nothing loaded).
+
+        vLLM's worker closes its own session only when this returns (0.32 and 0.33 alike), so after
+        a refusal it still holds one open and refuses every ``start_weight_update``; the refusal
+        says so, and the next ``finish_weight_update`` closes vLLM's session without error.
+        """
+        if self._refused_finish is not None:
+            logger.info("closing vLLM's weight-update session left open by: %s", self._refused_finish)
+            self._refused_finish = None
+            return
+        try:
+            self.worker.finish()
+        except ProtocolError as exc:
+            self._refused_finish = str(exc)
+            raise ProtocolError(
+                f"{exc}; the model keeps its previous weights. vLLM keeps its update session open after "
+                "a failed finish: call finish_weight_update once more to close it"
+            ) from exc
 
     def shutdown(self) -> None:
         """Forget opened mappings."""
