@@ -75,15 +75,20 @@ def expected_hits(prompts: Sequence[Sequence[int]]) -> list[int]:
     return [len(p) // BLOCK * BLOCK for p in prompts]
 
 
-def master_key_count(master: MasterProcess) -> int:
-    """``master_key_count`` from the master's Prometheus endpoint: objects it holds now."""
+def master_metric(master: MasterProcess, name: str) -> int:
+    """One counter or gauge from the master's Prometheus endpoint."""
     url = f"http://127.0.0.1:{master.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
-    match = re.search(r"^master_key_count (\d+)", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(name)} (\d+)", text, re.MULTILINE)
     if match is None:
-        raise AssertionError(f"no master_key_count in {url}")
+        raise AssertionError(f"no {name} in {url}")
     return int(match.group(1))
+
+
+def master_key_count(master: MasterProcess) -> int:
+    """Objects the master holds now."""
+    return master_metric(master, "master_key_count")
 
 
 def wait_for_keys(master: MasterProcess, at_least: int, timeout_s: float = SAVE_DEADLINE_S) -> float:
