@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -483,3 +484,255 @@ def test_hybrid_model_refuses_layerwise_loads(model_dir, kvtools) -> None:
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ConfigError, match=r"use_layerwise.*load_async"):
             KVConnectorFactory.create_connector(config, role, hybrid_kv_cache_config())
+
+
+# ---- vLLM's model-runner order over Ascend split (K, V) caches ----
+#
+# vLLM 0.32/0.33 (``KVConnectorModelRunnerMixin._get_kv_connector_output``): the runner zeroes newly
+# allocated blocks (``new_block_ids_to_zero``, in ``_update_states``), binds the metadata, calls
+# ``start_load_kv`` before the forward only when ``SchedulerOutput.has_sync_kv_loads`` (else after it),
+# runs the forward (``wait_for_layer_load``/``save_kv_layer`` per attention layer), then
+# ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``, clear.
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's KV geometry: ``chunk_bytes`` is one block of every layer, K and V."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block: int
+    num_blocks: int
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+
+    @property
+    def chunk_bytes(self) -> int:
+        return 2 * self.layers * self.block * self.kv_heads * self.head_dim * 2  # K and V, fp16
+
+
+SMALL = Shape(layers=2, kv_heads=2, head_dim=16, block=16, num_blocks=16)
+LARGE = Shape(layers=16, kv_heads=8, head_dim=128, block=32, num_blocks=12)  # 2 MiB chunks
+assert LARGE.chunk_bytes == 2 << 20
+
+
+def shape_model_dir(root: Path, shape: Shape) -> Path:
+    d = root / f"llama-{shape.layers}x{shape.kv_heads}x{shape.head_dim}"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": shape.kv_heads * shape.head_dim,
+                "head_dim": shape.head_dim,
+                "intermediate_size": 128,
+                "num_attention_heads": shape.kv_heads,
+                "num_key_value_heads": shape.kv_heads,
+                "num_hidden_layers": shape.layers,
+                "vocab_size": 1000,
+                "max_position_embeddings": 1024,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    return d
+
+
+def shape_config(root: Path, shape: Shape, master: str, port: int, segment: str = "64MB", **extra: Any) -> VllmConfig:
+    config = make_config(shape_model_dir(root, shape), master, port, **extra)
+    config.kv_transfer_config.kv_connector_extra_config["store_config"]["global_segment_size"] = segment
+    config.cache_config.block_size = shape.block
+    config.cache_config.num_gpu_blocks = shape.num_blocks
+    return config
+
+
+def shape_kv_cache_config(shape: Shape) -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=shape.block, num_kv_heads=shape.kv_heads, head_size=shape.head_dim, dtype=torch.float16
+    )
+    page = spec.page_size_bytes
+    tensors = [
+        KVCacheTensor(size=page * shape.num_blocks, layers=[name], layer_stride=0, block_stride=page)
+        for name in shape.layer_names
+    ]
+    return KVCacheConfig(
+        num_blocks=shape.num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(shape.layer_names, spec)],
+    )
+
+
+@dataclass
+class StepResult:
+    out: Any
+    load_before_forward: bool
+    finished_recving: set[str]
+    invalid_block_ids: set[int]
+
+
+class RunnerInstance:
+    """A vLLM ``Scheduler`` and a worker connector over Ascend split (K, V) caches, driven in runner order."""
+
+    def __init__(self, config: VllmConfig, shape: Shape, seed: int) -> None:
+        self.shape = shape
+        self.kcc = shape_kv_cache_config(shape)
+        self.hasher = block_hasher(config, self.kcc)
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
+        gen = self.gen = torch.Generator().manual_seed(seed)
+        dims = (shape.num_blocks, shape.block, shape.kv_heads, shape.head_dim)
+        self.caches = {
+            name: (
+                torch.randn(*dims, generator=gen).to(torch.float16),
+                torch.randn(*dims, generator=gen).to(torch.float16),
+            )
+            for name in shape.layer_names
+        }
+        self.worker.register_kv_caches(self.caches)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=self.kcc,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=shape.block,
+            log_stats=False,
+        )
+        self.zero_fill = 0.0
+
+    def request(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+        return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=self.hasher)
+
+    def block(self, block_id: int) -> bytes:
+        return b"".join(t[block_id].numpy().tobytes() for kv in self.caches.values() for t in kv)
+
+    def _allocated(self) -> set[int]:
+        manager = self.scheduler.kv_cache_manager
+        return {b for r in self.scheduler.requests for b in manager.get_block_ids(r)[0]}
+
+    def _zero(self, block_ids: list[int]) -> None:
+        """What the runner's ``_zero_block_ids`` does to freshly allocated blocks (any fill works)."""
+        for k, v in self.caches.values():
+            k[block_ids] = self.zero_fill
+            v[block_ids] = self.zero_fill
+
+    def _forward(self, out: Any) -> None:
+        """The attention layers: wait for each layer's load, write the scheduled tokens' KV, save the layer."""
+        slots: list[tuple[int, int]] = []
+        for r in out.scheduled_new_reqs:
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + out.num_scheduled_tokens[r.req_id]):
+                slots.append((r.block_ids[0][pos // self.shape.block], pos % self.shape.block))
+        for name, (k, v) in self.caches.items():
+            self.worker.wait_for_layer_load(name)
+            for blk, off in slots:  # computed tokens get values of this instance's own, slot by slot
+                k[blk, off] = torch.randn(k.shape[2:], generator=self.gen).to(torch.float16)
+                v[blk, off] = torch.randn(v.shape[2:], generator=self.gen).to(torch.float16)
+            self.worker.save_kv_layer(name, k, None)  # type: ignore[arg-type]
+
+    def step(self) -> StepResult:
+        """One engine step as vLLM's scheduler, ``_update_states`` and ``_get_kv_connector_output`` make it."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        before_ids = self._allocated()
+        out = self.scheduler.schedule()
+        # vLLM zeroes only with new_block_ids_to_zero (Mamba, mixed precision); any allocation may
+        # hold stale bytes, so overwrite every block this step allocated: the load must come after.
+        self._zero(sorted(self._allocated() - before_ids))
+        connector = self.worker
+        connector.bind_connector_metadata(out.kv_connector_metadata)
+        before = bool(out.has_sync_kv_loads)
+        if before:
+            connector.start_load_kv(None)  # type: ignore[arg-type]
+        if out.total_num_scheduled_tokens:
+            self._forward(out)
+        if not before:
+            connector.start_load_kv(None)  # type: ignore[arg-type]
+        connector.wait_for_save()
+        results = connector.get_transfer_results(out.finished_req_ids)
+        invalid = connector.get_block_ids_with_load_errors()
+        connector.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        kv_out = KVConnectorOutput(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=invalid,
+        )
+        runner_out = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[5] for _ in ids],
+            kv_connector_output=kv_out,
+        )
+        self.scheduler.update_from_output(out, runner_out)
+        return StepResult(out, before, set(results.finished_recving or ()), set(invalid))
+
+    def close(self) -> None:
+        self.scheduler.connector.shutdown()  # type: ignore[union-attr]
+        self.worker.shutdown()
+
+
+MODES = {"sync": {}, "async": {"load_async": True}, "layerwise": {"use_layerwise": True}}
+
+
+def fill_block(inst: RunnerInstance) -> bytes:
+    """One block as it is right after the runner's zeroing (every element ``zero_fill``)."""
+    s = inst.shape
+    one = torch.full((s.block, s.kv_heads, s.head_dim), inst.zero_fill, dtype=torch.float16).numpy().tobytes()
+    return one * (2 * s.layers)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "16x8x128-2MiB"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_runner_order_loads_first_instances_bytes_over_split_kv(
+    shape: Shape, mode: str, tmp_path, mooncake_master, kvtools
+) -> None:
+    """B loads A's chunks into freshly overwritten blocks, in vLLM's runner order, byte for byte."""
+    import time
+
+    extra = MODES[mode]
+    a = RunnerInstance(
+        shape_config(tmp_path, shape, mooncake_master.address, kvtools.free_port(), **extra), shape, seed=21
+    )
+    b = RunnerInstance(
+        shape_config(tmp_path, shape, mooncake_master.address, kvtools.free_port(), **extra), shape, seed=22
+    )
+    chunks = 3
+    objects = chunks * (shape.layers if mode == "layerwise" else 1)  # layer-wise: one object per chunk and layer
+    try:
+        base = 5000 + 100 * shape.layers + 1000 * list(MODES).index(mode)
+        prompt = list(range(base, base + chunks * shape.block + 5))  # 3 full chunks + 5 tokens
+        a.scheduler.add_request(a.request("ra", prompt))
+        first = a.step()
+        assert first.load_before_forward is False  # nothing to load: start_load_kv runs after the forward
+        blocks_a = first.out.scheduled_new_reqs[0].block_ids[0]
+        a.worker._worker.drain(30)
+        assert a.worker._worker.stats.saved_keys == objects, "A's saves did not all reach the pool"
+        stored = [a.block(x) for x in blocks_a[:chunks]]
+        assert len(set(stored)) == chunks  # control: a chunk loaded into the wrong block cannot pass
+
+        b.scheduler.add_request(b.request("rb", prompt))
+        b.zero_fill = -3.0  # what the blocks hold before the load: must not survive it
+        assert fill_block(b) not in stored  # control: an absent load cannot pass
+        res = b.step()
+        if mode == "async":
+            assert res.load_before_forward is False and not res.out.scheduled_new_reqs  # WAITING_FOR_REMOTE_KVS
+            deadline = time.monotonic() + 30
+            while "rb" not in res.finished_recving and time.monotonic() < deadline:
+                time.sleep(0.02)
+                res = b.step()
+            assert "rb" in res.finished_recving and res.invalid_block_ids == set()
+            res = b.step()  # the request is scheduled with its loaded tokens
+        else:
+            assert res.load_before_forward is True  # has_sync_kv_loads: start_load_kv before the forward
+            assert res.invalid_block_ids == set(), "the synchronous load reported failed blocks"
+        new = res.out.scheduled_new_reqs[0]
+        assert new.req_id == "rb" and new.num_computed_tokens == chunks * shape.block  # vLLM counts the hit
+        stats = b.worker._worker.stats
+        assert (stats.loaded_keys, stats.failed_keys) == (objects, 0)
+        loaded = [b.block(x) for x in new.block_ids[0][:chunks]]
+        assert [got == want for got, want in zip(loaded, stored, strict=True)] == [True] * chunks
+    finally:
+        a.close()
+        b.close()

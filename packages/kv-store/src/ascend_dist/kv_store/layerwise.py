@@ -5,8 +5,9 @@ Runs in: worker processes, owned by `KVPoolWorker` when ``use_layerwise`` is set
 be loaded while layer L-1 computes and saved as soon as its attention wrote it. Order of calls per
 step, as vLLM makes them:
 
-* ``start_step(meta)`` (from ``start_load_kv``): plan this step's loads and saves (layer independent),
-  submit the loads of the first ``prefetch`` layers to the receiving thread;
+* ``start_step(meta)`` (from ``bind_step``, when vLLM binds the metadata, before the forward pass;
+  vLLM calls ``start_load_kv`` after it unless the step has synchronous loads): plan this step's
+  loads and saves (layer independent), submit the loads of the first ``prefetch`` layers;
 * ``wait_for_layer_load(name)`` before layer L's attention: submit the next layer's load, then wait
   (bounded) until layer L's load finished; a layer whose load misses the deadline has its blocks
   reported as load errors (vLLM recomputes them) instead of stalling the forward pass;

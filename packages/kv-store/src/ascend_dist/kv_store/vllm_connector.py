@@ -206,8 +206,18 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, AscendStoreConnectorMetadata)
         return meta.step
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step and start it on the worker (vLLM binds before every forward pass).
+
+        Layer-wise steps are planned here, not in `start_load_kv`, which vLLM calls after the
+        forward unless the step has synchronous loads.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind_step(self._step())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Load this step's pool hits into the KV cache (before the forward pass)."""
+        """Load this step's pool hits: before the forward for synchronous loads, after it for async ones."""
         assert self._worker is not None
         self._worker.start_load_kv(self._step())
 

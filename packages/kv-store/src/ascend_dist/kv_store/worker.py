@@ -1,8 +1,10 @@
 """KVPoolWorker: registration, pool lookup (rank 0), loads, non-blocking saves, completion, failures.
 
 Runs in: each worker process (one per TP/PP/CP rank). Order of calls per step, as vLLM makes them:
-``start_load_kv(meta)`` before the forward pass (synchronous loads, or queued to the receiving
-thread with ``load_async``), ``wait_for_save(meta)`` after it (queues saves and returns at once),
+``bind_step(meta)`` when the metadata is bound (preemption waits, layer-wise planning),
+``start_load_kv(meta)`` before the forward pass when the step has synchronous loads, after it
+otherwise (async loads are queued to the receiving thread), ``wait_for_save(meta)`` after the
+forward (queues saves and returns at once),
 ``get_transfer_results(finished_ids)`` (``get_finished`` plus the failed async loads) and
 ``get_block_ids_with_load_errors()`` at the end of the step.
 At start-up: ``register_kv_caches`` once.
@@ -168,6 +170,7 @@ class KVPoolWorker:
         self._loading: set[str] = set()
         self._registered = False
         self._kv_caches: Mapping[str, object] = {}
+        self._bound: PoolStepMeta | None = None  # bound by `bind_step`, not yet loaded by `start_load_kv`
 
     @property
     def backend(self) -> PoolBackend:
@@ -252,14 +255,30 @@ class KVPoolWorker:
             for req in reqs:
                 self.errors.record(req.req_id, [b for ids in req.block_ids for b in ids if b > 0], repr(exc))
 
-    def start_load_kv(self, meta: PoolStepMeta) -> None:
-        """Wait for preempted requests' saves, then load every request whose spec says so.
+    def bind_step(self, meta: PoolStepMeta) -> None:
+        """Start the step whose metadata vLLM just bound (before the forward pass, always).
 
-        Layer-wise: plan the step and submit the first layers' loads (see `LayerwiseTransfers`).
+        Waits for preempted requests' saves (their blocks may be reused by this forward); layer-wise:
+        plans the step and submits the first layers' loads (see `LayerwiseTransfers`). This cannot
+        wait for `start_load_kv`: vLLM 0.32/0.33 calls that after the forward pass unless the step
+        has synchronous loads (``SchedulerOutput.has_sync_kv_loads``), so ``save_kv_layer`` would
+        run on the previous step's plan and the step's own saves would be dropped.
         """
+        self._bound = meta
         self._wait_preempted(meta.preempted_req_ids)
         if self._layers is not None:
             self._layers.start_step(meta)
+
+    def start_load_kv(self, meta: PoolStepMeta) -> None:
+        """Load every request whose spec says so (`bind_step` first, if ``meta`` was not bound).
+
+        Whole-request synchronous loads: vLLM calls this before the forward pass for them. Async
+        loads: queued to the receiving thread. Layer-wise: started by `bind_step`.
+        """
+        if meta is not self._bound:
+            self.bind_step(meta)
+        self._bound = None  # one load per bound step
+        if self._layers is not None:
             return
         reqs = [r for r in meta.requests if r.load_spec is not None and r.load_spec.can_load]
         if not reqs:
