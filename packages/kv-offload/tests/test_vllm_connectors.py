@@ -271,3 +271,27 @@ def test_simple_capacity_with_several_tensors_matches_vllms_scheduler() -> None:
     assert ours == NUM_BLOCKS * (1 << 16) // backing  # not a quarter of it
     vllms = SimpleCPUOffloadScheduler._derive_cpu_config(several, 1 << 16).num_blocks
     assert ours == vllms
+
+
+def test_recompute_warns_once_per_unsaved_resume(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's own scheduler preempts without the hook: the resume is recomputed, and said so once."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    _register("RecomputeCPUOffloadConnector", "ascend_dist.kv_offload.vllm_recompute", "RecomputeCPUOffloadConnector")
+    vllm_config, kv_config = _configs("RecomputeCPUOffloadConnector", {"cpu_bytes_to_use": "8 KiB"})
+    sched = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_config)
+    request = Request("B", list(range(40)), SamplingParams(max_tokens=4), None)
+    with caplog.at_level("WARNING", logger="ascend_dist.kv_offload.vllm_recompute"):
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # never preempted: silent
+        request.num_preemptions = 1
+        for _ in range(2):  # vLLM may ask again while the request waits
+            assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        request.num_preemptions = 2
+        sched.get_num_new_matched_tokens(request, 0)
+    warned = [r.getMessage() for r in caplog.records if "resumes after preemption" in r.getMessage()]
+    assert len(warned) == 2 and "preemption 1 " in warned[0] and "preemption 2 " in warned[1]
+    sched.request_finished(request, [])
+    assert sched._warned_resumes == {}

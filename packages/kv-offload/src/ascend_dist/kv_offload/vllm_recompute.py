@@ -106,6 +106,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         num_spec = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0)
         self.manager: RecomputeManager | None = None
         self.worker: RecomputeWorker | None = None
+        self._warned_resumes: dict[str, int] = {}  # request id -> preemption last warned about
         if role == KVConnectorRole.SCHEDULER:
             self.manager = RecomputeManager(
                 _group_specs(kv_cache_config), self.capacity.num_cpu_blocks,
@@ -138,7 +139,25 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Saved tokens beyond ``num_computed_tokens`` (asynchronous), or None while the store is pending."""
-        return self._mgr().get_num_new_matched_tokens(request.request_id, request.num_tokens, num_computed_tokens)
+        matched = self._mgr().get_num_new_matched_tokens(request.request_id, request.num_tokens, num_computed_tokens)
+        self._warn_unsaved_resume(request, matched[0])
+        return matched
+
+    def _warn_unsaved_resume(self, request: Any, matched: int | None) -> None:
+        """Say so when a preempted request resumes with nothing saved (once per preemption).
+
+        vLLM's own scheduler never calls `update_state_before_preempt` (Ascend's RecomputeScheduler
+        does): with it, every preemption is recomputed and this connector only costs its host pool.
+        """
+        preemptions = int(getattr(request, "num_preemptions", 0) or 0)
+        if not preemptions or matched != 0 or self._warned_resumes.get(request.request_id) == preemptions:
+            return
+        self._warned_resumes[request.request_id] = preemptions
+        logger.warning(
+            "request %s resumes after preemption %d with no saved KV: recomputed (did the scheduler "
+            "call update_state_before_preempt? vLLM's own does not, Ascend's RecomputeScheduler does)",
+            request.request_id, preemptions,
+        )  # fmt: skip
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Map saved host blocks onto the new device blocks."""
@@ -159,6 +178,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Never delays freeing (copies are synchronous or ref-counted)."""
         del block_ids
+        self._warned_resumes.pop(request.request_id, None)
         return self._mgr().request_finished(request.request_id)
 
     def request_finished_all_groups(
@@ -166,6 +186,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Hybrid-aware variant of `request_finished`."""
         del block_ids
+        self._warned_resumes.pop(request.request_id, None)
         return self._mgr().request_finished(request.request_id)
 
     def has_pending_push_work(self) -> bool:
