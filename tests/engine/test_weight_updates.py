@@ -32,7 +32,7 @@ import pytest
 from engine_tier import assert_every_output_differs, assert_same_output, free_port_base, local, make_prompts
 
 from ascend_dist.cli.engines.host import Engine, EngineHost, WeightSyncError
-from ascend_dist.cli.engines.wire import WEIGHT_SYNC_METHODS, Completion, EngineSpec
+from ascend_dist.cli.engines.wire import WEIGHT_SYNC_METHODS, Completion, EngineSpec, WeightSync
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -180,6 +180,33 @@ def backend_of(engine: Engine) -> str:
 
 def outputs(engine: Engine, prompts: list[list[int]]) -> list[Completion]:
     return engine.generate(local(prompts))
+
+
+@pytest.mark.parametrize(
+    ("message", "names"),
+    [
+        (
+            WeightSync("collective_rpc", {"method": "execute_model"}),
+            r"Invalid enum value 'collective_rpc' - at `\$\.method`",
+        ),  # type: ignore[arg-type]
+        (WeightSync("update_weights", None), "'update_info'"),
+        (WeightSync("init_weight_transfer_engine", {"info": {}}), "'init_info'"),
+        (WeightSync("start_weight_update", {"x": 1}), "takes no request"),
+        (
+            WeightSync("init_weight_transfer_engine", {"init_info": {"no_such_field": 1}}),
+            "Invalid init_info.*no_such_field",
+        ),
+    ],
+    ids=["unknown-method", "update-without-info", "init-wrong-key", "start-with-request", "init-bad-fields"],
+)
+def test_hostile_weight_sync_message_is_a_typed_failure_and_the_engine_serves(
+    updatable: Engine, reference: Engine, message: WeightSync, names: str
+) -> None:
+    """A message outside the whitelist or with a malformed request fails naming the field; nothing changes."""
+    with pytest.raises(WeightSyncError, match=names):
+        updatable.call_weight_sync(message)
+    prompts = make_prompts(931)
+    assert_same_output(outputs(updatable, prompts), outputs(reference, prompts))
 
 
 def test_trainer_killed_mid_update_leaves_old_weights(
