@@ -38,9 +38,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 # An engine start here is 8-25 s (more with other engines on the two cores); Mooncake's own setup
 # against an absent master blocks ~90 s, and vLLM's MooncakeStoreConnector does not start at all.
 START_BOUND_S = 75.0
-# Extra seconds a batch may take over the reference's time for the same prompts with the pool
-# unreachable (three prompts: vLLM's own connector would spend ~13 s on their lookups alone).
+# With the pool unreachable a batch may take twice the reference's time for the same prompts plus
+# this (three prompts: vLLM's own connector would spend ~13 s on their lookups alone). The factor
+# absorbs the other jobs on the two cores.
 DOWN_SLACK_S = 3.0
+# An engine's first batch also warms up its forward pass (the shared reference may be warm already).
+FIRST_BATCH_BOUND_S = 30.0
 # The first batch after the kill: the Mooncake client answers its first call RPC_FAIL only after
 # its own ~4 s RPC timeout (once per client); the pool then fails fast as misses.
 FIRST_AFTER_KILL_SLACK_S = 15.0
@@ -112,14 +115,15 @@ def timed(engine: Engine, prompts: Sequence[Sequence[int]]) -> tuple[list[Comple
 def check_recomputed_quickly(
     pair: PoolPair, reference: Engine, prompts: Sequence[Sequence[int]], slack_s: float
 ) -> list[float]:
-    """Both engines recompute ``prompts`` (no pool hit), equal to the reference, within its time + ``slack_s``."""
+    """Both engines recompute ``prompts`` (no pool hit), equal to the reference, within twice its time + ``slack_s``."""
     want, ref_s = timed(reference, prompts)
     seconds = []
     for engine in pair.engines:
         got, took = timed(engine, prompts)
         assert [c.num_cached_tokens for c in got] == [0] * len(prompts), f"{engine.name} hit an unreachable pool"
         assert_same_output(got, want)
-        assert took < ref_s + slack_s, f"{engine.name} took {took:.2f} s with its master down (reference {ref_s:.2f} s)"
+        bound = 2 * ref_s + slack_s
+        assert took < bound, f"{engine.name} took {took:.2f} s with its master down (reference {ref_s:.2f} s)"
         seconds.append(took)
     return seconds
 
@@ -140,6 +144,13 @@ def test_engines_start_and_serve_without_their_master(pair: PoolPair, reference:
         pytest.skip("the master already runs (this test needs it absent since the engines' start)")
     for seconds in pair.start_seconds:
         assert seconds < START_BOUND_S, f"an engine took {seconds:.1f} s to start without its master"
+    warm = make_prompts(1500, (40,))
+    want = reference.generate(local(warm))
+    for engine in pair.engines:
+        got, took = timed(engine, warm)
+        assert [c.num_cached_tokens for c in got] == [0]
+        assert_same_output(got, want)
+        assert took < FIRST_BATCH_BOUND_S, f"{engine.name}'s first batch took {took:.1f} s without its master"
     check_recomputed_quickly(pair, reference, make_prompts(1501, LENGTHS), DOWN_SLACK_S)
     # A second batch: the backends' reconnect attempts (every 2 s) must not stall it either.
     check_recomputed_quickly(pair, reference, make_prompts(1502, LENGTHS), DOWN_SLACK_S)
