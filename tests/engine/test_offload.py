@@ -14,10 +14,10 @@ so a prompt is evicted from it by a few others.
 - ``RecomputeCPUOffloadConnector`` under real preemption: four concurrent requests that outgrow the tiny
   cache while decoding, greedy output equal to the reference; the connector's log shows the preemptions (it warns
   once per preemption whose request resumes with nothing saved). vLLM's own scheduler never calls
-  ``update_state_before_preempt`` (Ascend's RecomputeScheduler does) and the engine harness cannot
-  select a scheduler class, so here the save/restore path itself is not exercised: this proves the
-  connector is safe under preemption in a stock engine, not that it restores (the scheduler-loop
-  unit test in ``packages/kv-offload/tests`` does that with a scheduler that calls the hook).
+  ``update_state_before_preempt`` (Ascend's RecomputeScheduler does), so with it every preemption
+  is recomputed: this proves the connector is safe under preemption in a stock engine. With our
+  ``PreemptSavingScheduler`` (``scheduler_cls``) the same load saves every preempted request's KV
+  to host memory and restores it on resume, output equal to the reference.
 - Host memory: per connector, Rss of a fresh engine with ``cpu_bytes_to_use`` = 32 MiB minus Rss of
   a fresh twin with one block's worth, both after the same fill of more KV than the capacity
   (`offload_bench.measure_memory`). The ratio to the configured bytes must be at least 0.9 (the
@@ -115,6 +115,39 @@ def test_recompute_connector_under_real_preemption(offload: dict[str, Engine], r
     log = engine.log_path.read_text(errors="replace")[len(before) :]
     preemptions = re.findall(r"request (\S+) resumes after preemption (\d+)", log)
     assert preemptions, f"no preemption happened: the check proves nothing; log tail:\n{log[-2000:]}"
+    assert_same_output(got, reference.generate(prompts, timeout_s=600))
+
+
+# vLLM schedules asynchronously on this platform by default: the async variant keeps that.
+PREEMPT_SAVING = "ascend_dist.kv_offload.vllm_preempt_scheduler.AsyncPreemptSavingScheduler"
+
+
+def test_recompute_connector_restores_preempted_requests_with_our_scheduler(
+    host: EngineHost, models: dict[str, Path], reference: Engine
+) -> None:
+    """With `PreemptSavingScheduler` the connector saves each preempted request's KV and restores it.
+
+    The scheduler warns once per preemption, saying whether the KV was saved; the connector warns
+    when a preempted request resumes with nothing saved. Control: the stock-scheduler test above,
+    where every preemption resumes with nothing saved.
+    """
+    # Without prefix caching a resumed request cannot find its freed blocks in the device cache:
+    # whatever it does not recompute came back from host memory.
+    spec = offload_spec(
+        str(models["a"]), offload_config(RECOMPUTE, CAPACITY), scheduler_cls=PREEMPT_SAVING, enable_prefix_caching=False
+    )
+    engine = host.spawn(spec, "recompute-preempt-saving")
+    try:
+        prompts = local(make_prompts(7400, [160] * 4), max_tokens=160)
+        got = engine.generate(prompts, timeout_s=600)
+        log = engine.log_path.read_text(errors="replace")
+    finally:
+        engine.close()
+    saved = re.findall(r"request (\S+) preempted \(KV cache full\): (\d+) computed tokens saved", log)
+    assert saved, f"no preemption saved its KV: the check proves nothing; log tail:\n{log[-2000:]}"
+    assert "nothing saved, recomputed on resume" not in log
+    unsaved = re.findall(r"request (\S+) resumes after preemption (\d+) with no saved KV", log)
+    assert not unsaved, f"preempted requests resumed without their saved KV: {unsaved}"
     assert_same_output(got, reference.generate(prompts, timeout_s=600))
 
 

@@ -56,6 +56,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from ascend_dist.common.device import CpuSimRuntime  # noqa: E402
+from ascend_dist.kv_offload.vllm_preempt_scheduler import PreemptSavingScheduler  # noqa: E402
 
 BLOCK = 16
 LAYER = "model.layers.0.self_attn.attn"
@@ -105,8 +106,8 @@ def expected_kv(token: int, pos: int, part: int) -> torch.Tensor:
     return torch.tensor([(base + i) % 256 - 128 for i in range(4)], dtype=torch.int8).view(1, 4)
 
 
-class RecomputeHookScheduler(Scheduler):
-    """vLLM's Scheduler plus the one hook Ascend's RecomputeScheduler adds before a preemption."""
+class RecomputeHookScheduler(PreemptSavingScheduler):
+    """Our preempt-saving scheduler, recording each save it asked for."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.saved = []
@@ -114,12 +115,10 @@ class RecomputeHookScheduler(Scheduler):
 
     saved: list[tuple[str, bool]]  # (request, whether the connector took its KV), per preemption
 
-    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        assert self.connector is not None
-        accepted = self.connector.update_state_before_preempt(request, block_ids, request.num_computed_tokens)  # type: ignore[attr-defined]
-        self.saved.append((request.request_id, bool(accepted)))
-        super()._preempt_request(request, timestamp, drop_stale_output)
+    def _save_before_preempt(self, request: Request) -> bool:
+        accepted = super()._save_before_preempt(request)
+        self.saved.append((request.request_id, accepted))
+        return accepted
 
 
 class Shard:

@@ -139,18 +139,23 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Saved tokens beyond ``num_computed_tokens`` (asynchronous), or None while the store is pending."""
-        matched = self._mgr().get_num_new_matched_tokens(request.request_id, request.num_tokens, num_computed_tokens)
-        self._warn_unsaved_resume(request, matched[0])
+        manager = self._mgr()
+        had_saved = manager.has_preempted_request(request.request_id)
+        matched = manager.get_num_new_matched_tokens(request.request_id, request.num_tokens, num_computed_tokens)
+        if not had_saved:
+            self._warn_unsaved_resume(request)
         return matched
 
-    def _warn_unsaved_resume(self, request: Any, matched: int | None) -> None:
+    def _warn_unsaved_resume(self, request: Any) -> None:
         """Say so when a preempted request resumes with nothing saved (once per preemption).
 
         vLLM's own scheduler never calls `update_state_before_preempt` (Ascend's RecomputeScheduler
-        does): with it, every preemption is recomputed and this connector only costs its host pool.
+        and our `PreemptSavingScheduler` do): with it, every preemption is recomputed and this
+        connector only costs its host pool. A saved request that the device prefix cache already
+        covers on resume is not warned about: nothing is recomputed then.
         """
         preemptions = int(getattr(request, "num_preemptions", 0) or 0)
-        if not preemptions or matched != 0 or self._warned_resumes.get(request.request_id) == preemptions:
+        if not preemptions or self._warned_resumes.get(request.request_id) == preemptions:
             return
         self._warned_resumes[request.request_id] = preemptions
         logger.warning(

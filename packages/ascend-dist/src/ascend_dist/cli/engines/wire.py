@@ -36,6 +36,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     ``kv_transfer_config`` is the dict vLLM's ``--kv-transfer-config`` takes (None: no connector).
     ``weight_transfer_config`` is the dict vLLM's ``--weight-transfer-config`` takes, e.g.
     ``{"backend": "hccl"}`` (None: the engine accepts no weight updates).
+    ``scheduler_cls`` is vLLM's ``--scheduler-cls``: a class by its qualified name (None: vLLM's own).
     ``env`` is applied in the engine's process before vLLM reads it (e.g. the OMP binding for TP 2).
     """
 
@@ -49,6 +50,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     enable_prefix_caching: bool = True
     kv_transfer_config: dict[str, Any] | None = None
     weight_transfer_config: dict[str, Any] | None = None
+    scheduler_cls: str | None = None
     seed: int = 0
     env: dict[str, str] = {}
 

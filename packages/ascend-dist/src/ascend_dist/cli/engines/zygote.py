@@ -84,6 +84,8 @@ def _build_llm(spec: EngineSpec) -> Any:
         kwargs["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
     if spec.kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = spec.kv_transfer_config
+    if spec.scheduler_cls is not None:
+        kwargs["scheduler_cls"] = spec.scheduler_cls
     if spec.weight_transfer_config is not None:
         from vllm.config import WeightTransferConfig
 
