@@ -30,7 +30,7 @@ from engine_tier import assert_every_output_differs, assert_same_output, local, 
 
 from ascend_dist.cli.engines.host import Engine, EngineHost
 from ascend_dist.cli.engines.wire import Completion, EngineSpec
-from ascend_dist.kv_store.master_process import MasterProcess
+from ascend_dist.kv_store.master_process import MasterProcess, free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -235,12 +235,6 @@ class TestMooncakeLayerwise:
 # ---- openYuanrong -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _listening(port: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -260,12 +254,12 @@ def yuanrong_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if dscli is None:
         pytest.skip("dscli not installed (openyuanrong-datasystem)")
     home = tmp_path_factory.mktemp("yuanrong")
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     stop = [dscli, "stop", "-w", address]
     start = [
         dscli, "start", "-d", str(home / "home"), "-w", "--worker_address", address,
-        "--metastore_address", f"127.0.0.1:{_free_port()}", "--start_metastore_service", "true",
+        "--metastore_address", f"127.0.0.1:{free_port()}", "--start_metastore_service", "true",
         "--shared_memory_size_mb", "256",
     ]  # fmt: skip
     res = subprocess.run(start, capture_output=True, text=True, timeout=120, check=False)
