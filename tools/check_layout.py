@@ -1,4 +1,4 @@
-"""Checks the workspace layout rules of ARCHITECTURE.md §2.
+"""Checks the workspace layout rules (docs/architecture.md#layout).
 
 - `ascend_dist` is a PEP 420 namespace: no member ships `src/ascend_dist/__init__.py`;
 - folder `packages/x-y` <-> distribution `ascend-dist-x-y` <-> import `ascend_dist.x_y` (the meta-package

@@ -58,7 +58,7 @@ def test_fifo_order_in_manual_mode(manual: CpuSimRuntime) -> None:
 
 
 def test_copy_waiting_on_event_runs_only_after_the_event_stream_reaches_it(manual: CpuSimRuntime) -> None:
-    """D2H starts only after compute wrote the block (kv-offload.md §1.6)."""
+    """D2H starts only after compute wrote the block: a store waits on the compute stream's event."""
     device_block = manual.empty((64,), torch.uint8).zero_()
     host_block = manual.pinned_empty((64,), torch.uint8).zero_()
     compute, transfer = manual.compute_stream(), manual.new_stream()

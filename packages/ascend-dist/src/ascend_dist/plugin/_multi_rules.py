@@ -1,4 +1,4 @@
-"""Composition rules of the multi-connector (spec kv-p2p.md §12), free of vLLM.
+"""Composition rules of the multi-connector, free of vLLM (docs/connectors.md#ascendmulticonnector).
 
 Runs in: the scheduler process and every worker process, inside `AscendMultiConnector`.
 Which child answers a load, which children get the real blocks after allocation, how finished
@@ -102,7 +102,7 @@ class AllocPlan:
 def merge_finished_params(
     answers: Sequence[tuple[bool, dict[str, Any] | None]],
 ) -> tuple[int, dict[str, Any] | None]:
-    """Merge the children's `request_finished` answers (spec §12 item 1).
+    """Merge the children's `request_finished` answers (delays counted, one params dict at most).
 
     Args:
         answers: each child's (delay_free, kv_transfer_params), in config order.
@@ -237,7 +237,7 @@ class Composition:
     # ---- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Answer:
-        """Choose the loader for ``request`` (spec §12 item 3, then vLLM's first-match).
+        """Choose the loader for ``request`` (preempted-request holder first, then vLLM's first-match).
 
         A child holding the request as preempted answers first: None → ask again later; > 0 → it
         loads; 0 → fall through. Otherwise every child is asked in order (so each can track the
@@ -263,7 +263,7 @@ class Composition:
         return answer
 
     def alloc_plan(self, req_id: str, num_external_tokens: int) -> list[AllocPlan]:
-        """Per child, the blocks and token count for `update_state_after_alloc` (spec §12 item 2).
+        """Per child, the blocks and token count for `update_state_after_alloc`.
 
         The chosen loader and children requiring full blocks get the real blocks and count; the
         others 0 tokens (they must not load) and the real blocks or an empty set, by
@@ -291,7 +291,7 @@ class Composition:
     # ---- worker side: layer-wise ordering ------------------------------------------------------
 
     def configure_layerwise_reuse_completion(self) -> bool:
-        """Offer the slot-release waiter to every non-provider sink; True when one accepted (§12 item 5).
+        """Offer the slot-release waiter to every non-provider sink; True when one accepted.
 
         Providers are not offered their own waiter (waiting on itself at layer entry would only
         duplicate its own gate).

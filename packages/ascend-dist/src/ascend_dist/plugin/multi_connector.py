@@ -1,4 +1,4 @@
-"""AscendMultiConnector: vLLM's MultiConnector with vllm-ascend's composition rules (spec kv-p2p.md §12).
+"""AscendMultiConnector: vLLM's MultiConnector with vllm-ascend's composition rules.
 
 Runs in: the scheduler process and every worker process (vLLM adapter; the only module of the
 multi-connector importing vLLM). The children are built by vLLM's own MultiConnector from
@@ -59,7 +59,7 @@ __all__ = ["AscendMultiConnector"]
 
 
 def _is_reuse_provider(child: KVConnectorBase_V1, child_config: KVTransferConfig) -> bool:
-    """A producer with a worker that declares layer-buffer reuse and implements its gate (§12 item 5)."""
+    """A producer with a worker that declares layer-buffer reuse and implements its gate."""
     return (
         child.role == KVConnectorRole.WORKER
         and child_config.is_kv_producer
@@ -142,7 +142,7 @@ class AscendMultiConnector(MultiConnector):
     # ---- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Preempted-request holder first, then the first child in config order with tokens (§12 item 3)."""
+        """Preempted-request holder first, then the first child in config order with tokens."""
         return self._rules.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -172,7 +172,7 @@ class AscendMultiConnector(MultiConnector):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """HMA form (§12 item 1): a single group falls back to `request_finished` unless all children support HMA."""
+        """HMA form: a single group falls back to `request_finished` unless all children support HMA."""
         if not self._all_support_hma:
             if len(block_ids) != 1:
                 raise RuntimeError(
@@ -211,7 +211,7 @@ class AscendMultiConnector(MultiConnector):
         KVConnectorBase_V1.bind_connector_metadata(self, connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Reuse providers first; skipped entirely when a sink waits on them at layer entry (§12 item 5)."""
+        """Reuse providers first; skipped entirely when a sink waits on them at layer entry."""
         self._rules.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

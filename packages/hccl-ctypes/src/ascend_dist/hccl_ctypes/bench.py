@@ -4,7 +4,7 @@ Runs in: the ``ascend-dist bench``/``demo`` process, which starts two rank proce
 (`ascend_dist.hccl_ctypes._bench_worker`) on 127.0.0.1 and kills them on any failure.
 
 What is compared, honestly: on the CPU the communicator's engine is gloo on the same group
-(ARCHITECTURE §4: the CPU collective library is gloo), so the ratio measures what the communicator
+(on the CPU backend the collective library is gloo), so the ratio measures what the communicator
 adds over calling gloo directly — argument checks, the enqueue on the simulated stream, the worker
 thread hand-off and the stream synchronize — for all-reduce and broadcast of 4 KiB, 1 MiB and
 64 MiB. Target: the communicator within 10 % of gloo at 1 MiB and above. When ``HCCL_SO_PATH``

@@ -6,7 +6,7 @@ Design rationale (why ctypes, why dialects): the communicator must work without 
 knowing the device's collective backend (an RL trainer plus vLLM workers are not one torch world),
 be safe inside graph capture (a plain C call on a stream) and let an operator switch library builds
 by an environment variable. HCCL and NCCL differ only in names, id size, argument order of the
-init call, broadcast's buffers and enum values (spec comm-eplb-weights.md §1.7), so one binding
+init call, broadcast's buffers and enum values, so one binding
 class (`ascend_dist.hccl_ctypes.library.CollectiveLibrary`) is driven by a `Dialect` record:
 
 | concern | HCCL | NCCL |

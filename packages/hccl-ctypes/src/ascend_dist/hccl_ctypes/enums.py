@@ -3,7 +3,7 @@
 Runs in: any process; imports nothing but the standard library (no torch).
 
 The values are ABI: they are passed unchanged to the native library, so they must match the
-headers exactly (spec comm-eplb-weights.md §1.3 and §1.7). The torch → enum mapping lives in
+headers exactly (`hccl_types.h`, `nccl.h`). The torch → enum mapping lives in
 `ascend_dist.hccl_ctypes.torch_compat`, which imports torch lazily.
 """
 

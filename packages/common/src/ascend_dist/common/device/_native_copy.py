@@ -3,7 +3,7 @@
 Runs in: worker processes on the ``cuda`` or ``npu`` backend.
 
 Why ctypes: torch has no batched copy between raw addresses, and the batch-copy contract
-(kv-offload.md §1.5) is expressed in addresses. Each descriptor becomes one async memcpy enqueued on
+(`base.DescriptorBatch`) is expressed in addresses. Each descriptor becomes one async memcpy enqueued on
 the torch stream's native handle, in calls of at most 4096 descriptors issued back to back.
 (``cudaMemcpyBatchAsync`` changed signature between CUDA 12.8 and 13; the per-descriptor loop has the
 same semantics on every version.)

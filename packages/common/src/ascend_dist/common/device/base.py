@@ -2,11 +2,11 @@
 
 Runs in: every process that touches device memory (worker processes, test processes).
 
-Every component reaches hardware only through a `DeviceRuntime` (spec kv-offload.md §1.6), so the
+Every component reaches hardware only through a `DeviceRuntime` (docs/architecture.md#device-runtime), so the
 same logic runs on an Ascend NPU, a CUDA GPU or the CPU simulation with identical semantics. This
 module holds what all three backends share and imports neither torch nor any backend: the
 Protocols, the fixed `CopyDirection` codes (shared with the native batch-copy op), the 4096
-descriptor cap per native call (CANN's batch-copy limit, kv-offload.md §1.4) and the validation of a
+descriptor cap per native call (CANN's batch-copy limit) and the validation of a
 descriptor batch, so every backend rejects bad input with the same `ConfigError`.
 """
 

@@ -3,7 +3,7 @@
 Runs in: test processes and CPU-only development machines (``ASCEND_DIST_DEVICE=cpu``).
 
 "Device" memory is ordinary CPU tensors, so addresses are real and all descriptor arithmetic
-(kv-offload.md §1.4) runs unchanged; a batched copy is a ``ctypes.memmove`` per descriptor, run on
+(source/destination address, length) runs unchanged; a batched copy is a ``ctypes.memmove`` per descriptor, run on
 the stream's worker thread. Streams and events follow CUDA's semantics (see `_sim_stream`), with
 three test hooks the hardware lacks:
 

@@ -3,7 +3,7 @@
 Runs in: every process, once, when the process-wide runtime is first requested.
 
 Order: ``ASCEND_DIST_DEVICE`` when set, else auto-detection (torch_npu importable and an NPU
-present, then CUDA, then CPU). torch_npu is probed defensively (spec engines.md §3): without CANN,
+present, then CUDA, then CPU). torch_npu is probed defensively: without CANN,
 ``import torch_npu`` raises ImportError, OSError or RuntimeError, and torch_npu's autoload entry
 point can even break a plain ``import torch``; so `prepare_torch_import` sets
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (unless the user set it) before the first ``import torch`` of the
@@ -50,7 +50,7 @@ def prepare_torch_import() -> None:
     """Disable torch's device-extension autoload unless the user chose otherwise.
 
     Must run before the process's first ``import torch``: with torch_npu installed but CANN
-    missing, the autoload hook makes ``import torch`` itself fail (engines.md §3). The probe then
+    missing, the autoload hook makes ``import torch`` itself fail. The probe then
     imports torch_npu explicitly, under ``try``.
     """
     os.environ.setdefault(_AUTOLOAD_ENV, "0")

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from ascend_dist.common.device.detect import prepare_torch_import
 
-prepare_torch_import()  # must precede the first `import torch` (engines.md §3)
+prepare_torch_import()  # must precede the first `import torch`: torch_npu's autoload can break it without CANN
 
 import torch  # noqa: E402
 
