@@ -1,4 +1,4 @@
-"""Hybrid coordinator: the spec's examples (kv-store.md §7), then full + sliding-window end to end."""
+"""Hybrid coordinator: worked examples of each group rule, then full + sliding-window end to end."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def test_a_mamba_hit_stops_before_the_last_prompt_token() -> None:
         wa.close()
 
 
-# ---- sparse retention (vLLM prefix_cache_retention_interval, spec §7.2, §8.2 step 2) ----
+# ---- sparse retention (vLLM prefix_cache_retention_interval) ----
 
 
 def _chunks(mask: list[bool] | None) -> set[int] | None:

@@ -197,7 +197,7 @@ def test_prefetched_loads_wait_for_the_attention_gate(kvtools) -> None:
 
 
 def test_layers_sharing_a_buffer_reload_their_prefix_every_step(kvtools) -> None:
-    """Layers 1 and 2 share one buffer (spec §10.2, S=1): each step they find their own whole prefix
+    """Layers 1 and 2 share one buffer (S=1): each step they find their own whole prefix
     in it when their turn comes, reloaded from the pool (whole blocks and last step's partial block),
     and layer 2's load waits until layer 1's KV was saved out of the buffer."""
     store = HostGvaStore(8 << 20)

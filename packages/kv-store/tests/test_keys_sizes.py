@@ -1,4 +1,4 @@
-"""Keys, sizes, families, partitions and configuration: the spec's numeric examples as tables."""
+"""Keys, sizes, families, partitions and configuration: worked numeric examples as tables."""
 
 from __future__ import annotations
 

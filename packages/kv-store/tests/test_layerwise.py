@@ -215,7 +215,7 @@ def test_layerwise_config_rules(kvtools) -> None:
 
 
 def test_load_only_consumer_advances_layers(kvtools) -> None:
-    """Upstream advanced the layer index only in save_kv_layer (spec §19.3); here the name decides."""
+    """Upstream advanced the layer index only in save_kv_layer; here the name decides."""
     backend = InMemoryBackend()
     producer = build_worker(SPEC, PoolConfig.from_extra(LAYERWISE), backend)
     consumer_cfg = PoolConfig.from_extra({**LAYERWISE, "consumer_is_to_load": True}, kv_role="kv_consumer")

@@ -1,4 +1,4 @@
-"""Shared layer buffers applied to vLLM 0.33's own KV-cache tensor descriptors (spec §10.4)."""
+"""Shared layer buffers applied to vLLM 0.33's own KV-cache tensor descriptors."""
 
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ class ChunkPlanner:
         return [(chunk, key, a, s) for chunk in chunks for key, a, s in self.values(chunk, ids, group)]
 
     def load_batch(self, req: ReqMeta) -> tuple[TransferBatch, list[int]]:
-        """Keys, pieces and block ids one request loads, rotated by the TP rank (spec §9.4)."""
+        """Keys, pieces and block ids one request loads, rotated by the TP rank."""
         spec = req.load_spec
         assert spec is not None
         token_len = spec.load_token_len(self._granularity, req.save_end_token)
@@ -146,7 +146,7 @@ class ChunkPlanner:
         return keys, values, chunks
 
     def stored_events(self, chunks: Sequence[tuple[int, Chunk, ReqMeta]]) -> list[BlockStoredEvent]:
-        """One ``BlockStored`` event per chunk put (spec §9.11)."""
+        """One ``BlockStored`` event per chunk put."""
         out: list[BlockStoredEvent] = []
         for g, chunk, req in chunks:
             span = self._db.block_sizes[g]

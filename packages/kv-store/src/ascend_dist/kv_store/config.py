@@ -4,7 +4,7 @@ Runs in: scheduler and worker processes, at construction time. Pure apart from r
 configuration files. Every bad value raises `ConfigError` naming the key and the allowed values,
 before any resource is taken.
 
-Sources, in order of precedence (spec kv-store.md §2):
+Sources, in order of precedence:
 
 * ``kv_connector_extra_config`` (`PoolConfig.from_extra`);
 * Mooncake (in `ascend_dist.kv_store.store_config`, re-exported here): the JSON file at

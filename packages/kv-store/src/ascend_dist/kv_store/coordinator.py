@@ -2,8 +2,8 @@
 
 Runs in: the rank-0 worker (lookups) and every worker (store and load masks). Pure planning, no
 vLLM import: the per-group hit rules of vLLM's single-type KV-cache managers are re-implemented
-here behind `GroupRule` (spec kv-store.md §7, §15.1 "re-implement full-attention / SWA / Mamba
-rules"), over a present/absent flag per chunk instead of vLLM's block pool.
+here behind `GroupRule` (full attention, sliding window, Mamba), over a present/absent flag per
+chunk instead of vLLM's block pool.
 
 * **full attention**: a hit is the run of present chunks from chunk 0.
 * **sliding window** (window ``W``, chunk span ``B``): only the last ``k = cdiv(W - 1, B)`` chunks
@@ -202,7 +202,7 @@ class HybridCoordinator:
         return any(r.kind != "full" for r in self.rules)
 
     def longest_hit(self, present: Sequence[Sequence[bool]], max_length: int) -> int:
-        """The largest aligned hit every group serves (fix-point over the groups, spec §7.1).
+        """The largest aligned hit every group serves (fix-point over the groups).
 
         Args:
             present: Per group, a flag per chunk (chunk present for every rank).

@@ -1,9 +1,8 @@
-"""KV events (``BlockStored``) from the workers, aggregated on the scheduler (spec §9.11, §14).
+"""KV events (``BlockStored``) from the workers, aggregated on the scheduler.
 
 Runs in: workers (collect) and the scheduler (aggregate). Upstream kept only events seen by every
-worker, which dropped events of chunks stored by one rank of a replica set (MLA, ``put_step > 1``,
-spec §19.9). Here an event is kept once **any** worker reports it; duplicates from several ranks
-collapse into one.
+worker, which dropped events of chunks stored by one rank of a replica set (MLA, ``put_step > 1``).
+Here an event is kept once **any** worker reports it; duplicates from several ranks collapse into one.
 """
 
 from __future__ import annotations

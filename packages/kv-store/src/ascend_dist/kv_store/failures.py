@@ -2,7 +2,7 @@
 
 Runs in: worker processes (written by the load path and the async receiving thread, read by the
 connector once per step). Every KV group is recorded: upstream only logged failures of hybrid
-models, so they could run on stale KV (spec §19.13).
+models, so they could run on stale KV.
 
 Two views of one failure, because vLLM 0.33 takes them on different paths:
 

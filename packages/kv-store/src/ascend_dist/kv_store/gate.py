@@ -1,4 +1,4 @@
-"""Attention-compute start gate (spec §11): start a prefetch copy when attention starts.
+"""Attention-compute start gate: start a prefetch copy when attention starts.
 
 Runs in: worker processes. A gate is armed once per layer; the attention backend calls `record`
 right before launching its kernel (with the device event of that point, or None on CPU), and load

@@ -1,7 +1,7 @@
 """Layer-wise pool transfers over a GVA store (memcache): one object per block holds every layer.
 
 Runs in: worker processes, owned by `KVPoolWorker` when ``use_layerwise`` is set and the backend is
-a `GvaBackend` (spec kv-store.md §9.10). The per-layer control flow (prefetch, bounded waits, the
+a `GvaBackend`. The per-layer control flow (prefetch, bounded waits, the
 attention-start gate) is `LayerwiseTransfers`'; this class changes what moves:
 
 * at ``start_step``: loads ask `key_info` for each block's object and take read leases (a block
@@ -16,7 +16,7 @@ attention-start gate) is `LayerwiseTransfers`'; this class changes what moves:
 Differences from upstream: a failed copy fails the blocks it carried (load errors, or a dropped
 object) instead of killing the transfer thread; a step that ends before its last layer was saved
 drops its reserved objects; the copy window counts one layer's pieces (upstream counted every
-layer's, §19.10). Shared layer buffers (§10 reuse) are not supported: see `PoolConfig`.
+layer's). Shared layer buffers (``layerwise_num_shared_buffers``) are not supported: see `PoolConfig`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
         self._reuse_source: dict[int, int] = {}  # layer -> the layer before it in its buffer
 
     def set_layers(self, layer_names: Sequence[str]) -> None:
-        """Layer names in entry order, and which of them share a buffer (spec §10.2).
+        """Layer names in entry order, and which of them share a buffer.
 
         Raises:
             ConfigError: Shared buffers on a rank that does not save its KV or shares its writes

@@ -2,20 +2,20 @@
 
 Runs in: scheduler and worker processes. Pure planning: no I/O.
 
-Key formats (spec kv-store.md §4.2-4.4; the fields and their order are part of the pool's
+Key formats (the fields and their order are part of the pool's
 compatibility, so changing them invalidates every stored object):
 
 * whole chunk:
   ``{model}@pcp{p}@dcp{d}@head_or_tp_rank:{h}@pp_rank:{pp}@group:{g}@cache_role:{r}@cache_family:{f}@{hash}``
 * partial chunk (only when ``discard_partial_chunks`` is false): the whole-chunk key plus
   ``@partial:{num_tokens}``. Upstream stored a short object under the full chunk's key, so a later
-  full-size get failed (spec §19.7); a partial object now has its own key.
+  full-size get failed; a partial object now has its own key.
 * per layer: the whole-chunk prefix, then ``layer_id:{L}@{hash}``.
-  Upstream omitted ``pp_rank`` here, so layer ids restarting at 0 per PP stage collided (§19.8).
+  Upstream omitted ``pp_rank`` here, so layer ids restarting at 0 per PP stage collided.
 * GVA block keys (memcache layer-wise): ``{model}@{hash}@{h}`` / ``{model}@{g}@{hash}@{h}``.
 
 The model name is normalised identically on both sides (`normalize_model_name`): upstream's
-worker stripped a trailing ``/`` and its scheduler did not, which gave zero hits (§19.5).
+worker stripped a trailing ``/`` and its scheduler did not, which gave zero hits.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def chunk_hash_hex(value: bytes | str) -> str:
 
 
 def put_step_and_head(tp_size: int, tp_rank: int, num_kv_heads: int, use_mla: bool) -> tuple[int, int]:
-    """Which replica set a TP rank belongs to (spec §4.5).
+    """Which replica set a TP rank belongs to.
 
     Args:
         tp_size: Tensor-parallel size.
@@ -89,7 +89,7 @@ def put_step_and_head(tp_size: int, tp_rank: int, num_kv_heads: int, use_mla: bo
 
 @dataclass(frozen=True, kw_only=True)
 class KeyMetadata:
-    """The identity fields of every key one rank writes for one KV-cache group (spec §4.1)."""
+    """The identity fields of every key one rank writes for one KV-cache group."""
 
     model_name: str
     head_or_tp_rank: int = 0
@@ -135,7 +135,7 @@ class KeyMetadata:
 
 
 def gva_block_key(model: str, chunk_hash: bytes | str, head_or_tp_rank: int, group: int | None = None) -> str:
-    """Key of a whole block holding all layers (memcache GVA path, spec §4.4)."""
+    """Key of a whole block holding all layers (memcache GVA path)."""
     name = normalize_model_name(model)
     if group is None:
         return f"{name}@{chunk_hash_hex(chunk_hash)}@{head_or_tp_rank}"
@@ -149,10 +149,10 @@ def gva_partial_key(model: str, req_id: str, *, group: int, block_index: int, en
 
 @dataclass(frozen=True, kw_only=True)
 class RankLayout:
-    """The parallel layout that decides how many distinct key variants one chunk has (spec §4.6).
+    """The parallel layout that decides how many distinct key variants one chunk has.
 
     A chunk is a pool hit only if the keys of every rank holding distinct data exist. Unlike
-    upstream (§19.6), PCP and DCP ranks are expanded too.
+    upstream, PCP and DCP ranks are expanded too.
     """
 
     tp_size: int = 1

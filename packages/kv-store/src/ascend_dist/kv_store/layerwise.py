@@ -1,7 +1,7 @@
 """Layer-wise pool transfers: per-layer loads and saves that overlap the forward pass (key-per-layer path).
 
-Runs in: worker processes, owned by `KVPoolWorker` when ``use_layerwise`` is set (spec kv-store.md
-§9.9). Every chunk is stored as one object per layer (``...@layer_id:{L}@{hash}``), so layer L can
+Runs in: worker processes, owned by `KVPoolWorker` when ``use_layerwise`` is set.
+Every chunk is stored as one object per layer (``...@layer_id:{L}@{hash}``), so layer L can
 be loaded while layer L-1 computes and saved as soon as its attention wrote it. Order of calls per
 step, as vLLM makes them:
 
@@ -17,9 +17,9 @@ step, as vLLM makes them:
 * ``finish_step()`` (from ``wait_for_save``): submit any layer that was never waited for and wait for
   every load of the step, so no load writes into blocks after the step ended.
 
-Fixes of upstream defects (spec §19): the layer index comes from the layer name, so a load-only
-consumer advances it too (§19.3); layer keys carry ``pp_rank`` (§19.8); replica-set ranks split the
-writes once (round-robin over surviving chunks), not twice (§19.16).
+Fixes of upstream defects: the layer index comes from the layer name, so a load-only
+consumer advances it too; layer keys carry ``pp_rank``; replica-set ranks split the
+writes once (round-robin over surviving chunks), not twice.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class LayerwiseTransfers:
             layer_wait_s: Bound on ``wait_for_layer_load`` for one layer.
             on_stored: Called with the chunks whose last layer was put (KV events).
             attention_gate: Start a prefetched layer's load only once the attention of the layer
-                being waited for started (spec §11: the attention backend calls
+                being waited for started (the attention backend calls
                 ``current_gate().record()``); off where nothing records (vLLM on CPU).
             gate_wait_s: Bound on that wait; the load then starts anyway (logged once).
         """

@@ -1,7 +1,7 @@
 """Layer-wise planning: shared layer buffers, copy packets, H2D staggering, GVA addresses.
 
 Runs in: worker processes (and the model runner for the buffer plan). Pure planning, tested against
-the spec's examples (kv-store.md §9.10.3, §9.10.5, §9.10.6, §10.1, §10.2). They serve the memcache
+worked examples (the package's test_layerwise_plan.py). They serve the memcache
 GVA layer-wise path (`ascend_dist.kv_store.gva_layerwise`) and the model runner's shared buffers
 (`ascend_dist.kv_store.vllm_buffers`).
 """
@@ -72,7 +72,7 @@ def _independent(value: object, n: int) -> tuple[int, ...]:
 
 
 def build_layout(num_layers: int, extra: dict[str, object] | None = None) -> LayerLayout:
-    """Plan shared layer buffers (spec §10.2).
+    """Plan shared layer buffers.
 
     Example: 27 layers, 6 shared buffers -> slots ``[1,7,13,19,25]``, ``[2,8,14,20,26]``, ...; layer
     7 waits for layer 1's save before loading; 1 + 6 = 7 physical buffers.
@@ -111,7 +111,7 @@ def shared_buffer_layout(
 def split_packets(
     gvas: Sequence[int], addrs: Sequence[int], sizes: Sequence[int], limit: int
 ) -> list[tuple[int, int, int]]:
-    """Split copies larger than ``limit`` bytes, packet-index-major (spec §9.10.5).
+    """Split copies larger than ``limit`` bytes, packet-index-major.
 
     Example, limit 4096, sizes ``[10000, 3000]``: (e0,+0,4096), (e1,+0,3000), (e0,+4096,4096),
     (e0,+8192,1808). ``limit <= 0`` keeps the copies whole.
@@ -133,7 +133,7 @@ def split_packets(
 
 
 def stagger_us(tp_rank: int, layer: int, tp_size: int, step_us: int) -> int:
-    """Busy-wait before a layer's H2D copy so TP ranks do not all start at once (spec §9.10.6)."""
+    """Busy-wait before a layer's H2D copy so TP ranks do not all start at once."""
     return ((tp_rank + layer) % tp_size) * step_us
 
 
@@ -147,7 +147,7 @@ def gva_layer_copies(
     block_id: int,
     block_gva: int,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Device addresses, sizes and global addresses of one layer of one block (spec §9.10.3).
+    """Device addresses, sizes and global addresses of one layer of one block.
 
     Layers are packed back to back in the block's object. Example: lens ``[10,20,30]``, strides
     ``[100,200,300]``, bases ``[1000,2000,3000]``, offsets ``[0,2,3]``, block 2, gva 500: layer 0 ->

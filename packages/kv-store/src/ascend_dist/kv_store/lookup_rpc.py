@@ -3,7 +3,7 @@
 Runs in: the rank-0 worker (server thread) and the scheduler (client, on its own thread).
 Transport: `ascend_dist.common.zmq_rpc` (ROUTER/DEALER over TCP on loopback, msgspec frames,
 deadline per attempt, bounded retries). Upstream used a REQ socket without timeout, so a dead worker
-blocked the scheduler forever (spec §19.11); here a lookup that misses its deadline counts as zero
+blocked the scheduler forever; here a lookup that misses its deadline counts as zero
 hits, with one warning.
 
 Endpoint discovery: with ``lookup_rpc_port`` set the server binds ``127.0.0.1:port + dp_rank``;

@@ -2,12 +2,12 @@
 
 Runs in: the scheduler process (the hit helpers also on the rank-0 worker). Pure: no I/O.
 
-Spec kv-store.md §8.2 (matched tokens), §8.4.1 (ReqMeta), §9.6 (hit helpers). Deliberate
-differences from upstream (its defects list, §19):
+Matched tokens (scheduler), per-request worker metadata and the hit helpers. Deliberate
+differences from upstream:
 
 * a running request is re-examined every step, not only when it got new blocks, so the chunk
-  completed by a step that allocated no block (the prompt tail) is still saved (§19.18);
-* partial chunks are saved under their own ``@partial:N`` key (§19.7).
+  completed by a step that allocated no block (the prompt tail) is still saved;
+* partial chunks are saved under their own ``@partial:N`` key.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """What a request loads from the pool (spec §8.1).
+    """What a request loads from the pool.
 
     ``vllm_cached_tokens``: already in HBM; ``pool_cached_tokens``: valid after the load;
     ``store_skip_tokens``: the raw pool hit (not re-stored); ``can_load``: load this step.
@@ -49,7 +49,7 @@ class LoadSpec:
     def load_token_len(self, granularity: int, token_len_chunk: int) -> int:
         """Tokens the worker loads: the hit, or the whole last chunk when the hit was cut by one.
 
-        Spec §9.4 step 2: when the scheduler reported ``hit - 1`` (a full hit must leave one token
+        When the scheduler reported ``hit - 1`` (a full hit must leave one token
         to compute) the worker still loads the whole chunk; the recomputed token overwrites it.
         """
         cached = self.pool_cached_tokens
@@ -61,7 +61,7 @@ class LoadSpec:
 def matched_tokens(
     hit: int, num_computed: int, num_tokens: int, *, load_async: bool
 ) -> tuple[int, bool, LoadSpec | None]:
-    """Turn a pool hit into vLLM's ``(tokens_to_load, is_async)`` (spec §8.2 steps 4-8).
+    """Turn a pool hit into vLLM's ``(tokens_to_load, is_async)``.
 
     Examples (64-token prompt): hit 48, computed 16 -> ``(32, False)``; hit 64, computed 0 ->
     ``(63, False)`` with ``store_skip=64``; hit 16, computed 32 -> ``(0, False)``, no spec.
@@ -139,7 +139,7 @@ class MambaGroups:
 def mamba_update(
     existing: Sequence[int], new: Sequence[int], *, num_computed: int, spec_blocks: int, block_size: int
 ) -> list[int]:
-    """A Mamba group's block ids after a step (spec §8.4.2): stale state blocks become null (0).
+    """A Mamba group's block ids after a step: stale state blocks become null (0).
 
     vLLM keeps only the state blocks still needed (the latest ones and the speculative ones) and
     frees the others; zeroing them here means a save never reads a block vLLM already reused.
@@ -163,7 +163,7 @@ def mamba_update(
 
 @dataclass(frozen=True)
 class ReqMeta:
-    """What one worker does for one request this step (spec §8.4.1)."""
+    """What one worker does for one request this step."""
 
     req_id: str
     save_start_token: int
@@ -202,7 +202,7 @@ def build_req_meta(
     if granularity % hash_block_size:
         raise ConfigError("granularity", granularity, f"a multiple of hash_block_size={hash_block_size}")
     total, saved = tracker.token_len, tracker.num_saved_tokens
-    # Never save past the hashes we have: a chunk without its hash cannot be keyed (spec §8.4.1 step 2).
+    # Never save past the hashes we have: a chunk without its hash cannot be keyed.
     to_save = min(floor_to(total, granularity), floor_to(len(tracker.hashes) * hash_block_size, granularity))
     boundary = cdiv(saved + 1, granularity) * granularity
     at_prompt_end = total == tracker.num_prompt_tokens and to_save == floor_to(total, granularity)
@@ -230,7 +230,7 @@ def build_req_meta(
 
 
 def continuous_hits(ends: Sequence[int], present: Sequence[Sequence[int]], granularity: int, max_hit: int) -> list[int]:
-    """Hit end positions of a regular group: stop at the first chunk missing on any rank (§9.6).
+    """Hit end positions of a regular group: stop at the first chunk missing on any rank.
 
     Example (G=16, ends 16/32/48): ranks ``[1,1,0]`` and ``[1,0,1]`` -> ``[16]``.
     """

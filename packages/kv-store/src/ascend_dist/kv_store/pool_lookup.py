@@ -1,10 +1,10 @@
 """The pool lookup on the rank-0 worker: how many leading prompt tokens every rank can load.
 
-Runs in: the rank-0 worker (served to the scheduler by the lookup RPC, spec kv-store.md §9.6).
+Runs in: the rank-0 worker (served to the scheduler by the lookup RPC).
 
 A chunk counts only when the keys of every rank holding distinct data exist (TP heads, PP stages,
 PCP and DCP ranks; in layer-wise mode every layer of every stage too). Chunks inside the HBM hit
-are taken as present without asking the store (upstream re-queried them, §19.6). Models whose
+are taken as present without asking the store (upstream re-queried them). Models whose
 groups are all full attention use the plain prefix rule; hybrid models (sliding window, Mamba) and
 EAGLE go through `HybridCoordinator`, which asks only for the chunks an aligned hit could read.
 """
@@ -144,7 +144,7 @@ class PoolLookup:
         if tail_hash and list(group_ids) == [0] and token_len % self._db.block_sizes[0]:
             return self._with_tail(token_len, hashes, hbm_hit_tokens, tail_hash)
         # Prefix rule: a group serves every multiple of the granularity up to the end of its leading
-        # run of present chunks, so the common hit is the smallest such end (spec §9.6 helpers).
+        # run of present chunks, so the common hit is the smallest such end.
         hit = floor_to(token_len, self._granularity)
         for g in group_ids:
             span = self._db.block_sizes[g]

@@ -1,6 +1,6 @@
 """KV-cache buffer registration: tensors -> per-group (base, block_len, stride) entries + regions.
 
-Runs in: worker processes, once at ``register_kv_caches``. Spec kv-store.md §9.2.
+Runs in: worker processes, once at ``register_kv_caches``.
 
 Accepted per-layer cache shapes: a tensor whose dim 0 is ``num_blocks`` (or a multiple: kernel
 blocks per logical block), a tuple/list of such tensors (split K/V), or vLLM's stacked

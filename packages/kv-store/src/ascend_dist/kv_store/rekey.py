@@ -1,7 +1,7 @@
 """Key splitting: one rank's chunk as the keys another parallel layout stores (TP sub-keys, PP re-keying).
 
-Runs in: worker processes. Pure planning (spec kv-store.md §4.7, §4.8), used by the worker's save
-and load paths; upstream computed both but no longer dispatched to them (§19.1).
+Runs in: worker processes. Pure planning, used by the worker's save
+and load paths; upstream computed both but no longer dispatched to them.
 
 * **TP mismatch** (GQA, prefill and decode with different TP): the pool is keyed in the larger
   TP's layout. A rank of the smaller TP holds ``num_sub_keys`` of those ranks' heads; it moves each
@@ -81,7 +81,7 @@ class KeySplit:
     ) -> list[KeyValue]:
         """The keys, addresses and sizes of one chunk (``num_tokens`` of a ``span``-token block).
 
-        Example (§4.7): 8 KV heads, decode TP2 for a TP4 prefill, rank 1 -> sub-keys with
+        Example: 8 KV heads, decode TP2 for a TP4 prefill, rank 1 -> sub-keys with
         ``head_or_tp_rank`` 2 and 3; a page of 64 bytes over 4 tokens, stride 128, block 2, base
         1000, sub-key 1 -> pieces at 1264, 1280, 1296, 1312 of 8 bytes each.
         """

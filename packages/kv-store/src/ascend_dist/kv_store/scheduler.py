@@ -7,9 +7,9 @@ RPC), ``update_state_after_alloc`` once its blocks are allocated, ``build_meta``
 ``mark_sent`` with the ids the workers reported in ``finished_sending``, ``mark_load_failed`` with
 those reported in ``failed_recving`` (their next lookup is skipped: vLLM recomputes them).
 
-Differences from upstream (spec §19): the delayed-free set shrinks (ids are sent to the workers once
-and forgotten, §19.4); a running request is re-examined every step, so the chunk a step completes
-without allocating a block is saved (§19.18); hashes are our own deterministic prefix hashes.
+Differences from upstream: the delayed-free set shrinks (ids are sent to the workers once
+and forgotten); a running request is re-examined every step, so the chunk a step completes
+without allocating a block is saved; hashes are our own deterministic prefix hashes.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class KVPoolScheduler:
             self._pending.pop(req_id, None)
             self._async_loads.discard(req_id)
             return 0, False
-        if len(prompt) < self._short_prompt:  # spec §8.2 step 2: sparse retention, short prompt
+        if len(prompt) < self._short_prompt:  # sparse retention: a short prompt is never looked up
             return 0, False
         # A Mamba state is the whole prefix: loading the state after the full prompt and recomputing
         # its last token (vLLM always computes one) would apply that token twice. So with Mamba groups
@@ -270,7 +270,7 @@ class KVPoolScheduler:
         return meta
 
     def build_meta(self, step: StepInput) -> PoolStepMeta:
-        """Build this step's worker metadata (spec §8.4)."""
+        """Build this step's worker metadata."""
         for req_id in step.finished_req_ids | step.preempted_req_ids:
             self._forget(req_id)
         skip_save = not self._cfg.can_save

@@ -2,7 +2,7 @@
 
 Runs in: scheduler and worker processes (both must compute the same numbers). Pure planning.
 
-Spec kv-store.md §3 and §5: the chunk span of group g is its block size times the context-parallel
+The chunk span of group g is its block size times the context-parallel
 scale; the transfer granularity is the LCM of every group's chunk span, so a lookup or save of a
 40,000-token prompt over DSV4-like groups ``[128, 512, 16384]`` covers ``floor_to(40000, 16384)``.
 """
@@ -30,7 +30,7 @@ def floor_to(x: int, g: int) -> int:
 
 @dataclass(frozen=True)
 class DerivedSizes:
-    """Block sizes both roles derive from the KV-cache groups (spec §3)."""
+    """Block sizes both roles derive from the KV-cache groups."""
 
     original_block_sizes: tuple[int, ...]
     grouped_block_sizes: tuple[int, ...]
@@ -81,7 +81,7 @@ class DerivedSizes:
 
 
 def cache_family(compress_ratios: Sequence[float | int | None]) -> str:
-    """The cache family of a group from its layers' compress ratios (spec §5.1).
+    """The cache family of a group from its layers' compress ratios.
 
     Returns:
         ``"default"`` for no ratio, ``"c1"`` for ratio <= 1, ``"c{r}"`` for one ratio r, ``"mixed"``
@@ -99,7 +99,7 @@ def cache_family(compress_ratios: Sequence[float | int | None]) -> str:
 
 
 def pp_layer_partition(num_layers: int, pp_size: int, explicit: str | None = None) -> list[int]:
-    """Layers per prefill PP stage (spec §4.8).
+    """Layers per prefill PP stage.
 
     The remainder of ``num_layers // pp_size`` goes +1 to stages from the second-to-last backwards:
     61 layers, P=4 -> ``[15, 15, 16, 15]``; 62 -> ``[15, 16, 16, 15]``; 61, P=2 -> ``[31, 30]``.

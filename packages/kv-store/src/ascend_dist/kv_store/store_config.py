@@ -1,4 +1,4 @@
-"""Backend client settings: ``mooncake.json`` / ``MOONCAKE_*`` and the openYuanrong JSON (spec kv-store.md §2.5).
+"""Backend client settings: ``mooncake.json`` / ``MOONCAKE_*`` and the openYuanrong JSON.
 
 Runs in: worker processes (and the scheduler's client), at construction time. Pure apart from
 reading the named files; every bad value raises `ConfigError` naming the key. Re-exported by
@@ -64,7 +64,7 @@ def _host_port(key: str, value: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class MooncakeStoreConfig:
-    """Settings of the Mooncake Store client (``mooncake.json`` keys, spec §2.5.1)."""
+    """Settings of the Mooncake Store client (``mooncake.json`` keys)."""
 
     metadata_server: str = "P2PHANDSHAKE"
     master_server_address: str
@@ -150,7 +150,7 @@ class MooncakeStoreConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class YuanrongConfig:
-    """Settings of the openYuanrong datasystem client (``YR_CONFIG_PATH`` JSON, spec §2.5.3)."""
+    """Settings of the openYuanrong datasystem client (``YR_CONFIG_PATH`` JSON)."""
 
     host: str
     port: int

@@ -6,7 +6,7 @@ Prefix hashing (`prefix_hashes`) is deterministic across processes and hosts: a 
 the token ids of each hash block, rooted at `ascend_dist.common.hashing.stable_hash` of a namespace
 (model name, hash block size, salt). Python's salted ``hash`` is never used, so ``PYTHONHASHSEED``
 does not matter, and instances that differ in model name or block size never produce the same
-hashes (no false hits). Chunk iteration and value preparation follow spec kv-store.md §6.
+hashes (no false hits).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def tail_hash(
 
     Chained to the previous chunk's hash (or ``root``) and domain-separated from whole-chunk hashes,
     so a partial object never answers for a whole chunk (upstream keyed it with the whole block's
-    hash, spec §19.7). It identifies the exact prompt, so only a request with the same prompt reuses it.
+    hash). It identifies the exact prompt, so only a request with the same prompt reuses it.
     """
     start = len(token_ids) // span * span
     if start == len(token_ids):
@@ -98,7 +98,7 @@ def tail_hash(
 
 
 class GroupedHashes(Sequence[bytes | str]):
-    """A lazy view of fine hashes as chunk hashes: item i is the last fine hash of chunk i (§6.1)."""
+    """A lazy view of fine hashes as chunk hashes: item i is the last fine hash of chunk i."""
 
     def __init__(self, hashes: Sequence[bytes | str], factor: int) -> None:
         """Wrap ``hashes``; ``factor`` fine hash blocks make one chunk."""
@@ -127,7 +127,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class GroupBuffers:
-    """Device memory of one group: one entry per (layer, K/V part) cache tensor (spec §6.3)."""
+    """Device memory of one group: one entry per (layer, K/V part) cache tensor."""
 
     base_addrs: tuple[int, ...]
     block_lens: tuple[int, ...]
@@ -204,7 +204,7 @@ class ChunkedTokenDatabase:
             raise ConfigError("group", group, f"a registered group ({sorted(self._buffers)})") from None
 
     def grouped_hashes(self, hashes: Sequence[bytes | str], group: int) -> Sequence[bytes | str]:
-        """Chunk hashes of ``group`` from fine hashes (spec §6.1: ``[a,b,c,d]``, k=2 -> ``[b,d]``)."""
+        """Chunk hashes of ``group`` from fine hashes (``[a,b,c,d]``, k=2 -> ``[b,d]``)."""
         factor = self.block_sizes[group] // self.hash_block_size
         return hashes if factor == 1 else GroupedHashes(hashes, factor)
 
@@ -222,7 +222,7 @@ class ChunkedTokenDatabase:
         shard_size: int = 1,
         tail: bytes | None = None,
     ) -> Iterator[Chunk]:
-        """Yield the chunks of ``[mask_num, token_len)`` in group ``group`` (spec §6.2).
+        """Yield the chunks of ``[mask_num, token_len)`` in group ``group``.
 
         Args:
             token_len: Tokens covered; the last chunk may be partial.
@@ -274,7 +274,7 @@ class ChunkedTokenDatabase:
     def prepare_value(
         self, start: int, end: int, block_ids: Sequence[int], group: int = 0, block_id: int | None = None
     ) -> tuple[list[int], list[int], int]:
-        """Addresses and sizes of one chunk over every entry of ``group`` (spec §6.3).
+        """Addresses and sizes of one chunk over every entry of ``group``.
 
         A full chunk transfers whole pages; a partial one a proportional prefix of each page.
         Example: bases ``[1000, 2000]``, lens ``[160, 320]``, B=16, ids ``[5,6,7]``: chunk (0,16) ->
@@ -292,7 +292,7 @@ class ChunkedTokenDatabase:
     def prepare_value_layer(
         self, start: int, end: int, block_ids: Sequence[int], layer: int, *, group: int = 0, block_id: int | None = None
     ) -> tuple[list[int], list[int], int]:
-        """`prepare_value` restricted to the entries (K, V, ...) of one layer (spec §6.3, key-layer path).
+        """`prepare_value` restricted to the entries (K, V, ...) of one layer (key-layer path).
 
         Raises:
             BlockIdError: The block id is outside the registered cache.

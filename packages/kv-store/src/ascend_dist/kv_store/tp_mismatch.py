@@ -1,7 +1,7 @@
-"""Heterogeneous TP between prefill and decode (GQA): sub-keys and strided addresses (spec §4.7).
+"""Heterogeneous TP between prefill and decode (GQA): sub-keys and strided addresses.
 
 Runs in: scheduler and worker processes. Pure planning. Upstream computed this but no longer
-dispatched to it (spec §19.1). Here `TpMismatchInfo` decides the pool's key layout (`PoolSpec`) and
+dispatched to it. Here `TpMismatchInfo` decides the pool's key layout (`PoolSpec`) and
 the worker moves sub-keys through `ascend_dist.kv_store.rekey.KeySplit`, whose addresses follow
 `strided_sub_key_addresses`.
 """

@@ -2,7 +2,7 @@
 
 Runs in: worker processes. A `TransferThread` owns no business state: it takes jobs from a FIFO,
 runs the handler, and reports completion to a `CompletionTracker`. Saves therefore never block the
-forward pass (upstream joined the queue every step, spec §19.12); a finished request's blocks are
+forward pass (upstream joined the queue every step); a finished request's blocks are
 held (delayed free) until its pending saves completed, and a preempted request waits for its
 pending saves before its blocks can be reused.
 

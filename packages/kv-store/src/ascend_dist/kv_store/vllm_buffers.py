@@ -1,4 +1,4 @@
-"""vLLM adapter, model-runner side: shared layer buffers applied to vLLM's KV-cache tensors (spec §10.4).
+"""vLLM adapter, model-runner side: shared layer buffers applied to vLLM's KV-cache tensors.
 
 Runs in: the worker process, where the model runner allocates the KV cache from
 ``KVCacheConfig.kv_cache_tensors``. With memcache layer-wise mode and

@@ -73,7 +73,7 @@ class AscendStoreKVEvents(KVConnectorKVEvents):
     """``BlockStored`` events of the pool, merged across workers.
 
     Upstream kept only events reported by every worker, which dropped chunks stored by one rank of
-    a replica set (spec §19.9); here an event reported by any worker is kept once.
+    a replica set; here an event reported by any worker is kept once.
     """
 
     def __init__(self, events: list[KVCacheEvent] | None = None, num_workers: int = 1) -> None:

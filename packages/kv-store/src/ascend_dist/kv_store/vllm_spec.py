@@ -36,7 +36,7 @@ def _group_rule(spec: object) -> tuple[str, int]:
 
 
 def retention_interval(env: Mapping[str, str]) -> int | None:
-    """The pool's retention interval: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (spec §2.3); unset = dense.
+    """The pool's retention interval: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``; unset = dense.
 
     Deliberately not vLLM 0.33's ``cache_config.prefix_cache_retention_interval``: that one governs
     the local HBM cache and defaults to 0 (boundaries only), which would make the shared pool keep

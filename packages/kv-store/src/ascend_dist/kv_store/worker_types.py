@@ -40,7 +40,7 @@ class LayerwiseOptions:
     """Layer-wise transfer settings (``layerwise_*`` and ``h2d_stagger_us`` of the extra config).
 
     ``prefetch_layers`` and ``attention_gate`` apply to both layer-wise flavours; the rest only to
-    the GVA one (memcache: one object per block, spec kv-store.md §9.10).
+    the GVA one (memcache: one object per block).
     """
 
     prefetch_layers: int = 1

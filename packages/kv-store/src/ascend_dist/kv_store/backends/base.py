@@ -1,6 +1,6 @@
 """The pool backend Protocol and the result-code conventions every backend follows.
 
-Runs in: worker processes. Contract (spec kv-store.md §12.1):
+Runs in: worker processes. Contract:
 
 * ``exists(keys)`` -> one int per key: 1 present, 0 absent; a store that cannot be asked raises
   `StoreError` (callers treat it as "absent", i.e. a cache miss).
@@ -30,7 +30,7 @@ __all__ = [
     "normalize_get_codes",
 ]
 
-# Mooncake Store error codes seen by the pool (spec §12.2).
+# Mooncake Store error codes seen by the pool.
 MOONCAKE_CODES: Final[dict[int, str]] = {
     -10: "BUFFER_OVERFLOW",
     -101: "SEGMENT_NOT_FOUND",
@@ -74,7 +74,7 @@ class TransferBatch:
         return len(self.keys)
 
     def rotated(self, by: int) -> TransferBatch:
-        """The batch rotated left by ``by`` (so TP ranks start on different keys, spec §9.4)."""
+        """The batch rotated left by ``by`` (so TP ranks start on different keys)."""
         if not self.keys:
             return self
         k = by % len(self.keys)

@@ -1,7 +1,7 @@
 """The GVA side of the backend Protocol: one object per block in global memory (memcache).
 
 Runs in: worker processes (the layer-wise GVA path, `ascend_dist.kv_store.gva_layerwise`) and the
-rank-0 lookup. Life of an object (spec kv-store.md §9.10, §12.1):
+rank-0 lookup. Life of an object:
 
 * a writer reserves it with `GvaBackend.alloc` (its global virtual address, GVA; an existing key
   gives <= 0), copies each layer into it with `GvaBackend.copy` as the forward pass produces that

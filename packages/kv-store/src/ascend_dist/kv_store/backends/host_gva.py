@@ -1,7 +1,7 @@
 """A host-memory store with memcache's native API: runs the layer-wise GVA path without Ascend.
 
 Runs in: the process that creates it (tests, the demo, development on CPU). It implements the
-semantics `MemcacheBackend` relies on (spec kv-store.md §12.3, §15.1): objects reserved with
+semantics `MemcacheBackend` relies on: objects reserved with
 ``batch_alloc`` at real addresses of one host buffer, unreadable until ``batch_write_finish``
 publishes them (``batch_add_lease`` answers -3101, ``batch_get_key_info`` size 0), read leases
 that keep ``evict`` away, and ``batch_copy`` as ``memmove`` with bounds checks. Its "global memory"

@@ -4,7 +4,7 @@ Runs in: worker processes. On a machine without the Ascend driver, ``init(rank, 
 returns -1 ("Failed to init smem bm") and ``init_bm=False`` connects but every put fails; so the
 backend raises `MemcacheUnavailable` at construction, with the reason, instead of running broken.
 With a working native store (on Ascend, or `HostGvaStore` on CPU) it maps the Protocols onto the
-same-named calls (spec §12.3): `PoolBackend` onto ``batch_put_from_layers``/``batch_get_into_layers``
+same-named calls: `PoolBackend` onto ``batch_put_from_layers``/``batch_get_into_layers``
 (directions 0 L2G / 1 G2L), `GvaBackend` onto ``batch_get_key_info``, ``batch_alloc``,
 ``batch_add_lease``, ``batch_remove_lease``, ``batch_write_finish`` and ``batch_copy``.
 """

@@ -11,8 +11,8 @@ Runs in: worker processes (and the scheduler's light client). Design notes, from
   backend opens a circuit for ``retry_interval_s`` (calls raise `StoreError` at once) and resumes
   when the master's port answers again; the native client re-mounts its segment by itself, so a
   restarted master serves new puts and hits again.
-* Get results are byte counts on success; they are normalised to 0 (spec §12.2).
-* Upstream rejected every protocol but ``ascend`` (spec §19.15); here the protocol is a setting.
+* Get results are byte counts on success; they are normalised to 0.
+* Upstream rejected every protocol but ``ascend``; here the protocol is a setting.
 """
 
 from __future__ import annotations

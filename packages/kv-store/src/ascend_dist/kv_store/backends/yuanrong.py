@@ -4,7 +4,7 @@ Runs in: worker processes. Upstream used ``HeteroClient`` (device-memory H2D/D2H
 a CPU host the same contract is met with the plain KV client: ``put`` gathers each key's pieces into
 one value and ``set``s it, ``get`` fetches values and scatters them into the pieces. Results follow
 the Mooncake conventions (0 ok, -704 missing, -600 size mismatch) so the worker treats every backend
-alike. Keys are the pool's key strings unchanged (no normalisation, unlike the drifted docs, §19.14).
+alike. Keys are the pool's key strings unchanged (no normalisation, unlike the drifted docs).
 """
 
 from __future__ import annotations
