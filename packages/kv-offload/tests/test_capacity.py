@@ -1,4 +1,4 @@
-"""Capacity formulas with the spec's worked numbers, and config errors naming the key."""
+"""Capacity formulas with worked numbers, and config errors naming the key."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Recompute connector, scheduler side: the spec's worked examples and bookkeeping rules."""
+"""Recompute connector, scheduler side: worked examples and bookkeeping rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sparse KV offload: the spec's worked numbers, the LRU example and planner properties."""
+"""Sparse KV offload: worked numbers, the LRU example and planner properties."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def plan(
     )
 
 
-# --- spec section 8.4 worked example ---------------------------------------------------------------
+# --- worked example: P_tp 2 -> D_tp 1, 2 KV heads ---------------------------------------------------------------------
 
 
 def test_spec_worked_example_p_tp2_d_tp1_gqa_h2_ratio2() -> None:

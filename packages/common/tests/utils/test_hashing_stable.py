@@ -1,4 +1,4 @@
-"""Process-independent hashes (kv-p2p spec 9.10) and the canonical stable_hash."""
+"""Process-independent hashes and the canonical stable_hash."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Transfer-timeout derivation (kv-p2p spec 9.1) and the injectable-clock Deadline."""
+"""Transfer-timeout derivation and the injectable-clock Deadline."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Byte-size parsing and formatting (kv-store spec 2.6 size syntax)."""
+"""Byte-size parsing and formatting."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Canonical block views of KV-cache tensors (kv-offload spec 1.3, normative).
+"""Canonical block views of KV-cache tensors.
 
 Runs in: worker processes, at `register_kv_caches`. Handles tensors; torch is imported lazily.
 
@@ -114,7 +114,7 @@ def _payload_is_contiguous(part: torch.Tensor) -> bool:
 
 
 def _byte_view(index: int, part: torch.Tensor, size: int, factor: int, num_blocks: int) -> torch.Tensor:
-    """Checks of spec 1.3 step 4, then the int8 ``(num_blocks, size * factor)`` view over raw storage."""
+    """Shape and byte-size checks, then the int8 ``(num_blocks, size * factor)`` view over raw storage."""
     import torch
 
     field = f"parts[{index}]"
@@ -137,7 +137,7 @@ def _byte_view(index: int, part: torch.Tensor, size: int, factor: int, num_block
 
 
 def canonical_block_views(parts: Sequence[torch.Tensor], num_blocks: int, unpadded_page_bytes: int) -> list[BlockView]:
-    """Build the canonical block views of one layer (kv-offload spec 1.3).
+    """Build the canonical block views of one layer.
 
     1. ``L_i = prod(shape[1:]) * element_size`` per part.
     2. Full-view preference: in decreasing ``L_i``, the first part p with ``U % L_p == 0`` whose
@@ -149,7 +149,7 @@ def canonical_block_views(parts: Sequence[torch.Tensor], num_blocks: int, unpadd
     Args:
         parts: the layer's cache tensors in tuple order (K, V, scales, states...).
         num_blocks: logical blocks managed by the KV-cache manager (extra physical rows are ignored).
-        unpadded_page_bytes: the spec's page size without padding (Mamba: the sum of state bytes).
+        unpadded_page_bytes: the KV-cache spec's page size without padding (Mamba: the sum of state bytes).
 
     Returns:
         The views, in part order.

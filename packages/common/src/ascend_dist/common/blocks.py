@@ -9,7 +9,7 @@ runs once per request per peer: a Python loop per id would dominate the transfer
 A *run* is a maximal stretch of ids that advance by exactly one (``[4, 5, 6]``); a *paired run*
 needs the ids on both sides (remote and local) to advance together, so one descriptor can move the
 whole stretch. `group_concurrent_contiguous` is the generalisation with byte strides used by the P2P
-connector (kv-p2p spec 5.13.1).
+connector.
 """
 
 from __future__ import annotations

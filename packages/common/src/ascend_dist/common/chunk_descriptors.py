@@ -1,4 +1,4 @@
-"""Copy descriptors between device blocks and host chunks for KV offload (kv-offload spec 1.4).
+"""Copy descriptors between device blocks and host chunks for KV offload.
 
 Runs in: worker processes, once per store or load job. Pure numpy: no torch, no I/O.
 
@@ -247,7 +247,7 @@ def build_chunk_descriptors(
     block_indices: Sequence[int] | None = None,
     coalesce: bool = False,
 ) -> CopyDescriptors:
-    """Build the copies of one offload job (kv-offload spec 1.4).
+    """Build the copies of one offload job.
 
     Example (store, k=4, one group, refs K and V, page 256 KiB): device blocks ``[11..16]`` with
     ``block_indices=[5]`` skip 1 host sub-block and need host chunks ``[7, 9]``; K gets

@@ -1,4 +1,4 @@
-"""P2P transfer descriptors: per-tensor base addresses x block runs (kv-p2p spec 5.13).
+"""P2P transfer descriptors: per-tensor base addresses x block runs.
 
 Runs in: worker processes, once per transfer task. Pure numpy: no torch, no I/O.
 
@@ -15,7 +15,7 @@ byte-contiguous on both sides, so a run of n blocks becomes one descriptor of ``
 bytes. Runs are computed once per request and broadcast over all tensors with numpy: building the
 descriptors of 61 layers x K/V x 1,000 blocks is a handful of array operations, not 122,000 Python
 iterations. Fewer descriptors also matter for the engine: Mooncake over TCP fails a batch with more
-than 2048 pieces per peer (engines spec 9), hence `split_descriptors_by_limit`.
+than 2048 pieces per peer, hence `split_descriptors_by_limit`.
 """
 
 from __future__ import annotations

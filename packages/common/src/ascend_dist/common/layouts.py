@@ -1,4 +1,4 @@
-"""The Ascend KV-cache layouts a connector meets at registration, as data (kv-offload spec 1.2).
+"""The Ascend KV-cache layouts a connector meets at registration, as data.
 
 Runs in: worker processes, at `register_kv_caches`. torch is only needed by the functions that
 inspect tensors and is imported lazily there.

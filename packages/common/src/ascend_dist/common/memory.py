@@ -4,7 +4,7 @@ Runs in: worker processes, at KV-cache registration. No torch import: tensors ar
 their methods (`data_ptr`, `element_size`, ...), so this module is importable anywhere.
 
 Ascend registration wants 2 MiB-aligned start addresses. The runner over-allocates every raw KV
-allocation by the alignment and slices it; `align_memory` is the slicing step (kv-p2p spec 9.2).
+allocation by the alignment and slices it; `align_memory` is the slicing step.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Side-channel port-offset scheme: each worker's ZMQ port is a pure function of its position.
 
 Runs in: scheduler and worker processes. Pure: no I/O. A peer computes a worker's port from the
-advertised base port and the worker's ranks, without any discovery round-trip (kv-p2p spec
-section 4; vllm-ascend Mooncake connectors' ``handshake_port``, v0.11).
+advertised base port and the worker's ranks, without any discovery round-trip (the scheme of vllm-ascend's Mooncake
+connectors' ``handshake_port``, v0.11).
 
 Pick ``kv_port`` outside the range Ascend's direct transport draws random ports from
 (``[20000, 20000 + NPUs_per_node * 1000)``), or binds fail intermittently with
@@ -23,7 +23,7 @@ MAX_PORT: Final = 65535
 
 
 class PortScheme(enum.Enum):
-    """Which connector's port layout a `PortLayout` follows (kv-p2p spec section 4).
+    """Which connector's port layout a `PortLayout` follows.
 
     All three are the mixed-radix number ``(((dp * pp + pp_rank) * pcp + pcp_rank) * tp + tp_rank)``
     added to ``kv_port``; they differ in which dimension is absent, which is validated:

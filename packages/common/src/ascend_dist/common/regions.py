@@ -1,4 +1,4 @@
-"""Memory regions handed to a transfer engine for registration (kv-p2p spec 9.7).
+"""Memory regions handed to a transfer engine for registration.
 
 Runs in: worker processes, once at KV-cache registration.
 

@@ -5,7 +5,7 @@ DONE, a store client). `RpcClient.request` sends one payload and waits for its r
 deadline per attempt and a bounded number of attempts; it never waits forever and never pickles
 (payloads are bytes, normally from a `ascend_dist.common.wire.Codec`).
 
-Socket discipline (kv-p2p spec 5.5 and 9.9): a socket is taken out of the pool for one exchange
+Socket discipline: a socket is taken out of the pool for one exchange
 and returned only after a complete exchange. After any failure (deadline, ZMQ error) it is closed
 with linger 0 and never reused, and the retry uses a fresh socket. The client uses DEALER
 sockets and tags each attempt with a fresh request id (see `ascend_dist.common.zmq_server` for

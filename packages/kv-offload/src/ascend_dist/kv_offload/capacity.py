@@ -1,4 +1,4 @@
-"""Host capacity, computed once and shared by scheduler and worker (kv-offload spec 2.2, 3.3, 4.3, F5).
+"""Host capacity, computed once and shared by scheduler and worker.
 
 Runs in: the scheduler and worker processes (pure integer math; no torch, no I/O).
 
@@ -63,7 +63,7 @@ def native_capacity(
     blocks_per_chunk: int = 1,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> NativeCapacity:
-    """``num_chunks = cpu_bytes // round_up(worker_bytes * world * k, alignment)`` (spec 2.2).
+    """``num_chunks = cpu_bytes // round_up(worker_bytes * world * k, alignment)``.
 
     Example: 64 B/block, world 2, k 2 -> chunk 256 B, aligned 4096; 40960 B -> 10 chunks.
 
@@ -156,7 +156,7 @@ class HostCapacity:
 
 
 def check_worker_capacity(allocated_blocks: int, capacity: HostCapacity) -> None:
-    """Refuse a worker allocation smaller than the scheduler's block count (spec D-S2/F5).
+    """Refuse a worker allocation smaller than the scheduler's block count.
 
     Raises:
         ConfigError: the worker holds fewer host blocks than the scheduler hands out.

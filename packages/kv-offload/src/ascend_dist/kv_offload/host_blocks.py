@@ -1,4 +1,4 @@
-"""Host block pool with reference counts and optional prefix sharing (recompute connector, spec 4.3).
+"""Host block pool with reference counts and optional prefix sharing (recompute connector).
 
 Runs in: the scheduler process. Pure Python.
 

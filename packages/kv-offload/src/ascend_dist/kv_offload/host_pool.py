@@ -7,7 +7,7 @@ The host tier of every offload path is a set of int8 tensors ``[num_chunks, row_
 canonical device view, where ``k = blocks_per_chunk``. `HostChunkPool` hands out chunk ids: a
 request that asks for more than is free gets None, and the caller skips the store with a warning
 (the request itself is unaffected). Capacity is computed once (`capacity.py`) and passed to both the
-scheduler and the worker, which asserts its allocation holds at least that many chunks (spec F5).
+scheduler and the worker, which asserts its allocation holds at least that many chunks.
 """
 
 from __future__ import annotations

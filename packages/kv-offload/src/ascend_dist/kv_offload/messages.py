@@ -1,4 +1,4 @@
-"""Messages of the recompute connector (kv-offload spec 4.3, 4.4) and of native offloading's failures.
+"""Messages of the recompute connector and of native offloading's failures.
 
 Runs in: the scheduler (builds `RecomputeMetadata`, consumes `RecomputeWorkerMeta` and
 `NativeFailedStores`) and every worker (the reverse). vLLM carries these objects between processes;

@@ -6,7 +6,7 @@ Runs in: worker processes (native offloading's worker, recompute connector's wor
 ``submit_load``, ``get_finished``, ``wait``, ``shutdown``) in our own types: device block ids and
 host chunk ids as integer sequences. It allocates, per unique canonical view, one host tensor of
 ``num_chunks`` rows of ``row_bytes * blocks_per_chunk`` bytes (the capacity computed once by
-`capacity.py`, spec F5), and two `DirectionHandler` objects sharing those tensors.
+`capacity.py`), and two `DirectionHandler` objects sharing those tensors.
 """
 
 from __future__ import annotations

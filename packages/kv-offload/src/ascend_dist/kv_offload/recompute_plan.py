@@ -1,4 +1,4 @@
-"""Pure block math of the recompute (preempt) connector (kv-offload spec 4.3).
+"""Pure block math of the recompute (preempt) connector.
 
 Runs in: the scheduler process. No torch, no I/O: alignment of a group's block ids to logical
 positions, the Mamba state choice, and the host->device pairs of a restore.

@@ -1,4 +1,4 @@
-"""Scheduler side of the recompute (preempt) CPU offload connector (kv-offload spec 4.3).
+"""Scheduler side of the recompute (preempt) CPU offload connector.
 
 Runs in: the scheduler process. Pure Python over our own pools (no vLLM import; the adapter
 translates vLLM's request and block objects).

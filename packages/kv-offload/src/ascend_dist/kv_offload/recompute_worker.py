@@ -1,4 +1,4 @@
-"""Worker side of the recompute (preempt) CPU offload connector (kv-offload spec 4.4, F11).
+"""Worker side of the recompute (preempt) CPU offload connector.
 
 Runs in: each worker process. Copies go through the batched, ordered `OffloadWorker` handlers
 instead of upstream's per-block copies after a full device synchronize, but the store stays
@@ -6,7 +6,7 @@ synchronous inside ``handle_preemptions``: the preempted request's device blocks
 and may be written by another request later in this same step.
 
 Host block ids run ``1..num_cpu_blocks`` (0 is the null block), so the host tensors hold
-``num_cpu_blocks + 1`` rows; the count comes from the scheduler's `HostCapacity` (spec F5).
+``num_cpu_blocks + 1`` rows; the count comes from the scheduler's `HostCapacity`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker of the simple CPU offload connector on the device runtime (kv-offload spec 3.4, D-S1, D-S2).
+"""Worker of the simple CPU offload connector on the device runtime.
 
 Runs in: each worker process. Replaces only vLLM's worker handler: the upstream scheduler manager
 and metadata are kept (the adapter passes vLLM's metadata object, read through `SimpleStepPlan`).

@@ -1,4 +1,4 @@
-"""Sparse KV offload: per-row LRU residency of the device hot buffer (kv-offload spec 6.5, 6.8, F8, F9).
+"""Sparse KV offload: per-row LRU residency of the device hot buffer.
 
 Runs in: the worker process, once per decode step and layer (numpy + Python; no torch, no I/O).
 

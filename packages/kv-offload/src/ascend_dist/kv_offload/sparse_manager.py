@@ -1,4 +1,4 @@
-"""Sparse KV offload manager: host pool, hot buffers and the per-step copies (kv-offload spec 6.3-6.7).
+"""Sparse KV offload manager: host pool, hot buffers and the per-step copies.
 
 Runs in: the decode worker process (single-process form: the TP-shared MemFabric pool of the
 hardware path is one host allocation here; TP ranks other than 0 are out of scope).

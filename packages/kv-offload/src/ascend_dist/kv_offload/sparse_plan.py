@@ -1,4 +1,4 @@
-"""Sparse KV offload: configuration and memory planning (kv-offload spec 6.2, 6.3).
+"""Sparse KV offload: configuration and memory planning.
 
 Runs in: the worker process at start-up (pure integer math; no torch, no I/O).
 
@@ -137,7 +137,7 @@ def plan_sparse_memory(
     max_num_seqs: int,
     keep_device_kv_cache: bool = False,
 ) -> SparseMemoryPlan:
-    """Bound the block count by device memory, DRAM and active demand (spec 6.3).
+    """Bound the block count by device memory, DRAM and active demand.
 
     Example (DeepSeek-V3.2-like, 61 layers, block 128): ``H = 8,994,816``, ``D = 1,998,848``,
     20 GiB device, 128 GiB DRAM, 1024 blocks per request, 16 seqs -> npu 10,743, dram 15,237,

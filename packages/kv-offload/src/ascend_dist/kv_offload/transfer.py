@@ -1,9 +1,9 @@
-"""Single-direction transfer handlers over the device runtime (kv-offload spec 2.4, F11, F12).
+"""Single-direction transfer handlers over the device runtime.
 
 Runs in: worker processes (the native, simple and recompute offload paths all copy through here).
 
 One `DirectionHandler` owns one dedicated stream. ``transfer_async`` builds the job's descriptors
-(spec 1.4, adjacent runs coalesced, at most 4096 per native call), and enqueues on that stream:
+(adjacent runs coalesced, at most 4096 per native call), and enqueues on that stream:
 for a store, a wait on the submitting thread's current (compute) stream first, so a store never
 reads a block before the model wrote it; then a start event, the batched copy and an end event.
 One stream per direction means jobs complete in submission order, so `get_finished` pops from the
@@ -88,7 +88,7 @@ class DirectionHandler:
             refs_per_group: per KV-cache group, the canonical tensors (device and host geometry).
             direction: ``"store"`` (device -> host) or ``"load"`` (host -> device).
             blocks_per_chunk: device blocks per host chunk.
-            coalesce: merge adjacent runs into one descriptor (spec F3).
+            coalesce: merge adjacent runs into one descriptor.
 
         Raises:
             ConfigError: bad direction, no group, a group without refs, or a bad factor.

@@ -1,4 +1,4 @@
-"""Delegation rules of the UCM connector wrapper (kv-offload spec 5.3, 5.6); no vLLM import.
+"""Delegation rules of the UCM connector wrapper; no vLLM import.
 
 Runs in: the scheduler and worker processes, inside the ``UCMConnector`` adapter (`vllm_ucm`).
 

@@ -185,7 +185,7 @@ class NPUOffloadingSpec(CPUOffloadingSpec):
 def canonicalise_kv_caches(
     kv_caches: Mapping[str, Any], groups: Sequence[Sequence[tuple[str, int]]], num_blocks: int
 ) -> CanonicalKVCaches:
-    """Canonical views of Ascend layouts (spec 1.3), deduplicated, with per-group refs.
+    """Canonical views of Ascend layouts, deduplicated, with per-group refs.
 
     Args:
         kv_caches: layer name -> tensor, tuple (K/V, MLA parts, data+scale) or list (Mamba states).

@@ -1,4 +1,4 @@
-"""vLLM adapter of the UCM connector wrapper: ``UCMConnector`` (kv-offload spec 5).
+"""vLLM adapter of the UCM connector wrapper: ``UCMConnector``.
 
 Runs in: vLLM's scheduler and worker processes. The only module of the UCM path that imports
 vLLM. Every hook delegates to UCM's own dispatcher by the rules in `ucm.UcmDelegate`. Without
