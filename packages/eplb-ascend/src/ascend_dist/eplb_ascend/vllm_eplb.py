@@ -10,8 +10,9 @@ the ``vllm`` extra). Thin: the logic lives in `tables`, `state`, `communicator` 
   `from_mapping`, which it calls with the mapping contract read from vLLM's signature.
 - `AscendEplbCommunicator` (an ``EplbCommunicator``) moves expert weights through a `P2PTransport`
   (gloo on CPU; the HCCL seam on Ascend) and needs no profile buffer reservation.
-- `wrap_move_to_workspace` / `wrap_communicator_factory` are the hooks the plugin installs on
-  ``vllm.distributed.eplb.eplb_state`` (async per-layer commit, communicator selection).
+- `wrap_move_to_workspace` / `wrap_communicator_factory` are the hooks to install on
+  ``vllm.distributed.eplb.eplb_state`` (async per-layer commit, communicator selection); no module
+  of this repository installs them yet (that is the Ascend platform patch's job).
 """
 
 from __future__ import annotations

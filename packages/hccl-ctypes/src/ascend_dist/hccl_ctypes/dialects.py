@@ -7,7 +7,7 @@ knowing the device's collective backend (an RL trainer plus vLLM workers are not
 be safe inside graph capture (a plain C call on a stream) and let an operator switch library builds
 by an environment variable. HCCL and NCCL differ only in names, id size, argument order of the
 init call, broadcast's buffers and enum values, so one binding
-class (`ascend_dist.hccl_ctypes.library.CollectiveLibrary`) is driven by a `Dialect` record:
+class (`ascend_dist.hccl_ctypes._lib.CollectiveLibrary`) is driven by a `Dialect` record:
 
 | concern | HCCL | NCCL |
 |---|---|---|
