@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
-pytest.importorskip("ascend_dist.kv_mooncake.vllm_connector")
+pytest.importorskip("ascend_dist.kv_mooncake.pull.vllm_connector")
 pytest.importorskip("ascend_dist.kv_offload.vllm_recompute")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
@@ -37,14 +37,14 @@ from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from ascend_dist.kv_mooncake.messages import prompt_digest  # noqa: E402
-from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1  # noqa: E402
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.core.messages import prompt_digest  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
 from ascend_dist.kv_offload.vllm_recompute import RecomputeCPUOffloadConnector  # noqa: E402
 from ascend_dist.plugin.multi_connector import AscendMultiConnector  # noqa: E402
 
 MULTI = "ascend_dist.plugin.multi_connector"
-PULL = "ascend_dist.kv_mooncake.vllm_connector"
+PULL = "ascend_dist.kv_mooncake.pull.vllm_connector"
 RECOMPUTE = "ascend_dist.kv_offload.vllm_recompute"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 NUM_BLOCKS = 32

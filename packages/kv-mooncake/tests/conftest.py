@@ -19,9 +19,9 @@ import pytest
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-from ascend_dist.kv_mooncake.config import PullConfig
-from ascend_dist.kv_mooncake.peer_process import PeerProcess, PInstance, free_port_range
-from ascend_dist.kv_mooncake.synthetic import Model, SyntheticInstance
+from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, free_port_range
+from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
+from ascend_dist.kv_mooncake.pull.config import PullConfig
 
 _IDS = itertools.count()
 

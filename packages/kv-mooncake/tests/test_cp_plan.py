@@ -9,8 +9,8 @@ import pytest
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.mappings import ParallelInfo
-from ascend_dist.kv_mooncake.cp_plan import cp_block_counts, cp_p_fan_in, cp_sources, plan_cp_pull
-from ascend_dist.kv_mooncake.plan import check_coverage, head_range
+from ascend_dist.kv_mooncake.core.plan import check_coverage, head_range
+from ascend_dist.kv_mooncake.pull.cp_plan import cp_block_counts, cp_p_fan_in, cp_sources, plan_cp_pull
 
 BASE = 30000
 
@@ -204,7 +204,7 @@ def test_bad_layouts_are_typed_errors() -> None:
 
 
 def test_cp_config_keys_are_parsed_and_checked() -> None:
-    from ascend_dist.kv_mooncake.config import PullConfig, Topology
+    from ascend_dist.kv_mooncake.pull.config import PullConfig, Topology
 
     topo = Topology.parse("prefill", {"tp_size": 4, "pcp_size": 2, "dcp_size": 2})
     assert (topo.pcp_size, topo.dcp_size, topo.cp_size) == (2, 2, 4)

@@ -83,7 +83,7 @@ def test_hybrid_p_dies_d_reports_attention_and_state_blocks(make_pair: Callable[
 @pytest.mark.timeout(60)
 def test_d_seeing_other_state_groups_recomputes_and_p_frees(make_pair: Callable[..., Any]) -> None:
     """P is hybrid, D's model has no state group: D refuses to pair the groups and loads nothing."""
-    from ascend_dist.kv_mooncake.synthetic import Model, SyntheticInstance
+    from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
 
     pair = make_pair(groups=2, state_groups=[1])
     spec = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32, "groups": 2}

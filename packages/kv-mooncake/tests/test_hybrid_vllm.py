@@ -34,10 +34,10 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
-from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.vllm_connector import MooncakeHybridConnector  # noqa: E402
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeHybridConnector  # noqa: E402
 
-MODULE = "ascend_dist.kv_mooncake.vllm_connector"
+MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
 ATTN = "model.layers.0.self_attn.attn"
 MAMBA = "model.layers.1.linear_attn"
 NUM_BLOCKS = vb.NUM_BLOCKS

@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_mooncake.admission import ParamsGate, Preview, check_host, check_url
-from ascend_dist.kv_mooncake.config import PullConfig
-from ascend_dist.kv_mooncake.layerwise.config import LayerwiseConfig
-from ascend_dist.kv_mooncake.layerwise.messages import PushParams, parse_push_params
-from ascend_dist.kv_mooncake.layerwise.scheduler import LayerwiseScheduler
-from ascend_dist.kv_mooncake.messages import TransferParams, parse_transfer_params
-from ascend_dist.kv_mooncake.scheduler import PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.core.admission import ParamsGate, Preview, check_host, check_url
+from ascend_dist.kv_mooncake.core.messages import TransferParams, parse_transfer_params
+from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.push.messages import PushParams, parse_push_params
+from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
 from ascend_dist.kv_mooncake.sfa.plan import GroupIds

@@ -14,8 +14,9 @@ from ascend_dist.common.errors import DeadlineExceeded, ProtocolError
 from ascend_dist.common.wire import make_handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
-from ascend_dist.kv_mooncake.engine import MooncakeEngine, get_engine
-from ascend_dist.kv_mooncake.messages import (
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
+from ascend_dist.kv_mooncake.core.messages import (
     PROTOCOL,
     PROTOCOL_VERSION,
     Ack,
@@ -27,7 +28,6 @@ from ascend_dist.kv_mooncake.messages import (
     reply_codec,
     request_codec,
 )
-from ascend_dist.kv_mooncake.peer_process import free_port_range
 
 
 @pytest.mark.timeout(60)
@@ -168,7 +168,7 @@ def test_compat_mismatch_is_refused_naming_the_field(make_pair: Callable[..., An
 def test_rejected_d_request_still_releases_p_blocks_without_waiting_for_the_lease(
     make_pair: Callable[..., Any],
 ) -> None:
-    from ascend_dist.kv_mooncake.scheduler import SchedRequest
+    from ascend_dist.kv_mooncake.core.request import SchedRequest
 
     pair = make_pair(p_tp=2, d_tp=1, lease_s=30.0)
     params = pair.p.prefill("rejected", 40, 1)

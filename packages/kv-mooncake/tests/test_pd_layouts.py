@@ -18,9 +18,9 @@ import pytest
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
-from ascend_dist.kv_mooncake.config import PullConfig
-from ascend_dist.kv_mooncake.messages import GetMeta, Refused, reply_codec, request_codec
-from ascend_dist.kv_mooncake.synthetic import Model, SyntheticInstance
+from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
+from ascend_dist.kv_mooncake.core.messages import GetMeta, Refused, reply_codec, request_codec
+from ascend_dist.kv_mooncake.pull.config import PullConfig
 
 LAYOUTS = ["", "LBHNC", "LBNHC", "BLHNC", "legacy-NHD", "legacy-HND"]
 TP = [
@@ -72,7 +72,7 @@ def test_cp_sub_blocks_of_head_major_blocks(make_pair: Callable[..., Any], caplo
     assert mla.transfer("m", 16 * 7 - 3, seed=7) == set()
     assert mla.d.verify("m", 7) > 0
     gqa = make_pair(p_tp=1, d_tp=1, p_cp=(2, 1), layout="LBHNC", block_size=32, p_model={"block_size": 16})
-    with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.threads"):
+    with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.pull.threads"):
         assert gqa.transfer("g", 16 * 7 - 3, seed=8) == set(gqa.d.blocks["g"][0])  # refused: D recomputes
     assert "D block order='head-major' is invalid" in caplog.text
     assert gqa.wait_p_idle()["blocks_lent"] == 0
@@ -105,7 +105,7 @@ def test_p_and_d_on_different_layouts_are_refused_at_the_handshake(
         )
     reply = replies.decode(body)  # P's own answer: both layouts named
     assert isinstance(reply, Refused) and (reply.field, reply.local, reply.remote) == ("layout", "kv/LBHNC", "kv/LBNHC")
-    with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.threads"):
+    with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.pull.threads"):
         errors = pair.transfer("x", 40, seed=1)
     assert errors == set(pair.d.blocks["x"][0])  # nothing read: every block reported, vLLM recomputes
     assert "layout differs (local='kv/LBNHC', remote='kv/LBHNC')" in caplog.text

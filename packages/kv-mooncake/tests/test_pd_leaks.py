@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ascend_dist.kv_mooncake.engine import MooncakeEngine
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
 
 REQUESTS = int(os.environ.get("KV_MOONCAKE_LEAK_REQUESTS", "10000"))
 WAVE = 500

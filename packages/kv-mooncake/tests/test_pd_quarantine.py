@@ -16,7 +16,7 @@ import pytest
 
 from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import TransferError
-from ascend_dist.kv_mooncake.engine import MooncakeEngine, get_engine
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 
 
 class LateWriter:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import ConfigError, LayoutError
-from ascend_dist.kv_mooncake.plan import (
+from ascend_dist.kv_mooncake.core.plan import (
     HeadSlice,
     PullMode,
     TensorGeom,
@@ -21,7 +21,7 @@ from ascend_dist.kv_mooncake.plan import (
     select_sources,
     trim_block_ids,
 )
-from ascend_dist.kv_mooncake.pull_descriptors import build_pull_descriptors
+from ascend_dist.kv_mooncake.pull.pull_descriptors import build_pull_descriptors
 
 
 def test_head_range_with_and_without_replication() -> None:

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from ascend_dist.common.errors import ConfigError, MessageTooLarge, ProtocolError
-from ascend_dist.kv_mooncake.config import PullConfig
-from ascend_dist.kv_mooncake.messages import Done, GetMeta, parse_transfer_params, request_codec
-from ascend_dist.kv_mooncake.scheduler import PullScheduler, SchedRequest
-from ascend_dist.kv_mooncake.tracker import SendTracker
+from ascend_dist.kv_mooncake.core.messages import Done, GetMeta, parse_transfer_params, request_codec
+from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.pull.tracker import SendTracker
 
 EXTRA: dict[str, Any] = {"prefill": {"tp_size": 2, "dp_size": 2}, "decode": {"tp_size": 1}}
 

@@ -33,10 +33,10 @@ from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
-from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1, MooncakeConnectorV1Metadata  # noqa: E402
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1, MooncakeConnectorV1Metadata  # noqa: E402
 
-MODULE = "ascend_dist.kv_mooncake.vllm_connector"
+MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 NUM_BLOCKS = vb.NUM_BLOCKS
 BLOCK = vb.BLOCK

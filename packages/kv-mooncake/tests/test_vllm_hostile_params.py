@@ -43,9 +43,9 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from ascend_dist.kv_mooncake.messages import prompt_digest  # noqa: E402
-from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1  # noqa: E402
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.core.messages import prompt_digest  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
 
 PROMPT = 40  # tokens: 3 blocks of 16
 

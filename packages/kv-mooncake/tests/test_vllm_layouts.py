@@ -42,11 +42,11 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from ascend_dist.common.errors import LayoutError  # noqa: E402
-from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1Metadata  # noqa: E402
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1Metadata  # noqa: E402
 
-MODULE = "ascend_dist.kv_mooncake.vllm_connector"
-LW_MODULE = "ascend_dist.kv_mooncake.layerwise.vllm_connector"
+MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
+LW_MODULE = "ascend_dist.kv_mooncake.push.vllm_connector"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 NUM_BLOCKS = vb.NUM_BLOCKS
 
@@ -176,7 +176,7 @@ def test_p_and_d_on_different_layouts_are_refused_naming_both(
     try:
         p.register()
         d.register()
-        with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.threads"):
+        with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.pull.threads"):
             assert _pull(p, d, "m") == {21, 22, 23}  # nothing read; vLLM recomputes
         assert "layout differs (local='kv/LBNHC', remote='kv/LBHNC')" in caplog.text
     finally:

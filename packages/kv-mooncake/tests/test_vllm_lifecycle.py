@@ -55,8 +55,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.vllm_connector import MooncakeConnectorV1  # noqa: E402
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
 
 PROMPT = 40  # tokens: blocks of 16, 16 and 8 on both sides
 FAST_RPC = {"rpc_timeout_s": 0.3, "rpc_retries": 1}

@@ -17,12 +17,12 @@ import pytest
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-from ascend_dist.kv_mooncake.config import Role
-from ascend_dist.kv_mooncake.engine import get_engine
-from ascend_dist.kv_mooncake.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.sfa_peer_process import SfaP, SfaPeer
+from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance, SfaModel
+from ascend_dist.kv_mooncake.core.engine import get_engine
+from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
-from ascend_dist.kv_mooncake.sfa.peer_process import SfaP, SfaPeer
-from ascend_dist.kv_mooncake.sfa.synthetic import SfaDInstance, SfaModel
 
 _IDS = itertools.count()
 

@@ -13,15 +13,15 @@ import pytest
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
-from ascend_dist.kv_mooncake.config import Role
-from ascend_dist.kv_mooncake.kv_views import label_kv_caches
-from ascend_dist.kv_mooncake.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.synthetic_layouts import build_attention_caches
+from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
+from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
 from ascend_dist.kv_mooncake.sfa.messages import Hello, LayerMeta, Refused, TensorSpan, reply_codec, request_codec
 from ascend_dist.kv_mooncake.sfa.plan import DestLayer
 from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker, make_sfa_handshake, span_label
-from ascend_dist.kv_mooncake.synthetic_layouts import build_attention_caches
 
 MAIN = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 INDEXER = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(2)]

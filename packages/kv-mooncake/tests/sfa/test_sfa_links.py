@@ -6,8 +6,8 @@ import time
 
 from ascend_dist.common.wire import make_handshake
 from ascend_dist.common.zmq_rpc import RpcServer
-from ascend_dist.kv_mooncake.config import Role
-from ascend_dist.kv_mooncake.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.links import Dispatcher, Part, Slot
 from ascend_dist.kv_mooncake.sfa.messages import Hello, ReadReady, ReadReq

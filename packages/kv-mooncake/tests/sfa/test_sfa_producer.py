@@ -16,8 +16,8 @@ import torch
 
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.common.zmq_rpc import RpcServer
-from ascend_dist.kv_mooncake.config import Role
-from ascend_dist.kv_mooncake.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import Hello, HelloAck, ReadDone, ReadReady, reply_codec, request_codec
 from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker

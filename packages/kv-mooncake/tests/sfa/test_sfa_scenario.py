@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 
 from ascend_dist.common.scenarios import ENTRY_POINT_GROUP, ScenarioContext
-from ascend_dist.kv_mooncake.sfa.scenario import make_scenario
+from ascend_dist.kv_mooncake._demo.sfa_scenario import make_scenario
 
 
 class _Progress:
@@ -23,7 +23,7 @@ class _Progress:
 
 def test_entry_point_is_registered() -> None:
     names = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    assert names.get("pd-sfa") == "ascend_dist.kv_mooncake.sfa.scenario:make_scenario"
+    assert names.get("pd-sfa") == "ascend_dist.kv_mooncake._demo.sfa_scenario:make_scenario"
 
 
 @pytest.mark.timeout(120)

@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError, DeviceUnavailable  # noqa: E402
-from ascend_dist.kv_mooncake.peer_process import free_port_range  # noqa: E402
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.sfa.vllm_connector import SfaRemoteD2HConnector, SfaRemoteD2HMetadata  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.sfa.vllm_connector"

@@ -45,14 +45,19 @@ FACTORIES: dict[str, tuple[str, str, str]] = {
 # `OffloadingConnector`, `SimpleCPUOffloadConnector` and `MultiConnector`; ours take an `Ascend` prefix
 # (or select them with `kv_connector_module_path`, see the README) instead of overwriting vLLM's.
 COMPONENTS: tuple[Component, ...] = (
-    Component("kv_connector", "MooncakeConnectorV1", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeConnectorV1"),
     Component(
-        "kv_connector", "MooncakeHybridConnector", "ascend_dist.kv_mooncake.vllm_connector", "MooncakeHybridConnector"
+        "kv_connector", "MooncakeConnectorV1", "ascend_dist.kv_mooncake.pull.vllm_connector", "MooncakeConnectorV1"
+    ),
+    Component(
+        "kv_connector",
+        "MooncakeHybridConnector",
+        "ascend_dist.kv_mooncake.pull.vllm_connector",
+        "MooncakeHybridConnector",
     ),
     Component(
         "kv_connector",
         "MooncakeLayerwiseConnector",
-        "ascend_dist.kv_mooncake.layerwise.vllm_connector",
+        "ascend_dist.kv_mooncake.push.vllm_connector",
         "MooncakeLayerwiseConnector",
     ),
     Component(

@@ -1,19 +1,20 @@
 """ascend_dist.kv_mooncake: prefill/decode KV-cache transfer over the Mooncake transfer engine.
 
-``MooncakeConnectorV1`` and ``MooncakeHybridConnector`` (vLLM adapter:
-`ascend_dist.kv_mooncake.vllm_connector`) let a decode instance pull a prompt's KV cache
-(attention, sliding-window and state groups) from the prefill instance that computed it. Modules
-by role: `config` (settings; `config_common` holds the parsing the pull, layer-wise and SFA
-connectors share), `plan` / `plan_groups` / `cp_plan` / `pull_batch` / `pull_descriptors` /
-`kv_geometry` (pure planning; `kv_geometry` reads a KV tensor's block geometry from its strides
-for all three connectors), `messages` (wire), `scheduler` (scheduler side), `worker` / `threads` /
-`peers` / `tracker` / `engine` / `kv_views` (worker side; `kv_views` splits and labels the
-engine's tensors), `vllm_connector` / `vllm_common` (the only modules that import vLLM; the
-latter is shared by the three adapters), `synthetic` / `synthetic_layouts` / `synthetic_state` /
-`synthetic_common` / `pd_peer` / `peer_process` / `peer_serve` / `scenario_pd` (the ``pd`` demo
-and bench; the peer and synthetic helpers are shared with the subpackages' demos).
+Three transports on one core (each subpackage's docstring lists its modules by role):
 
-Importing this package imports nothing heavy; import the modules you use.
+- `pull` - ``MooncakeConnectorV1`` / ``MooncakeHybridConnector``: D pulls a finished prompt's KV
+  (attention, sliding-window and state groups) from P.
+- `push` - ``MooncakeLayerwiseConnector``: P writes each layer into D's blocks while it prefills.
+- `sfa` - ``SfaRemoteD2HConnector``: D reads each layer from P's device memory into a host pool.
+- `core` - what all three share: config base, hostile-input admission, wire pieces, the Mooncake
+  engine adapter, KV geometry, the request type and the vLLM glue. It never imports a transport,
+  and no transport imports another.
+- `_demo` - synthetic models, peer processes and the ``pd*`` scenarios, reached only through the
+  ``ascend_dist.scenarios`` entry points (and tests); library modules never import it.
+
+The paths users put in ``kv_connector_module_path`` (`ascend_dist.kv_mooncake.vllm_connector`,
+`ascend_dist.kv_mooncake.layerwise.vllm_connector`, `ascend_dist.kv_mooncake.sfa.vllm_connector`)
+keep working. Importing this package imports nothing heavy; import the modules you use.
 """
 
 __all__: list[str] = []

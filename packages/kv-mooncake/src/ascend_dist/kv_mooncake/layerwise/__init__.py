@@ -1,13 +1,6 @@
-"""ascend_dist.kv_mooncake.layerwise: the layer-wise push connector (``MooncakeLayerwiseConnector``).
+"""Former home of the layer-wise push connector, now `ascend_dist.kv_mooncake.push`.
 
-D registers and announces its blocks first (to the proxy's metaserver); P writes each layer into
-D's blocks as soon as the layer is saved, so the transfer overlaps the prefill. Modules by role:
-`config` (settings), `plan` (pure planning over `ascend_dist.common.transfer_mappings`),
-`messages` (wire), `scheduler` + `metaserver` (scheduler side), `worker` / `producer` / `sender` /
-`receiver` / `gate` / `reshard` / `engine` (worker side), `vllm_connector` (the only module that
-imports vLLM), `synthetic` / `peer` / `scenario` (the ``pd-layerwise`` demo and bench).
-
-Importing this package imports nothing heavy; import the modules you use.
+Only `layerwise.vllm_connector` is kept, so ``kv_connector_module_path`` values keep working.
 """
 
 __all__: list[str] = []

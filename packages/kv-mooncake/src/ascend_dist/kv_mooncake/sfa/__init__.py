@@ -6,8 +6,8 @@ while P is still prefilling; P only says when a layer is readable and holds the 
 until D's answer (its reuse gate). Modules by role: `config`, `plan` (pure), `messages` (wire),
 `scheduler` (both halves), `producer` / `links` (P worker and its send threads), `consumer` (D
 worker and its read thread), `backend` (the three-method engine: MemFabric or Mooncake),
-`vllm_connector` (the only module importing vLLM), `synthetic` / `peer` / `peer_process` /
-`scenario` (the ``pd-sfa`` demo and bench).
+`vllm_connector` (the only module importing vLLM). The ``pd-sfa`` demo and bench live in
+`ascend_dist.kv_mooncake._demo` (`sfa_synthetic`, `sfa_peer`, `sfa_peer_process`, `sfa_scenario`).
 """
 
 __all__: list[str] = []

@@ -8,7 +8,7 @@ signatures on Mooncake's ``TransferEngine``, so the connector depends only on `R
 * ``register_memory(ptr, size) -> 0 | -1``,
 * ``batch_transfer_sync_read(session, local_ptrs, peer_ptrs, lengths) -> 0 | -1``.
 
-`MooncakeReadBackend` adapts the package's engine wrapper (`ascend_dist.kv_mooncake.engine`: one
+`MooncakeReadBackend` adapts the package's engine wrapper (`ascend_dist.kv_mooncake.core.engine`: one
 engine per process, registration reference counts, batches split at Mooncake TCP's 2,048-piece
 limit). `MemfabricReadBackend` needs the Ascend driver; without it construction raises
 `DeviceUnavailable` naming what is missing (MemFabric's ``initialize`` itself only returns -1).
@@ -30,7 +30,7 @@ import numpy as np
 from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, DeviceUnavailable, NativeLibraryError, TransferError
 from ascend_dist.common.regions import RegisterRegions
-from ascend_dist.kv_mooncake.engine import MooncakeEngine, get_engine
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 
 __all__ = [
     "ASCEND_DRIVER_VERSION_FILE",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_mooncake.config_common import (
+from ascend_dist.kv_mooncake.core.config import (
     ConnectorConfig,
     Role,
     bool_field,

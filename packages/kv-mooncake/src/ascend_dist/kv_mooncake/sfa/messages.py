@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from ascend_dist.common.wire import Codec, Handshake
-from ascend_dist.kv_mooncake.admission import Count, ParallelSize, Port, Text, check_host, convert_params
+from ascend_dist.kv_mooncake.core.admission import Count, ParallelSize, Port, Text, check_host, convert_params
 
 __all__ = [
     "PROTOCOL",

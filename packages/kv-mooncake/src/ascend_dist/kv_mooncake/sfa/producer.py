@@ -24,8 +24,8 @@ import torch
 from ascend_dist.common.errors import BlockIdError, ConfigError, DeadlineExceeded, LayoutError, TransferError
 from ascend_dist.common.regions import collect_storage_merged_register_regions, validate_register_region_count
 from ascend_dist.common.wire import Handshake, make_handshake
-from ascend_dist.kv_mooncake.kv_geometry import CacheLayout, layout_label
-from ascend_dist.kv_mooncake.kv_views import tensor_geometry
+from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
+from ascend_dist.kv_mooncake.core.kv_views import tensor_geometry
 from ascend_dist.kv_mooncake.sfa.backend import RemoteReadBackend, register_all
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.links import Dispatcher, Part, Slot

@@ -29,7 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_mooncake.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.vllm_glue import (
+    block_load_errors,
+    connector_config,
+    parallel_ranks,
+    read_kv_caches,
+    transfer_results,
+)
 from ascend_dist.kv_mooncake.sfa.backend import make_backend
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
@@ -44,13 +51,6 @@ from ascend_dist.kv_mooncake.sfa.scheduler import (
     ProducerScheduler,
     SfaRequest,
     StepRequest,
-)
-from ascend_dist.kv_mooncake.vllm_common import (
-    block_load_errors,
-    connector_config,
-    parallel_ranks,
-    read_kv_caches,
-    transfer_results,
 )
 
 if TYPE_CHECKING:

@@ -1,0 +1,165 @@
+"""Start and drive a peer child (P instances) with a deadline on every reply.
+
+Runs in: the ``pd``, ``pd-layerwise`` and ``pd-sfa`` scenarios and the tests (the parent side). The
+child is a JSON-lines server (`pd_peer`, `layerwise.peer` or `sfa.peer`, see `peer_serve`); it is
+always terminated, then killed if needed, by `PeerProcess.close`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from contextlib import closing
+from types import TracebackType
+from typing import Any, Self
+
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded, ProtocolError
+
+__all__ = ["PInstance", "PeerProcess", "free_port_range"]
+
+
+def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """A base port whose next ``count`` ports are all free now (bound and released to check)."""
+    for _ in range(attempts):
+        with closing(socket.socket()) as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ConfigError("kv_port", None, f"{count} consecutive free ports on {host}")
+
+
+class PeerProcess:
+    """A ``python -m <module>`` child speaking JSON lines (the pull's `pd_peer` by default)."""
+
+    def __init__(self, *, module: str = "ascend_dist.kv_mooncake._demo.pd_peer", ready_timeout_s: float = 60.0) -> None:
+        """Start ``python -m module`` and wait until it reports ready."""
+        env = {**os.environ, "GLOG_minloglevel": "2"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._sel = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            reply = self.read(ready_timeout_s)
+            if not reply.get("ready"):
+                raise ProtocolError(f"peer did not start: {reply}")
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Write one JSON line."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Read one JSON line within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            if self._sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise ProtocolError(f"peer exited (rc={self.proc.poll()}): {self._stderr()}")
+                return json.loads(line)
+        raise DeadlineExceeded(f"no reply from the P peer within {timeout_s} s")
+
+    def call(self, msg: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+        """Send a command and return its reply."""
+        self.send(msg)
+        reply = self.read(timeout_s)
+        if "error" in reply:
+            raise ProtocolError(f"peer: {reply['error']}")
+        return reply
+
+    def create(self, name: str, config: dict[str, Any], model: dict[str, Any]) -> PInstance:
+        """Create a producer instance in the child."""
+        self.call({"cmd": "create", "name": name, "config": config, "model": model}, timeout_s=60.0)
+        return PInstance(self, name)
+
+    def _stderr(self) -> str:
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "(still running)"
+        return self.proc.stderr.read()[-2000:] if self.proc.stderr is not None else ""
+
+    def kill(self) -> None:
+        """SIGKILL the child (a P that dies)."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to quit; terminate or kill it if it does not. Idempotent."""
+        try:
+            if self.proc.poll() is None:
+                self.send({"cmd": "quit"})
+                self.proc.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(timeout=timeout_s)
+        finally:
+            self._sel.close()
+            for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class PInstance:
+    """One P instance inside a `PeerProcess`."""
+
+    def __init__(self, peer: PeerProcess, name: str) -> None:
+        """Bind to an instance created by `PeerProcess.create`."""
+        self.peer = peer
+        self.name = name
+
+    def prefill(self, rid: str, prompt_len: int, seed: int) -> dict[str, Any]:
+        """Run a prefill; return P's kv_transfer_params."""
+        return self.peer.call(
+            {"cmd": "prefill", "name": self.name, "rid": rid, "prompt_len": prompt_len, "seed": seed}
+        )["params"]
+
+    def prefill_many(self, rids: list[str], prompt_len: int, seed: int) -> list[dict[str, Any]]:
+        """Run several prefills in one round trip; return their params in order."""
+        msg = {"cmd": "prefill_many", "name": self.name, "rids": rids, "prompt_len": prompt_len, "seed": seed}
+        return self.peer.call(msg, timeout_s=120.0)["params"]
+
+    def poll(self) -> dict[str, Any]:
+        """Collect finished sends, free their blocks; return P's counters."""
+        return self.peer.call({"cmd": "poll", "name": self.name})
+
+    def drop(self) -> None:
+        """Shut the instance down (no-op if the process is gone)."""
+        if self.peer.proc.poll() is None:
+            self.peer.call({"cmd": "drop", "name": self.name})

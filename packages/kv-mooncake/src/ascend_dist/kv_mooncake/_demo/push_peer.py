@@ -1,0 +1,120 @@
+"""Layer-wise P ranks in their own process, driven by JSON lines on stdin/stdout (never pickle).
+
+Runs in: the child processes started by the ``pd-layerwise`` scenario and the tests:
+``python -m ascend_dist.kv_mooncake._demo.push_peer`` prints ``{"ready": true}``, then answers, one
+JSON line each:
+
+* ``{"cmd": "create", "name", "config": {...}, "model": {...}, "tp_ranks": [..], "gloo": null |
+  {"init_method", "rank", "world_size", "timeout_s"}}`` -> ``{"ok": true}``. With ``gloo`` the
+  process joins a gloo group of all P ranks and builds the all-to-all sub-groups of spec §7.5.1
+  (the ``pd_head_ratio`` consecutive ranks feeding one D rank).
+* ``{"cmd": "prefill", "name", "params", "prompt_len", "seed", "compute_s", "chunks", "kv_in_forward"}``
+  -> ``{"start": monotonic, "elapsed": s}`` (the layer-by-layer forward; pushes overlap it).
+* ``{"cmd": "raw_push", "name", "params", "prompt_len"}`` -> ``{"elapsed": s}`` (the benchmark's
+  raw-engine baseline: the same writes, one ``batch_transfer_sync_write`` per layer, no compute).
+* ``{"cmd": "compute_only", "name", "compute_s"}`` -> ``{"elapsed": s}`` (the forward's simulated
+  compute alone, every layer, no push: the bench's measured total compute).
+* ``{"cmd": "idle", "name"}`` -> ``{"ok": true}`` once every layer's push finished.
+* ``{"cmd": "drop", "name"}``; ``{"cmd": "quit"}`` shuts everything down and exits.
+
+It exits by itself when stdin closes, so it never outlives its parent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess
+from ascend_dist.kv_mooncake._demo.peer_serve import serve
+from ascend_dist.kv_mooncake._demo.push_synthetic import LwInstance
+from ascend_dist.kv_mooncake._demo.synthetic import Model
+from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.push.reshard import AllToAll, GlooAllToAll
+
+__all__ = ["LwPeerProcess", "main"]
+
+
+class LwPeerProcess(PeerProcess):
+    """A ``python -m ascend_dist.kv_mooncake._demo.push_peer`` child (same JSON-lines driver as the pull's)."""
+
+    def __init__(self, *, ready_timeout_s: float = 60.0) -> None:
+        """Start the child and wait until it reports ready."""
+        super().__init__(module="ascend_dist.kv_mooncake._demo.push_peer", ready_timeout_s=ready_timeout_s)
+
+
+def _gloo(spec: dict[str, Any] | None, config: LayerwiseConfig, heads: int, mla: bool) -> AllToAll | None:
+    if not spec:
+        return None
+    import torch.distributed as dist
+
+    rank, world = int(spec["rank"]), int(spec["world_size"])
+    dist.init_process_group(
+        "gloo",
+        init_method=str(spec["init_method"]),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=float(spec.get("timeout_s", 30.0))),
+    )
+    ratio = config.parallel_infos(heads, mla)[0].pd_head_ratio
+    mine = None
+    for first in range(0, world, ratio):  # every process creates every sub-group, in the same order
+        group = dist.new_group(list(range(first, first + ratio)))
+        if first <= rank < first + ratio:
+            mine = group
+    return GlooAllToAll(mine)
+
+
+def _create(msg: dict[str, Any]) -> LwInstance:
+    extra = msg["config"]
+    config = LayerwiseConfig.from_kv_transfer_config(
+        engine_id=extra["engine_id"],
+        kv_role="kv_producer",
+        kv_port=extra["kv_port"],
+        extra=extra,
+        model=extra.get("model", "synthetic"),
+        dtype="int16",
+    )
+    model = Model(**msg["model"])
+    a2a = _gloo(msg.get("gloo"), config, model.heads, model.mla)
+    return LwInstance(config, model, tp_ranks=list(msg.get("tp_ranks") or []), all_to_all=a2a)
+
+
+def _prefill(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    start, elapsed = inst.prefill(
+        msg["params"],
+        int(msg["prompt_len"]),
+        int(msg["seed"]),
+        compute_s=float(msg.get("compute_s", 0.0)),
+        chunks=int(msg.get("chunks", 1)),
+        kv_in_forward=bool(msg.get("kv_in_forward", True)),
+    )
+    return {"start": start, "elapsed": elapsed}
+
+
+def _idle(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    inst.wait_idle()
+    return {"ok": True, "blocks_lent": sum(len(i) for per in inst.blocks.values() for i in per)}
+
+
+_COMMANDS: dict[str, Callable[[LwInstance, dict[str, Any]], dict[str, Any]]] = {
+    "prefill": _prefill,
+    "idle": _idle,
+    "compute_only": lambda inst, m: {"elapsed": inst.compute_only(float(m["compute_s"]))},
+    "raw_push": lambda inst, m: {"elapsed": inst.raw_push(m["params"], int(m["prompt_len"]))},
+}
+
+
+def main() -> int:
+    """Serve commands until ``quit`` or end of input."""
+    return serve(_create, _COMMANDS)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    # Workers are shut down and unregistered; skip the native engine's and gloo's slow teardown.
+    os._exit(code)

@@ -1,0 +1,373 @@
+"""D's receiving side: a thread pool pulling each request's blocks from the P ranks it needs.
+
+Runs in: D worker processes. `Receiver.submit` plans one task per P rank (and PP stage) and hands
+them to a bounded `ThreadPoolExecutor`. A task fetches (and caches) the P worker's metadata after a
+compatibility handshake (`ascend_dist.kv_mooncake.pull.peers`), builds the descriptors of every KV group
+(attention and state, `ascend_dist.kv_mooncake.pull.pull_batch`), pulls them with
+``batch_transfer_sync_read`` and always sends DONE to that P rank, even on failure, so P frees its
+blocks (after the request is reported, so DONE's round trip is not on D's critical path). A
+failed task records the logical block ids it was to fill, in every KV group, *before* its request
+is reported finished. A request still pulling after ``pull_timeout_s`` is reported
+failed (its late results are ignored).
+
+Quarantine (spec §15 item 14): a failed or timed-out read may still write into D's blocks later
+(Mooncake #4247), so its request's blocks are reported as load errors at once but the request
+reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of its reads runs and
+``quarantine_s`` has passed since the last failed read; a read that never returns is given up one
+more ``pull_timeout_s`` after the deadline (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ascend_dist.common.errors import TransferError
+from ascend_dist.common.mappings import context_parallel_parameters_check
+from ascend_dist.common.wire import Handshake
+from ascend_dist.kv_mooncake.core.engine import TransferBackend
+from ascend_dist.kv_mooncake.core.messages import AgentMetadata
+from ascend_dist.kv_mooncake.core.plan import HeadSlice, PullMode, pull_mode, select_sources
+from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.cp_plan import CpShard, cp_layouts, cp_sources, plan_cp_pull
+from ascend_dist.kv_mooncake.pull.peers import PeerClient
+from ascend_dist.kv_mooncake.pull.plan_groups import pull_source_ranks, state_source_ranks
+from ascend_dist.kv_mooncake.pull.pull_batch import LocalCache, check_peer_rank, group_pairs, task_batch
+from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
+
+__all__ = ["STATE_TASK", "LocalCache", "Receiver"]
+
+STATE_TASK = -2
+"""Shard index of a CP task that reads only the state groups (from P's PCP rank 0)."""
+
+logger = logging.getLogger(__name__)
+
+
+class Reformat(Protocol):
+    """``reformat(layer_name, local_block_ids, pulls, sub_tokens=0)``: stacked pulls -> token-major heads."""
+
+    def __call__(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
+        """Reformat the listed blocks (sub-blocks of ``sub_tokens`` tokens when non-zero)."""
+        ...
+
+
+@dataclass
+class _Pull:
+    """A request being pulled."""
+
+    meta: ReqMeta
+    slices: list[HeadSlice]
+    pending: int
+    deadline: float
+    failed: bool = False
+    pulled_layers: set[str] = field(default_factory=set)
+    hold_until: float = 0.0
+    shards: list[CpShard] = field(default_factory=list)
+    group_shards: list[list[CpShard]] = field(default_factory=list)
+
+
+class Receiver:
+    """D's thread pool of pulls, completion tracking and load-error reporting."""
+
+    def __init__(
+        self,
+        config: PullConfig,
+        tp_rank: int,
+        cache: LocalCache,
+        engine: TransferBackend,
+        *,
+        handshake: Handshake,
+        reformat: Reformat,
+        clock: Callable[[], float] = time.monotonic,
+        pcp_rank: int = 0,
+        use_mla: bool = False,
+    ) -> None:
+        """Start the pool (threads are created on demand)."""
+        self._config = config
+        self._pcp_rank = pcp_rank
+        self._use_mla = use_mla
+        if config.uses_cp:  # refuse a bad CP layout at registration, not per request
+            p_info, d_info = cp_layouts(config, use_mla)
+            context_parallel_parameters_check(p_info, d_info, cache.heads)
+            cp_sources(tp_rank, p_info, d_info, cache.heads)
+        self._tp_rank = tp_rank
+        self._cache = cache
+        self._engine = engine
+        self._reformat = reformat
+        self._clock = clock
+        self._peers = PeerClient(config, handshake, tp_rank)
+        self._pool = ThreadPoolExecutor(max_workers=config.recv_workers, thread_name_prefix=f"kv-pull-{tp_rank}")
+        self._lock = threading.Lock()
+        self._pulls: dict[str, _Pull] = {}
+        self._finished: set[str] = set()
+        self._quarantined: dict[str, _Pull] = {}
+        self._errors: set[int] = set()
+        self._failed_rids: set[str] = set()  # failed requests, reported with their finish (multi-group models)
+
+    @property
+    def cache(self) -> LocalCache:
+        """D's cache as the planner sees it (the benchmark plans the same descriptors with it)."""
+        return self._cache
+
+    @property
+    def in_flight(self) -> int:
+        """Requests still pulling."""
+        with self._lock:
+            return len(self._pulls)
+
+    @property
+    def quarantined(self) -> int:
+        """Failed requests whose blocks are held because a late write could still land."""
+        with self._lock:
+            return len(self._quarantined)
+
+    @property
+    def cached_peers(self) -> int:
+        """P workers whose metadata is cached."""
+        return len(self._peers)
+
+    def peer_metadata(self, engine_id: str, host: str, port: int) -> AgentMetadata | None:
+        """The cached metadata of a P worker, if fetched (the benchmark rebuilds descriptors from it)."""
+        return self._peers.cached(engine_id, host, port)
+
+    def submit(self, meta: ReqMeta) -> None:
+        """Plan a request's pulls and queue them (an empty receive only sends DONEs)."""
+        if meta.do_virtual:
+            with self._lock:
+                self._finished.add(meta.request_id)
+            return
+        if self._config.uses_cp:
+            self._submit_cp(meta)
+            return
+        p_tp, p_pp = meta.remote_ptp_size, self._config.prefill.pp_size
+        slices = select_sources(
+            self._tp_rank, p_tp, self._config.decode.tp_size, self._cache.heads, meta.remote_request_id
+        )
+        ranks = pull_source_ranks(
+            self._tp_rank,
+            p_tp,
+            self._config.decode.tp_size,
+            self._cache.heads,
+            meta.remote_request_id,
+            attention=bool(self._cache.attention_groups),
+            state=self._cache.has_state,
+        )
+        tasks = [stage * p_tp + p for stage in range(p_pp) for p in ranks]
+        now = self._clock()
+        with self._lock:
+            self._pulls[meta.request_id] = _Pull(meta, slices, len(tasks), now + self._config.pull_timeout_s)
+        for global_rank in tasks:
+            self._pool.submit(self._run_task, meta.request_id, global_rank)
+
+    def _submit_cp(self, meta: ReqMeta) -> None:
+        """Plan with context parallelism (spec §5.11): one task per (P CP rank, P rank) of each shard."""
+        p_info, d_info = cp_layouts(self._config, self._use_mla)
+        bs = self._cache.block_size
+        external = max(0, meta.prompt_len - meta.num_computed_tokens) if any(meta.local_block_ids) else 0
+        # Every group shares the prompt and block size, so its shards have the same CP ranks and P
+        # ranks in the same order; only the block ids differ.
+        group_shards = [
+            []  # a state group is not interleaved over CP ranks: its own tasks read it (below)
+            if g in self._cache.state_groups
+            else plan_cp_pull(
+                p=p_info,
+                d=d_info,
+                heads=self._cache.heads,
+                d_tp_rank=self._tp_rank,
+                d_pcp_rank=self._pcp_rank,
+                remote_block_ids=remote,
+                local_block_ids=local,
+                prompt_len=meta.prompt_len,
+                num_external_tokens=external,
+                p_block_size=meta.remote_block_size or bs,
+                d_block_size=bs,
+            )
+            for g, (local, remote) in enumerate(zip(meta.local_block_ids, meta.remote_block_ids, strict=True))
+        ]
+        attn = self._cache.attention_groups
+        shards = group_shards[attn[0]] if attn else []
+        tasks = [(i, w) for i, s in enumerate(shards) for w in s.p_world_ranks]
+        if self._cache.has_state:  # the state is replicated over P's CP ranks: read it from P's PCP rank 0
+            p_tp, d_tp = self._config.prefill.tp_size, self._config.decode.tp_size
+            tasks += [(STATE_TASK, w) for w in state_source_ranks(self._tp_rank, p_tp, d_tp)]
+        now = self._clock()
+        slices = list(shards[0].slices) if shards else []
+        with self._lock:
+            self._pulls[meta.request_id] = _Pull(
+                meta,
+                slices,
+                len(tasks),
+                now + self._config.pull_timeout_s,
+                shards=shards,
+                group_shards=group_shards,
+            )
+        for shard, world in tasks:
+            self._pool.submit(self._run_task, meta.request_id, world, shard)
+
+    def _run_task(self, request_id: str, global_rank: int, shard: int = -1) -> None:
+        with self._lock:
+            pull = self._pulls.get(request_id)
+        if pull is None:
+            return
+        meta = pull.meta
+        port = meta.remote_port + global_rank
+        ok = True
+        try:
+            if shard >= 0:
+                if any(gs[shard].local_ids for gs in pull.group_shards if gs):
+                    self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
+            elif shard == STATE_TASK:
+                if any(meta.local_block_ids[g] for g in self._cache.state_groups):
+                    self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
+            elif any(meta.local_block_ids):
+                self._pull(pull, port, global_rank % meta.remote_ptp_size)
+        except Exception as exc:  # every failure becomes load errors, never a crash
+            ok = False
+            logger.error("request %s: pull from %s:%d failed: %s", request_id, meta.remote_host, port, exc)
+            self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
+            self._fail(pull)
+        finally:
+            # Report the request first (D's latency), then release P's blocks with DONE.
+            self._task_done(pull)
+            self._peers.send_done(meta.remote_host, port, meta.remote_request_id, ok)
+
+    def _pull(self, pull: _Pull, port: int, p_rank: int, shard: int = -1) -> None:
+        meta = pull.meta
+        agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
+        stage = 0 if shard >= 0 or shard == STATE_TASK else (port - meta.remote_port) // meta.remote_ptp_size
+        check_peer_rank(agent, port=port, pp_rank=stage, tp_rank=p_rank)
+        # Before reading, P must confirm it still holds this request's blocks: params replayed after
+        # D consumed them, or aimed at a request P already freed, would read reused blocks.
+        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
+            raise TransferError(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
+        batch = task_batch(
+            self._cache,
+            agent,
+            meta,
+            p_rank=p_rank,
+            d_rank=self._tp_rank,
+            d_tp=self._config.decode.tp_size,
+            slices=pull.slices,
+            shards=None if shard < 0 else [gs[shard] if gs else None for gs in pull.group_shards],
+            state_only=shard == STATE_TASK,
+        )
+        try:
+            self._engine.read(agent.te_session, batch.descriptors, timeout_s=max(0.1, pull.deadline - self._clock()))
+        except BaseException:
+            with self._lock:  # the engine may still write into these blocks: quarantine them
+                pull.hold_until = max(pull.hold_until, self._clock() + self._config.quarantine_s)
+            raise
+        with self._lock:
+            pull.pulled_layers.update(batch.layers)
+
+    def _fail(self, pull: _Pull) -> None:
+        with self._lock:
+            if pull.failed:  # reported once (a timed-out request's late task fails again)
+                return
+            pull.failed = True
+            self._failed_rids.add(pull.meta.request_id)
+            for ids in pull.meta.local_block_ids:
+                self._errors.update(ids)
+
+    def _task_done(self, pull: _Pull) -> None:
+        with self._lock:
+            pull.pending -= 1
+            if pull.pending > 0 or self._pulls.get(pull.meta.request_id) is not pull:
+                return  # a timed-out request waits in quarantine for pending == 0
+            wanted = {n for g, names in enumerate(self._cache.groups) if pull.meta.local_block_ids[g] for n in names}
+        if not pull.failed and wanted - pull.pulled_layers:
+            logger.error(
+                "request %s: layers %s not served by any P stage",
+                pull.meta.request_id,
+                sorted(wanted - pull.pulled_layers)[:4],
+            )
+            self._fail(pull)
+        if not pull.failed:
+            try:
+                self._reformat_all(pull)
+            except Exception as exc:
+                logger.error("request %s: reformat failed: %s", pull.meta.request_id, exc)
+                self._fail(pull)
+        with self._lock:
+            self._pulls.pop(pull.meta.request_id, None)
+            if pull.failed and self._clock() < pull.hold_until:
+                self._quarantined[pull.meta.request_id] = pull
+            elif not pull.meta.notify_only:
+                self._finished.add(pull.meta.request_id)
+
+    def _reformat_all(self, pull: _Pull) -> None:
+        attn = [g for g in self._cache.attention_groups if self._cache.groups[g]]
+        if not attn or not pull.slices:
+            return
+        first = self._cache.layers[self._cache.groups[attn[0]][0]][0]
+        if pull_mode(pull.slices, pull.slices[0].n_heads, first.heads) is not PullMode.STACKED:
+            return
+        p_block = pull.meta.remote_block_size or self._cache.block_size
+        for g in attn:
+            sub = 0
+            if pull.group_shards and pull.group_shards[g]:
+                ids = [b for s in pull.group_shards[g] for b in s.local_ids]
+                sub = p_block if p_block < self._cache.block_size else 0  # sub-block ids
+            else:
+                ids, _ = group_pairs(self._cache, pull.meta, g)
+            for name in self._cache.groups[g]:
+                if ids and sub:
+                    self._reformat(name, ids, len(pull.slices), sub)
+                elif ids:
+                    self._reformat(name, ids, len(pull.slices))
+
+    def take_finished(self) -> set[str]:
+        """Requests whose pulls ended (ok or failed); those past their deadline are failed now."""
+        now = self._clock()
+        with self._lock:
+            for rid, pull in list(self._pulls.items()):
+                if now >= pull.deadline:
+                    logger.error(
+                        "request %s: pulls not done within %.1f s; reported failed", rid, self._config.pull_timeout_s
+                    )
+                    pull.failed = True
+                    self._failed_rids.add(rid)
+                    for ids in pull.meta.local_block_ids:
+                        self._errors.update(ids)
+                    del self._pulls[rid]
+                    self._quarantined[rid] = pull  # its reads may still be running
+            for rid, pull in list(self._quarantined.items()):
+                if pull.meta.notify_only:
+                    pass  # vLLM no longer holds the request: nothing to report, only forget it
+                elif pull.pending <= 0 and now >= pull.hold_until:
+                    self._finished.add(rid)
+                elif now >= pull.deadline + self._config.pull_timeout_s:
+                    logger.error(
+                        "request %s: a read still runs %.1f s after its deadline; releasing its blocks anyway",
+                        rid,
+                        self._config.pull_timeout_s,
+                    )
+                    self._finished.add(rid)
+                else:
+                    continue
+                del self._quarantined[rid]
+            out, self._finished = self._finished, set()
+            return out
+
+    def take_load_errors(self) -> set[int]:
+        """Logical block ids (all groups) whose load failed since the last call."""
+        with self._lock:
+            out, self._errors = self._errors, set()
+            return out
+
+    def take_failed(self, finished: set[str]) -> set[str]:
+        """Which of ``finished`` (just taken by `take_finished`) failed; vLLM's per-request failure report."""
+        with self._lock:
+            failed = self._failed_rids & finished
+            self._failed_rids -= failed
+            return failed
+
+    def close(self) -> None:
+        """Wait for running pulls (each bounded by the engine's timeout), then close sockets."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._peers.close()

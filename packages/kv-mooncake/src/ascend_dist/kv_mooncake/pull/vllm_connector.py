@@ -1,0 +1,312 @@
+"""``MooncakeConnectorV1`` for vLLM: a thin `KVConnectorBase_V1` that delegates to this package.
+
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
+module of the package that imports vLLM. It translates vLLM objects (``Request``,
+``KVCacheBlocks``, ``KVCacheConfig``, the layer -> tensor dict) into plain values and calls
+`PullScheduler` / `PullWorker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.request import RequestStatus
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.messages import TransferParams
+from ascend_dist.kv_mooncake.core.vllm_glue import (
+    admit_bound,
+    block_load_errors,
+    connector_config,
+    parallel_ranks,
+    prompt_binding_error,
+    read_kv_caches,
+    request_prompt_digest,
+    transfer_results,
+)
+from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.plan_groups import StateLayout
+from ascend_dist.kv_mooncake.pull.scheduler import PullMetadata, PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.pull.worker import PullWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["MooncakeConnectorV1", "MooncakeConnectorV1Metadata", "MooncakeHybridConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeConnectorV1Metadata(KVConnectorMetadata):
+    """vLLM's metadata object carrying this package's `PullMetadata`."""
+
+    def __init__(self, inner: PullMetadata) -> None:
+        """Wrap one step's metadata."""
+        self.inner = inner
+
+
+def _state_layout(vllm_config: VllmConfig, spec: MambaSpec | None) -> StateLayout | None:
+    """Per-P-rank conv sub-projection sizes (needed only to split a state over ``P_tp > D_tp``).
+
+    ``kv_connector_extra_config.state_conv_segments`` (elements of each sub-projection in one P
+    rank's conv row, e.g. Mamba2's ``[x, B, C]``) wins; else GDN's ``[Q, K, V]`` from the HF
+    config's ``linear_*`` sizes; else None (a state then transfers only with equal TP).
+
+    Raises:
+        ConfigError: ``state_conv_segments`` is not a list of positive ints, or the heads do not
+            divide over P's TP.
+    """
+    if spec is None:
+        return None
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+    elt = spec.dtypes[0].itemsize
+    raw = extra.get("state_conv_segments")
+    if raw is not None:
+        if (
+            not isinstance(raw, list | tuple)
+            or not raw
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in raw)
+        ):
+            raise ConfigError("kv_connector_extra_config.state_conv_segments", raw, "a list of positive ints")
+        return StateLayout(tuple(raw), elt)
+    hf = vllm_config.model_config.hf_text_config
+    names = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim")
+    values = [getattr(hf, n, None) for n in names]
+    if any(not isinstance(v, int) for v in values):
+        return None
+    nk, dk, nv, dv = (int(v) for v in values)  # type: ignore[arg-type]
+    p_tp = int(extra.get("prefill", {}).get("tp_size", 1))
+    if nk % p_tp or nv % p_tp:
+        raise ConfigError("prefill.tp_size", p_tp, f"a divisor of the linear-attention heads ({nk}, {nv})")
+    return StateLayout.gdn(nk // p_tp * dk, nv // p_tp * dv, elt)
+
+
+def _truncate_prompt(request: Request) -> None:
+    """Mirror `PullScheduler.truncate_for_state` on vLLM's request: drop the last prompt token."""
+    if request.prompt_token_ids is not None:
+        request.prompt_token_ids.pop()
+    elif request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:-1]
+    request._all_token_ids.pop()
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+
+
+def _sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
+    return SchedRequest(
+        request_id=request.request_id,
+        prompt_len=request.num_prompt_tokens,
+        kv_transfer_params=request.kv_transfer_params,
+        length_capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+        prompt_digest=request_prompt_digest(request) if digest else None,
+    )
+
+
+class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
+    """P/D disaggregation: D pulls the prompt's KV cache from P over Mooncake (vllm-ascend's name)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        """Build the scheduler or worker half from vLLM's configuration.
+
+        Raises:
+            ConfigError: The kv_transfer_config is invalid; the error names the field.
+        """
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        self._pull_config = connector_config(vllm_config, type(self).__name__, PullConfig.from_kv_transfer_config)
+        groups = kv_cache_config.kv_cache_groups
+        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self._groups = [list(g.layer_names) for g in groups]
+        self._num_blocks = kv_cache_config.num_blocks
+        self._state_groups = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+        attn = [i for i in range(len(groups)) if i not in self._state_groups]
+        self._block_size = self._block_sizes[attn[0]] if attn else self._block_sizes[0]
+        mamba = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+        self._state_layout = _state_layout(vllm_config, mamba[0] if mamba else None)
+        self._scheduler: PullScheduler | None = None
+        self._gate: ParamsGate | None = None
+        self._worker: PullWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            windows = [
+                math.ceil(w / bs) + 1 if (w := getattr(g.kv_cache_spec, "sliding_window", None)) else 0
+                for g, bs in zip(groups, self._block_sizes, strict=True)
+            ]
+            self._scheduler = PullScheduler(
+                self._pull_config,
+                self._block_sizes,
+                windows,
+                state_groups=self._state_groups,
+                num_speculative_tokens=max((m.num_speculative_blocks for m in mamba), default=0),
+            )
+            self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, TransferParams.__struct_fields__)
+        else:
+            model = vllm_config.model_config
+            tp_rank, pp_rank, pcp_rank = parallel_ranks()
+            self._worker = PullWorker(
+                self._pull_config,
+                tp_rank=tp_rank,
+                pp_rank=pp_rank,
+                pcp_rank=pcp_rank,
+                num_kv_heads=model.get_total_num_kv_heads(),
+                use_mla=bool(model.use_mla),
+            )
+
+    # ---- scheduler side -------------------------------------------------------------------------
+
+    def _sched(self) -> PullScheduler:
+        if self._scheduler is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        return self._scheduler
+
+    def _admitted(self, request: Request, *, digest: bool = False) -> SchedRequest:
+        """The request as `PullScheduler` sees it; params failing `check_params` are dropped (one warning).
+
+        ``digest``: also hash the prompt (only P's `request_finished` hands it out).
+        """
+        if self._gate is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        admit_bound(self._gate, request, "do_remote_prefill")
+        return _sched_request(request, digest=digest)
+
+    def on_new_request(self, request: Request) -> None:
+        """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates (§5.3.2)."""
+        if self._scheduler is not None and self._scheduler.truncate_for_state(self._admitted(request)):
+            _truncate_prompt(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens D loads from P (async); P truncates a hybrid request here if `on_new_request` did not.
+
+        A request whose params fail the check gets ``(0, False)``: nothing is logged or changed here
+        (vLLM requires this hook to be free of side effects); the next hook that may change it drops them.
+        """
+        sched = self._sched()
+        assert self._gate is not None
+        if (
+            not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+            or prompt_binding_error(request, "do_remote_prefill") is not None
+        ):
+            return 0, False
+        self.on_new_request(request)
+        return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Record the pull into the freshly allocated (unhashed) blocks."""
+        local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
+        self._sched().update_state_after_alloc(self._admitted(request), local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's pulls and delayed frees."""
+        return MooncakeConnectorV1Metadata(self._sched().build_connector_meta())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Single-group form of `request_finished_all_groups`."""
+        return self._sched().request_finished(self._admitted(request, digest=True), [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Delayed free and P's kv_transfer_params (spec §5.2); a rejected request is freed at once."""
+        return self._sched().request_finished(self._admitted(request, digest=True), list(block_ids))
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Accept every (pp_rank, tp_rank) worker, PP stages > 0 included (PP on P is supported).
+
+        vLLM's default refuses ``pp_rank > 0``. Nothing needs storing: D fetches each P worker's
+        metadata over the side channel and checks it is the (pp, tp) rank it planned for.
+        """
+        logger.debug("handshake metadata of %d workers (pp, tp): %s", len(metadata), sorted(metadata))
+
+    # ---- worker side ----------------------------------------------------------------------------
+
+    def _work(self) -> PullWorker:
+        if self._worker is None:
+            raise ConfigError("role", "SCHEDULER", "WORKER for this call")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's caches: ``[B, H, N, C]`` views (vLLM >= 0.32), split K/V, or MLA tensors.
+
+        Raises:
+            LayoutError: A tensor's layout cannot be served (e.g. vLLM's ``LHBNC``); names the layout.
+        """
+        parts, layout = read_kv_caches(kv_caches, self._vllm_config)
+        groups = [[n for n in g if n in parts] for g in self._groups]
+        self._work().register_kv_caches(
+            parts,
+            groups=groups,
+            num_blocks=self._num_blocks,
+            block_size=self._block_size,
+            state_groups=self._state_groups,
+            state_layout=self._state_layout,
+            layout=layout,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Queue D's pulls / record P's lent blocks for the bound metadata."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, MooncakeConnectorV1Metadata):
+            raise ConfigError("connector_metadata", type(meta).__name__, "MooncakeConnectorV1Metadata")
+        self._work().start_load_kv(meta.inner)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Whole-prompt pull: loads complete between steps, nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """P does not push; D pulls after P finished."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved synchronously."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` of this worker."""
+        sending, recving = self._work().get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus D's failed loads by request (see `vllm_common.transfer_results`)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._work().take_failed(recving) if recving else set()
+        return transfer_results(sending, recving, failed, len(self._groups))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Logical block ids whose pull failed (see `vllm_common.block_load_errors`)."""
+        return block_load_errors(self._work().get_block_ids_with_load_errors(), len(self._groups))
+
+    def shutdown(self) -> None:
+        """Stop threads, sockets and registrations."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+class MooncakeHybridConnector(MooncakeConnectorV1):
+    """vllm-ascend's ``MooncakeHybridConnector`` name, served by the section-5 pull planner (spec §6).
+
+    Upstream this is an older pull variant (flat metadata, no CP); the spec recommends mapping the
+    name to the current planner, which handles what it was for: attention plus state (Mamba/GDN)
+    groups, sliding-window groups, heterogeneous TP and PP on P. Differences that remain against
+    the legacy connector: the wire format is this package's (the handshake refuses a legacy peer),
+    prefixes are skipped by D's prefix hit (tail alignment only for sliding-window groups),
+    failures are reported as load errors of every group, and context parallelism is accepted (the
+    legacy connector asserted it off).
+    """

@@ -1,0 +1,11 @@
+"""The layer-wise push connector (``MooncakeLayerwiseConnector``).
+
+D registers and announces its blocks first (to the proxy's metaserver); P writes each layer into
+D's blocks as soon as the layer is saved, so the transfer overlaps the prefill. Modules by role:
+`config` (settings), `plan` (pure planning over `ascend_dist.common.transfer_mappings`),
+`messages` (wire), `scheduler` + `metaserver` (scheduler side), `worker` / `producer` / `sender` /
+`receiver` / `gate` / `reshard` / `engine` (worker side), `vllm_connector` (the only module that
+imports vLLM).
+"""
+
+__all__: list[str] = []

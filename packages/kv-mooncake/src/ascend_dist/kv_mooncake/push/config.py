@@ -1,0 +1,186 @@
+"""Configuration of the layer-wise push connector, parsed from vLLM's ``kv_transfer_config`` fields.
+
+Runs in: scheduler and worker processes. Pure: no I/O. Every bad value raises `ConfigError`
+naming the field and the values it accepts. P's and D's topologies use the pull connector's
+`ascend_dist.kv_mooncake.core.config.Topology` (``prefill`` / ``decode`` keys, both required on both
+roles); PP is not supported by the push (spec §4.2: no PP term in its port layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.mappings import ParallelInfo, pd_head_ratio
+from ascend_dist.common.ports import PortLayout, PortScheme, RankCoord
+from ascend_dist.kv_mooncake.core.config import (
+    ConnectorConfig,
+    bool_field,
+    int_field,
+    opt_str_field,
+    parse_common,
+    seconds_field,
+)
+
+__all__ = ["LayerwiseConfig", "TlsConfig"]
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS options of the metaserver HTTP client (``kv_connector_extra_config.tls_config``).
+
+    Attributes:
+        ssl_enable: Use HTTPS (a plain ``http://`` metaserver URL is refused when on).
+        ssl_ca_certs: CA bundle that verifies the metaserver; None = the system store.
+        ssl_certfile: Client certificate (mutual TLS), or None.
+        ssl_keyfile: Key of the client certificate, or None (then it is inside ``ssl_certfile``).
+        ssl_keyfile_password: Password of the key, or None.
+    """
+
+    ssl_enable: bool = False
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_keyfile_password: str | None = None
+
+    @classmethod
+    def parse(cls, raw: object) -> TlsConfig:
+        """Parse the ``tls_config`` dict.
+
+        Raises:
+            ConfigError: Unknown key or bad type; the field is named ``tls_config.<key>``.
+        """
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ConfigError("tls_config", raw, "a dict of ssl_enable, ssl_ca_certs, ssl_certfile, ssl_keyfile, ...")
+        allowed = {"ssl_enable", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password"}
+        for key in raw:
+            if key not in allowed:
+                raise ConfigError(f"tls_config.{key}", raw[key], f"one of the keys {sorted(allowed)}")
+        enable = bool_field("tls_config.ssl_enable", raw.get("ssl_enable", False))
+        keyfile = opt_str_field("tls_config.ssl_keyfile", raw.get("ssl_keyfile"))
+        certfile = opt_str_field("tls_config.ssl_certfile", raw.get("ssl_certfile"))
+        if keyfile and not certfile:
+            raise ConfigError("tls_config.ssl_certfile", None, "a client certificate when ssl_keyfile is set")
+        return cls(
+            ssl_enable=enable,
+            ssl_ca_certs=opt_str_field("tls_config.ssl_ca_certs", raw.get("ssl_ca_certs")),
+            ssl_certfile=certfile,
+            ssl_keyfile=keyfile,
+            ssl_keyfile_password=opt_str_field("tls_config.ssl_keyfile_password", raw.get("ssl_keyfile_password")),
+        )
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig(ConnectorConfig):
+    """Everything the layer-wise connector reads from the ``kv_transfer_config``.
+
+    The shared fields are `ConnectorConfig`'s; the ones listed here are specific or say more.
+
+    Attributes:
+        kv_port: Base port: D workers bind ``kv_port + dp·pcp·tp + pcp_rank·tp + tp_rank``.
+        prefill: P's topology (``pp_size`` must be 1).
+        decode: D's topology (``pp_size`` must be 1).
+        host: Interface D binds and advertises (never a wildcard); P's engine host.
+        first_layer_timeout_s: D fails a request when no layer arrived this long after it was
+            announced (P's queueing and prefill scheduling included).
+        layer_timeout_s: D fails a request when its next layer does not arrive within this
+            long after the previous one.
+        gate_timeout_s: P's longest wait for a layer's earlier push before its storage is reused.
+        rpc_timeout_s: Deadline of one side-channel attempt.
+        rpc_retries: Attempts per side-channel request.
+        metaserver_timeout_s: Deadline of one metaserver POST attempt (3 attempts).
+        tls: The metaserver client's TLS options.
+    """
+
+    first_layer_timeout_s: float = 120.0
+    layer_timeout_s: float = 30.0
+    gate_timeout_s: float = 60.0
+    rpc_timeout_s: float = 1.0
+    rpc_retries: int = 3
+    metaserver_timeout_s: float = 5.0
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, topo in (("prefill", self.prefill), ("decode", self.decode)):
+            if topo.pp_size != 1:
+                raise ConfigError(f"{name}.pp_size", topo.pp_size, "1 (the layer-wise push has no PP)")
+        if self.prefill.tp_size % self.decode.tp_size:
+            raise ConfigError(
+                "decode.tp_size", self.decode.tp_size, f"a divisor of prefill.tp_size={self.prefill.tp_size}"
+            )
+        _ = self.d_ports  # validates the D port range
+
+    @property
+    def d_ports(self) -> PortLayout:
+        """D's side-channel port layout (spec §4.2)."""
+        d = self.decode
+        return PortLayout(
+            kv_port=self.kv_port,
+            tp_size=d.tp_size,
+            pcp_size=d.pcp_size,
+            dp_size=max(d.dp_size, self.dp_rank + 1),
+            scheme=PortScheme.LAYERWISE,
+        )
+
+    def d_port(self, tp_rank: int, pcp_rank: int = 0) -> int:
+        """The port a D worker binds."""
+        return self.d_ports.port(RankCoord(tp_rank=tp_rank, pcp_rank=pcp_rank, dp_rank=self.dp_rank))
+
+    def parallel_infos(self, num_heads: int, use_mla: bool) -> tuple[ParallelInfo, ParallelInfo]:
+        """``(P, D)`` layouts for the block/port mappings, with P's head ratio."""
+        p, d = self.prefill, self.decode
+        ratio = pd_head_ratio(p.tp_size, d.tp_size, num_heads, use_mla=use_mla)
+        return (
+            ParallelInfo(p.tp_size, p.pcp_size, p.dcp_size, use_mla, ratio),
+            ParallelInfo(d.tp_size, d.pcp_size, d.dcp_size, use_mla, 1),
+        )
+
+    @classmethod
+    def from_kv_transfer_config(
+        cls,
+        *,
+        engine_id: object,
+        kv_role: object,
+        kv_port: object,
+        extra: Mapping[str, Any] | None,
+        model: str = "",
+        dtype: str = "",
+    ) -> LayerwiseConfig:
+        """Parse the fields of vLLM's ``KVTransferConfig`` (passed as plain values).
+
+        Extra-config keys: ``prefill``, ``decode`` (required), ``mooncake_protocol`` (``tcp``),
+        ``host`` (``127.0.0.1``), ``dp_rank`` (0), ``first_layer_timeout_s`` (120),
+        ``layer_timeout_s`` (30), ``gate_timeout_s`` (60), ``rpc_timeout_s`` (1.0),
+        ``rpc_retries`` (3), ``metaserver_timeout_s`` (5), ``max_message_bytes`` (4 MiB),
+        ``tls_config`` (see `TlsConfig`).
+
+        Raises:
+            ConfigError: Any field is missing or invalid; the error names it.
+        """
+        extra = dict(extra or {})
+        common = parse_common(
+            engine_id=engine_id,
+            kv_role=kv_role,
+            kv_port=kv_port,
+            extra=extra,
+            topology_expected="a dict with tp_size (and dp_size)",
+        )
+        return cls(
+            **common,
+            dp_rank=int_field("dp_rank", extra.get("dp_rank", 0), 0),
+            first_layer_timeout_s=seconds_field("first_layer_timeout_s", extra.get("first_layer_timeout_s", 120.0)),
+            layer_timeout_s=seconds_field("layer_timeout_s", extra.get("layer_timeout_s", 30.0)),
+            gate_timeout_s=seconds_field("gate_timeout_s", extra.get("gate_timeout_s", 60.0)),
+            rpc_timeout_s=seconds_field("rpc_timeout_s", extra.get("rpc_timeout_s", 1.0)),
+            rpc_retries=int_field("rpc_retries", extra.get("rpc_retries", 3), 1, 10),
+            metaserver_timeout_s=seconds_field("metaserver_timeout_s", extra.get("metaserver_timeout_s", 5.0)),
+            max_message_bytes=int_field("max_message_bytes", extra.get("max_message_bytes", 4 * 1024 * 1024), 1024),
+            tls=TlsConfig.parse(extra.get("tls_config")),
+            model=model,
+            dtype=dtype,
+        )

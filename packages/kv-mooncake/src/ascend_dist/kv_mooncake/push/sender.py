@@ -1,0 +1,331 @@
+"""P's send thread: writes each saved layer into D's blocks; a notifier thread then signals D.
+
+Runs in: P worker processes. The forward thread queues one `SendTask` per saved layer (after closing
+the layer's reuse gate). The send thread, in order:
+
+1. builds the layer's descriptors per D session and calls ``batch_transfer_sync_write`` once per
+   session (split at 2,048 pieces); a failure marks that session's requests failed (no more
+   layers are pushed for them) and drops D's cached metadata;
+2. opens the layer's reuse gate, with the error if any, returns the staging slot, and hands the
+   task to the notifier (so the next layer's write never waits for D's acknowledgement).
+
+The notifier thread, in the same FIFO order:
+
+3. sends `LayerDone` to each D endpoint, one message for every layer written since its last one
+   (D's ``wait_for_layer_load`` and its per-layer deadline use it); ids D answers ``unknown``
+   (D gave up on them) are marked failed too;
+4. after a request's last layer: `Done` (``ok``, or failed with the reason) to every D endpoint
+   that waits for this rank; delivery is bounded by the RPC deadline and never raises.
+
+The threads own no request state beyond the failure marks; `SendThread.close` joins both.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ascend_dist.common.errors import AscendDistError, IncompatiblePeer, ProtocolError, TransferError
+from ascend_dist.common.transfer_mappings import Endpoint
+from ascend_dist.common.wire import Codec, Handshake, check_compatible
+from ascend_dist.common.zmq_rpc import RpcClient
+from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.core.messages import TensorMeta
+from ascend_dist.kv_mooncake.push.engine import PushBackend
+from ascend_dist.kv_mooncake.push.gate import ReuseGate
+from ascend_dist.kv_mooncake.push.messages import (
+    Ack,
+    DAgentMetadata,
+    Done,
+    GetMeta,
+    LayerDone,
+    MetaReply,
+    Refused,
+    Reply,
+    Request,
+)
+from ascend_dist.kv_mooncake.push.plan import Pieces, block_runs, plain_pieces, resharded_pieces
+
+__all__ = ["MetaCache", "SendTask", "SendThread", "WriteItem"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_COALESCED = 64  # layers one notification may cover when the notifier lags behind the writes
+
+
+class MetaCache:
+    """D workers' metadata by endpoint, fetched once with P's handshake (``GetMeta``)."""
+
+    def __init__(
+        self, client: RpcClient, requests: Codec[Request], replies: Codec[Reply], handshake: Handshake, engine_id: str
+    ) -> None:
+        """Create an empty cache."""
+        self._client, self._requests, self._replies = client, requests, replies
+        self._handshake, self._engine_id = handshake, engine_id
+        self._cache: dict[Endpoint, DAgentMetadata] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: Endpoint) -> DAgentMetadata:
+        """D's metadata at ``endpoint``.
+
+        Raises:
+            IncompatiblePeer: D refused our handshake, or has our engine id, or its handshake differs.
+            DeadlineExceeded: D did not answer.
+            ProtocolError: D's reply is malformed.
+        """
+        with self._lock:
+            hit = self._cache.get(endpoint)
+        if hit is not None:
+            return hit
+        payload = self._requests.encode(GetMeta(handshake=self._handshake, engine_id=self._engine_id))
+        reply = self._replies.decode(self._client.request(tcp_endpoint(endpoint.host, endpoint.port), payload))
+        if isinstance(reply, Refused):
+            raise IncompatiblePeer(reply.field, reply.remote, reply.local)
+        if not isinstance(reply, MetaReply):
+            raise ProtocolError(f"D {endpoint} answered GetMeta with {type(reply).__name__}")
+        check_compatible(self._handshake, reply.handshake)
+        if reply.metadata.engine_id == self._engine_id:
+            raise IncompatiblePeer("engine_id", self._engine_id, reply.metadata.engine_id)
+        with self._lock:
+            self._cache[endpoint] = reply.metadata
+        return reply.metadata
+
+    def invalidate(self, endpoint: Endpoint) -> None:
+        """Forget an endpoint (after a failed transfer: D may have restarted)."""
+        with self._lock:
+            self._cache.pop(endpoint, None)
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One request's writes of one layer to one D endpoint."""
+
+    transfer_id: str
+    endpoint: Endpoint
+    session: str
+    local: Sequence[TensorMeta]
+    remote: Sequence[TensorMeta]
+    local_ids: Sequence[int]
+    remote_ids: Sequence[int]
+    trans_count: int
+    staging: Sequence[int] = ()
+    member: int = 0
+    ratio: int = 1
+
+    def pieces(self) -> Pieces:
+        """Plain or resharded pieces of this item (the send thread's per-layer hot path)."""
+        if self.ratio > 1:
+            return resharded_pieces(
+                self.staging,
+                self.local,
+                self.remote,
+                self.local_ids,
+                self.remote_ids,
+                member=self.member,
+                ratio=self.ratio,
+            )
+        return plain_pieces(self.local, self.remote, block_runs(self.local_ids, self.remote_ids))
+
+
+@dataclass
+class SendTask:
+    """One saved layer: its writes, and the requests whose last layer it is."""
+
+    layer: int
+    items: list[WriteItem] = field(default_factory=list)
+    finished: list[tuple[str, tuple[tuple[Endpoint, int], ...]]] = field(default_factory=list)
+    release: Callable[[], None] | None = None
+
+
+class SendThread:
+    """The P worker's background pusher (one per worker)."""
+
+    def __init__(
+        self,
+        engine: PushBackend,
+        *,
+        client: RpcClient,
+        requests: Codec[Request],
+        replies: Codec[Reply],
+        gate: ReuseGate,
+        metas: MetaCache,
+        sender: str,
+        transfer_timeout_s: float,
+        queue_size: int = 0,
+    ) -> None:
+        """Start the thread.
+
+        Args:
+            engine: The push engine.
+            client: Side-channel client (LayerDone / Done).
+            requests: Codec of P -> D messages.
+            replies: Codec of D's replies.
+            gate: The reuse gate to open after each layer.
+            metas: D metadata cache (invalidated on a failed write).
+            sender: This rank's identity in DONEs (``"<host>:<engine session>"``, unique per rank).
+            transfer_timeout_s: Deadline of one layer's writes to one session.
+            queue_size: Bound on queued layers (0 = unbounded).
+        """
+        self._engine, self._client = engine, client
+        self._requests, self._replies = requests, replies
+        self._gate, self._metas = gate, metas
+        self._sender = sender
+        self._timeout_s = transfer_timeout_s
+        self._queue: queue.Queue[SendTask | None] = queue.Queue(maxsize=queue_size)
+        self._failed: dict[str, str] = {}
+        self._lock = threading.Lock()
+        # Notifications run on their own thread (FIFO, so a request's Done follows its LayerDones):
+        # the next layer's write never waits for D's acknowledgement of the previous one.
+        self._notes: queue.Queue[SendTask | None] = queue.Queue()
+        self._notifier = threading.Thread(target=self._notify_loop, name=f"lw-notify-{sender}", daemon=True)
+        self._notifier.start()
+        self._thread = threading.Thread(target=self._run, name=f"lw-send-{sender}", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread runs."""
+        return self._thread.is_alive()
+
+    def mark_failed(self, transfer_id: str, reason: str) -> None:
+        """Stop pushing a request; its `Done` will report the failure."""
+        with self._lock:
+            self._failed.setdefault(transfer_id, reason)
+
+    def failure(self, transfer_id: str) -> str | None:
+        """Why a request failed on this rank, or None."""
+        with self._lock:
+            return self._failed.get(transfer_id)
+
+    def submit(self, task: SendTask, timeout_s: float) -> None:
+        """Queue a layer (the gate must already be closed).
+
+        Raises:
+            TransferError: The thread is not running.
+        """
+        if not self.alive:
+            raise TransferError("send thread is not running")
+        self._queue.put(task, timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                self._notes.put(None)
+                return
+            error: str | None = None
+            try:
+                error = self._write(task)
+            except Exception as exc:  # never let one layer kill the pusher; the layer's requests fail
+                logger.exception("layer %d: push failed unexpectedly", task.layer)
+                error = f"{type(exc).__name__}: {exc}"
+                for item in task.items:
+                    self.mark_failed(item.transfer_id, error)
+            finally:
+                if task.release is not None:
+                    task.release()
+                self._gate.complete(task.layer, error)
+                self._notes.put(task)
+
+    def _notify_loop(self) -> None:
+        while True:
+            tasks = [self._notes.get()]
+            while len(tasks) < _MAX_COALESCED and tasks[-1] is not None:  # catch up: one message for many layers
+                try:
+                    tasks.append(self._notes.get_nowait())
+                except queue.Empty:
+                    break
+            stop = tasks[-1] is None
+            try:
+                self._notify([t for t in tasks if t is not None])
+            except Exception:  # a notification failure is logged; D's deadline covers the request
+                logger.exception("notifying D failed unexpectedly")
+            if stop:
+                return
+
+    def _notify(self, tasks: list[SendTask]) -> None:
+        self._notify_layers(tasks)
+        for task in tasks:
+            for tid, done_to in task.finished:
+                with self._lock:
+                    reason = self._failed.pop(tid, None)
+                for endpoint, count in done_to:
+                    done = Done(
+                        sender=self._sender, request_id=tid, trans_count=count, ok=reason is None, reason=reason or ""
+                    )
+                    self._send_done(endpoint, done)
+
+    def _write(self, task: SendTask) -> str | None:
+        by_session: dict[str, list[WriteItem]] = {}
+        for item in task.items:
+            if self.failure(item.transfer_id) is None:
+                by_session.setdefault(item.session, []).append(item)
+        error = None
+        for session, items in by_session.items():
+            try:
+                lo: list[int] = []
+                ro: list[int] = []
+                ln: list[int] = []
+                for item in items:
+                    a, b, c = item.pieces()
+                    lo += a
+                    ro += b
+                    ln += c
+                self._engine.write(session, (lo, ro, ln), timeout_s=self._timeout_s)
+            except AscendDistError as exc:
+                error = f"layer {task.layer} to {session}: {exc}"
+                logger.error("push failed: %s", error)
+                for item in items:
+                    self.mark_failed(item.transfer_id, error)
+                    self._metas.invalidate(item.endpoint)
+        return error
+
+    def _notify_layers(self, tasks: list[SendTask]) -> None:
+        """One `LayerDone` per (endpoint, count, request set) covering every layer of ``tasks``."""
+        groups: dict[tuple[Endpoint, int, tuple[str, ...]], list[int]] = {}
+        for task in tasks:
+            per: dict[tuple[Endpoint, int], list[str]] = {}
+            for item in task.items:
+                if self.failure(item.transfer_id) is None:
+                    ids = per.setdefault((item.endpoint, item.trans_count), [])
+                    if item.transfer_id not in ids:
+                        ids.append(item.transfer_id)
+            for (endpoint, count), ids in per.items():
+                groups.setdefault((endpoint, count, tuple(ids)), []).append(task.layer)
+        for (endpoint, count, ids), layers in groups.items():
+            msg = LayerDone(sender=self._sender, layers=layers, request_ids=list(ids), trans_count=count)
+            reply = self._call(endpoint, msg)
+            if reply is None:
+                for tid in ids:
+                    self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} unreachable")
+            elif isinstance(reply, Ack):
+                for tid in reply.unknown:
+                    self.mark_failed(tid, "D no longer waits for the request")
+
+    def _send_done(self, endpoint: Endpoint, msg: Done) -> None:
+        if self._call(endpoint, msg) is None:
+            logger.error("request %s: could not deliver DONE to %s:%d", msg.request_id, endpoint.host, endpoint.port)
+
+    def _call(self, endpoint: Endpoint, msg: Request) -> Reply | None:
+        try:
+            raw = self._client.request(tcp_endpoint(endpoint.host, endpoint.port), self._requests.encode(msg))
+            return self._replies.decode(raw)
+        except AscendDistError as exc:
+            logger.warning("side channel to %s:%d failed: %s", endpoint.host, endpoint.port, exc)
+            return None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish queued layers and notifications, stop and join both threads. Idempotent."""
+        if self._thread.is_alive():
+            try:
+                self._queue.put(None, timeout=timeout_s)
+            except queue.Full:
+                logger.error("send thread queue still full at shutdown")
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("send thread did not stop within %.1f s", timeout_s)
+        elif self._notifier.is_alive():
+            self._notifier.join(timeout_s)

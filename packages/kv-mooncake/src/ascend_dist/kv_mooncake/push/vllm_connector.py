@@ -1,0 +1,287 @@
+"""``MooncakeLayerwiseConnector`` for vLLM: a thin `KVConnectorBase_V1` delegating to this subpackage.
+
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
+module of the subpackage that imports vLLM. It translates vLLM objects (``Request``,
+``KVCacheBlocks``, ``SchedulerOutput``, ``KVCacheConfig``, the layer -> tensor dict) into plain values
+and calls `LayerwiseScheduler` / `LayerwiseWorker`.
+
+With ``P_tp > D_tp`` (GQA) the worker needs the all-to-all group: it is built from
+``torch.distributed`` sub-groups of the TP group (``pd_head_ratio`` consecutive TP ranks; gloo on the
+CPU, the device backend elsewhere), created collectively at ``register_kv_caches``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.request import SchedRequest
+from ascend_dist.kv_mooncake.core.vllm_glue import (
+    admit_bound,
+    block_load_errors,
+    connector_config,
+    parallel_ranks,
+    prompt_binding_error,
+    read_kv_caches,
+    request_prompt_digest,
+    transfer_results,
+)
+from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.push.messages import PushParams
+from ascend_dist.kv_mooncake.push.reshard import AllToAll, GlooAllToAll
+from ascend_dist.kv_mooncake.push.scheduler import LayerwiseMetadata, LayerwiseScheduler, Scheduled
+from ascend_dist.kv_mooncake.push.worker import LayerwiseWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseMetadata"]
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeLayerwiseMetadata(KVConnectorMetadata):
+    """vLLM's metadata object carrying this subpackage's `LayerwiseMetadata`."""
+
+    def __init__(self, inner: LayerwiseMetadata) -> None:
+        """Wrap one step's metadata."""
+        self.inner = inner
+
+
+def _all_to_all(ratio: int) -> AllToAll | None:
+    """The sub-group of ``ratio`` consecutive TP ranks this rank belongs to (collective: every rank calls)."""
+    if ratio <= 1:
+        return None
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    tp = parallel_state.get_tp_group()
+    mine = None
+    for first in range(0, len(tp.ranks), ratio):
+        group = dist.new_group(tp.ranks[first : first + ratio], backend="gloo")
+        if first <= tp.rank_in_group < first + ratio:
+            mine = group
+    return GlooAllToAll(mine)
+
+
+def _sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
+    return SchedRequest(
+        request_id=request.request_id,
+        prompt_len=request.num_prompt_tokens,
+        kv_transfer_params=request.kv_transfer_params,
+        prompt_digest=request_prompt_digest(request) if digest else None,
+    )
+
+
+def _scheduled(out: SchedulerOutput) -> dict[str, Scheduled]:
+    """What P scheduled per request in this step (new and running requests)."""
+    steps = {
+        r.req_id: Scheduled(r.num_computed_tokens, out.num_scheduled_tokens.get(r.req_id, 0), r.block_ids)
+        for r in out.scheduled_new_reqs
+    }
+    cached = out.scheduled_cached_reqs
+    for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
+        steps[rid] = Scheduled(computed, out.num_scheduled_tokens.get(rid, 0), new_ids)
+    return steps
+
+
+class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
+    """P/D disaggregation: P pushes each layer into D's blocks as soon as it is computed (vllm-ascend's name)."""
+
+    # The multi-connector gives this connector the real blocks and token count even when another
+    # child loads (spec §12 item 2), and treats it as a layer-wise reuse provider (item 5).
+    requires_full_blocks_on_update_after_alloc = True
+    supports_layerwise_buffer_reuse = True
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        """Build the scheduler or worker half from vLLM's configuration.
+
+        Raises:
+            ConfigError: The kv_transfer_config is invalid; the error names the field.
+        """
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        self._lw_config = connector_config(vllm_config, type(self).__name__, LayerwiseConfig.from_kv_transfer_config)
+        groups = kv_cache_config.kv_cache_groups
+        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self._groups = [list(g.layer_names) for g in groups]
+        self._num_blocks = kv_cache_config.num_blocks
+        self._scheduler: LayerwiseScheduler | None = None
+        self._gate: ParamsGate | None = None
+        self._worker: LayerwiseWorker | None = None
+        self._started: KVConnectorMetadata | None = None  # the bound metadata whose step was started
+        model = vllm_config.model_config
+        self._heads = model.get_total_num_kv_heads()
+        self._use_mla = bool(model.use_mla)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = LayerwiseScheduler(self._lw_config, self._block_sizes)
+            self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, PushParams.__struct_fields__)
+        else:
+            self._tp_rank, _, self._pcp_rank = parallel_ranks()
+
+    # ---- scheduler side -------------------------------------------------------------------------
+
+    def _sched(self) -> LayerwiseScheduler:
+        if self._scheduler is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        return self._scheduler
+
+    def _admitted(self, request: Request, *, digest: bool = False) -> SchedRequest:
+        """The request as `LayerwiseScheduler` sees it; params failing `check_params` are dropped (one warning).
+
+        ``digest``: also hash the prompt (only D's announcement in `update_state_after_alloc` carries it).
+        """
+        if self._gate is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        admit_bound(self._gate, request, "do_remote_decode")
+        return _sched_request(request, digest=digest)
+
+    def on_new_request(self, request: Request) -> None:
+        """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once.
+
+        P also requires them bound to its prompt (D's announced digest): see `vllm_common.admit_bound`.
+        """
+        if self._gate is not None:
+            admit_bound(self._gate, request, "do_remote_decode")
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """D: tokens P pushes (async); P: none. Params failing the check: ``(0, False)``, no side effect."""
+        sched = self._sched()
+        assert self._gate is not None
+        if (
+            not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+            or prompt_binding_error(request, "do_remote_decode") is not None
+        ):
+            return 0, False
+        return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """D: announce ALL the request's blocks to the metaserver; P: start tracking the push."""
+        self._sched().update_state_after_alloc(
+            self._admitted(request, digest=not self._lw_config.is_producer),  # D announces it
+            blocks.get_block_ids(),
+            num_external_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's waits (D) and pushes (P)."""
+        return MooncakeLayerwiseMetadata(self._sched().build_connector_meta(_scheduled(scheduler_output)))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are freed at once (P: the reuse gate protects layers still in flight)."""
+        return self._sched().request_finished(self._admitted(request), [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """As `request_finished`, every KV group."""
+        return self._sched().request_finished(self._admitted(request), list(block_ids))
+
+    # ---- worker side ----------------------------------------------------------------------------
+
+    def _work(self) -> LayerwiseWorker:
+        if self._worker is None:
+            raise ConfigError("register_kv_caches", "not called", "called first (WORKER role)")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's caches: ``[B, H, N, C]`` views (vLLM >= 0.32), split K/V, or MLA tensors.
+
+        Raises:
+            LayoutError: A tensor's layout cannot be served (e.g. vLLM's ``LHBNC``); names the layout.
+        """
+        if self._scheduler is not None:
+            raise ConfigError("role", "SCHEDULER", "WORKER for register_kv_caches")
+        parts, layout = read_kv_caches(kv_caches, self._vllm_config)
+        ratio = self._lw_config.parallel_infos(1 if self._use_mla else self._heads, self._use_mla)[0].pd_head_ratio
+        self._worker = LayerwiseWorker(
+            self._lw_config,
+            tp_rank=self._tp_rank,
+            pcp_rank=self._pcp_rank,
+            num_kv_heads=self._heads,
+            use_mla=self._use_mla,
+            all_to_all=_all_to_all(ratio) if self._lw_config.is_producer else None,
+        )
+        groups = [[n for n in g if n in parts] for g in self._groups]
+        self._worker.register_kv_caches(
+            parts, groups=groups, num_blocks=self._num_blocks, block_size=self._block_sizes[0], layout=layout
+        )
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata and start the step: P's pushes must be planned before the forward.
+
+        vLLM (0.32, 0.33) calls `start_load_kv` AFTER the forward when the step has no synchronous
+        loads, by which time every `save_kv_layer` of the step has run; binding happens before it.
+        """
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._start_step()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """The step was started when its metadata was bound (see `bind_connector_metadata`)."""
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """D: start waiting for announced requests; P: plan this step's pushes. Once per bound metadata."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, MooncakeLayerwiseMetadata):
+            raise ConfigError("connector_metadata", type(meta).__name__, "MooncakeLayerwiseMetadata")
+        if meta is self._started:
+            return
+        self._started = meta
+        self._work().start_load_kv(meta.inner)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """P: the layer's reuse gate (its storage is no longer being pushed); D: async loads, no wait."""
+        self._work().wait_for_layer_load(layer_name)
+
+    def wait_for_layer_reuse(self, layer_name: str) -> None:
+        """The multi-connector's provider hook: same as P's `wait_for_layer_load`."""
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """P: queue the layer's push (its KV was just written into the registered cache)."""
+        self._work().save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        """Pushes are asynchronous; storage reuse is ordered by the reuse gate."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """D: received (or failed) requests; P frees at once, so nothing is sending."""
+        sending, recving = self._work().get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus D's failed requests (see `vllm_common.transfer_results`)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return transfer_results(sending, recving, self._work().take_failed(), len(self._groups))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Block ids of the requests `get_finished` reported failed (see `vllm_common.block_load_errors`)."""
+        return block_load_errors(self._work().get_block_ids_with_load_errors(), len(self._groups))
+
+    def shutdown(self) -> None:
+        """Stop threads, sockets and registrations."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()

@@ -1,0 +1,149 @@
+"""MooncakeLayerwiseConnector under hostile ``kv_transfer_params``, driven by vLLM 0.33.0's real v1 ``Scheduler``.
+
+One hostile request between two good ones, on D (``do_remote_prefill`` + the proxy's ``metaserver``
+URL: D's scheduler POSTs there, so a ``file:`` or missing URL is refused) and on P (D's
+announcement: D's address, block ids and sizes). No exception escapes, the hostile request is
+computed locally with exactly one warning naming the key, the good ones are announced (D) or pushed
+(P), and nothing is left behind. The engines are vLLM's ``Scheduler`` alone (no model, no worker).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
+pytest.importorskip("vllm")
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_h = _load("kvm_lw_vllm_helpers", Path(__file__).with_name("test_lw_vllm.py"))  # configs, KV-cache config
+hr = _load("kvm_hostile", Path(__file__).parents[1] / "hostile_requests.py")
+model_dir = _h.model_dir  # the tiny-llama config directory fixture
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from ascend_dist.kv_mooncake.core.messages import prompt_digest  # noqa: E402
+from ascend_dist.kv_mooncake.push.vllm_connector import MooncakeLayerwiseConnector  # noqa: E402
+
+PROMPT = 40
+
+
+def good_p(rid: str, first: int = 100) -> dict[str, Any]:
+    """D's announcement as the proxy hands it to P (D at TP 1, one group of 16-token blocks).
+
+    D binds it to its prompt (the harness's ``first..first+PROMPT``): P pushes only for that prompt.
+    """
+    return {
+        "request_id": rid,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": "D-x",
+        "remote_host": "127.0.0.1",
+        "remote_port": 40200,
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_block_size": [16],
+        "remote_tp_size": 1,
+        "remote_pcp_size": 1,
+        "remote_dcp_size": 1,
+        "remote_cached_tokens": 0,
+        "protocol_version": 1,
+        "remote_prompt_tokens": PROMPT,
+        "remote_prompt_digest": prompt_digest(range(first, first + PROMPT)),
+    }
+
+
+D_GARBAGE = [
+    *hr.NOT_A_DICT,
+    *hr.METASERVER,
+    *hr.flag("do_remote_prefill"),
+    hr.Garbage("decode-flag-on-d", hr.with_(do_remote_decode=True), "do_remote_decode"),
+]
+
+P_GARBAGE = [
+    *hr.NOT_A_DICT,
+    *hr.ENDPOINT,
+    *hr.BLOCK_IDS,
+    *hr.flag("do_remote_decode"),
+    hr.Garbage("not-announced", hr.without("remote_block_ids"), "remote_block_ids"),
+    hr.Garbage("tp-size-other", hr.with_(remote_tp_size=4096), "remote_tp_size"),
+    hr.Garbage("tp-size-zero", hr.with_(remote_tp_size=0), "remote_tp_size"),
+    hr.Garbage("protocol-other", hr.with_(protocol_version=99), "protocol_version"),
+    hr.Garbage("cached-beyond-prompt", hr.with_(remote_cached_tokens=10_000), "remote_cached_tokens"),
+    hr.Garbage("prefill-flag-on-p", hr.with_(do_remote_prefill=True, metaserver="http://x/"), "do_remote_prefill"),
+    # Well-formed, but D's announcement for another prompt: pushing it would overwrite that request's blocks.
+    hr.Garbage("announcement-of-another-prompt", lambda good: good_p("bad"), "remote_prompt_digest"),
+    hr.Garbage("digest-missing", hr.without("remote_prompt_digest"), "remote_prompt_digest"),
+]
+
+
+def _tracked(engine: Any) -> int:
+    connector = engine.connector
+    assert isinstance(connector, MooncakeLayerwiseConnector) and connector._scheduler is not None
+    return connector._scheduler.tracked
+
+
+@pytest.fixture
+def metaserver() -> Any:
+    server = hr.Metaserver()
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("garbage", D_GARBAGE, ids=[g.name for g in D_GARBAGE])
+def test_d_computes_a_hostile_request_locally(
+    model_dir: Path, metaserver: Any, caplog: pytest.LogCaptureFixture, garbage: Any
+) -> None:
+    d = hr.Engine(_h.make_config(model_dir, "kv_consumer", "D-lwh", 40200), _h.kv_cache_config(), _h.BLOCK)
+    try:
+        good = {"do_remote_prefill": True, "metaserver": metaserver.url}
+        good_a = d.add("good-a", PROMPT, dict(good))
+        bad = d.add("bad", PROMPT, garbage.make(dict(good)), first=500)
+        good_b = d.add("good-b", PROMPT, dict(good), first=900)
+        out = d.schedule()
+        hr.assert_one_warning(caplog, garbage.key)
+        assert bad.kv_transfer_params is None and out.num_scheduled_tokens == {"bad": PROMPT}
+        assert good_a.status == good_b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert sorted(r.request_id for r in out.kv_connector_metadata.inner.recv) == ["good-a", "good-b"]
+        metaserver.wait_for(["good-a", "good-b"])
+        assert "bad" not in metaserver.got  # nothing announced for it
+        d.step(out, sampled=["bad"], recving=["good-a", "good-b"])
+        out = d.schedule()
+        assert out.num_scheduled_tokens == {"good-a": 1, "good-b": 1}
+        d.step(out, sampled=["good-a", "good-b"])
+        d.assert_idle(lambda: _tracked(d))
+        assert len(hr.ascend_warnings(caplog)) == 1
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("garbage", P_GARBAGE, ids=[g.name for g in P_GARBAGE])
+def test_p_computes_a_hostile_request_locally(model_dir: Path, caplog: pytest.LogCaptureFixture, garbage: Any) -> None:
+    p = hr.Engine(_h.make_config(model_dir, "kv_producer", "P-lwh", 40200), _h.kv_cache_config(), _h.BLOCK)
+    try:
+        p.add("good-a", PROMPT, good_p("good-a"))
+        bad = p.add("bad", PROMPT, garbage.make(good_p("bad", first=500)), first=500)
+        p.add("good-b", PROMPT, good_p("good-b", first=900), first=900)
+        out = p.schedule()
+        hr.assert_one_warning(caplog, garbage.key)
+        assert bad.kv_transfer_params is None
+        assert out.num_scheduled_tokens == {"good-a": PROMPT, "bad": PROMPT, "good-b": PROMPT}
+        assert sorted(s.request_id for s in out.kv_connector_metadata.inner.send) == ["good-a", "good-b"]
+        p.step(out, sampled=["good-a", "bad", "good-b"])
+        assert p.params == {"good-a": None, "bad": None, "good-b": None}
+        assert p.free_blocks() == p.free_at_start  # P frees at once (the workers' reuse gates protect)
+        p.assert_idle(lambda: _tracked(p))
+        assert len(hr.ascend_warnings(caplog)) == 1
+    finally:
+        p.close()
