@@ -1,4 +1,4 @@
-"""Block-id planning with context parallelism: the spec's worked examples (§5.11) and properties."""
+"""Block-id planning with context parallelism: worked examples and properties."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hybrid planning without an engine: trimming, truncation, P/D agreement, sources (spec §5.3, §5.4, §5.9, §5.12)."""
+"""Hybrid planning without an engine: trimming, truncation, P/D agreement, sources."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _hybrid(role: str, windows: list[int] | None = None, **kw: Any) -> PullSched
 
 
 def test_spec_hybrid_trim_table_with_p_side_truncation() -> None:
-    """Spec §5.3.3 last row: FA, SWA(3), state; P drops the last of 65 prompt tokens first (§5.3.2)."""
+    """Full attention, SWA(3) and a state group: P drops the last of 65 prompt tokens first."""
     p = _hybrid("kv_producer")
     req = SchedRequest("r", 65, {"do_remote_decode": True})
     assert p.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -123,7 +123,7 @@ def test_tp_num_need_pulls_matches_the_spec_and_the_rank_choice(heads: int, p_tp
 
 
 def test_state_sources_and_fan_in() -> None:
-    assert state_source_ranks(1, 4, 2) == [2, 3]  # spec §5.12: d*k + j with k = P_tp / D_tp
+    assert state_source_ranks(1, 4, 2) == [2, 3]  # d*k + j with k = P_tp / D_tp
     with pytest.raises(ConfigError, match=r"prefill\.tp_size"):
         state_source_ranks(0, 1, 2)
     # GQA H=4, P8 -> D2: attention reads a seeded replica column, state reads D rank's block of P ranks.
@@ -200,7 +200,7 @@ def test_peer_rank_check_is_pp_aware() -> None:
 
 
 def test_group_pairs_in_kernel_blocks_spec_example() -> None:
-    """Spec §5.10 (without compression): block 16, kernel 8 -> scale 2 on both sides."""
+    """Kernel blocks (without compression): block 16, kernel 8 -> scale 2 on both sides."""
     kernel8 = TensorGeom(0, 8 * 16, 8 * 16, 8, 1, 16)
     cache = LocalCache({"a": [kernel8]}, [["a"]], 16, 1)
     meta = _meta(

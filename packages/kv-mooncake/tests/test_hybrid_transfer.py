@@ -4,7 +4,7 @@ P (a child process) and D (this process) run the package's scheduler and workers
 TCP. Layer ``i`` belongs to group ``i % groups``; the state group's layers hold a conv and an ssm
 state per block, sharded over TP as vLLM shards GDN layers. D verifies every attention block and
 its state block against the contents P computed, including the assembly of ``P_tp / D_tp`` state
-shards (conv Q/K/V interleave, stacked ssm heads) into one D shard (spec §5.13.3).
+shards (conv Q/K/V interleave, stacked ssm heads) into one D shard.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ KERNEL_BLOCKS = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("topo", KERNEL_BLOCKS)
 def test_kernel_blocks_and_unequal_block_sizes(make_pair: Callable[..., Any], topo: dict[str, Any]) -> None:
-    """Logical blocks split into kernel blocks, and P's block twice D's (spec §5.4.3, §5.10)."""
+    """Logical blocks split into kernel blocks, and P's block twice D's."""
     pair = make_pair(**topo)
     assert pair.transfer("k0", 16 * 7 - 3, seed=31) == set()
     assert pair.d.verify("k0", 31) > 0
@@ -155,7 +155,7 @@ CP_BLOCKS = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("topo", CP_BLOCKS)
 def test_cp_with_d_block_a_multiple_of_p_block(make_pair: Callable[..., Any], topo: dict[str, Any]) -> None:
-    """CP with D's block (32) twice P's (16): D's blocks are read as P-sized sub-blocks (spec §5.11)."""
+    """CP with D's block (32) twice P's (16): D's blocks are read as P-sized sub-blocks."""
     pair = make_pair(block_size=32, p_model={"block_size": 16}, groups=2, **topo)
     assert pair.transfer("b0", 16 * 7 - 3, seed=51) == set()
     assert pair.d.verify("b0", 51) > 0

@@ -1,4 +1,4 @@
-"""Quarantine after a failed or timed-out read (spec §15 item 14), over real processes.
+"""Quarantine after a failed or timed-out read, over real processes.
 
 A read that failed or timed out may still write into D's blocks later (Mooncake #4247). D reports
 the blocks as load errors at once but keeps the request out of ``finished_recving`` (so vLLM holds

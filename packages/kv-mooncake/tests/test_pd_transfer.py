@@ -76,7 +76,7 @@ CP_TOPOLOGIES = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("topo", CP_TOPOLOGIES)
 def test_cp_pull_is_byte_exact(make_pair: Callable[..., Any], topo: dict[str, Any]) -> None:
-    """Context parallelism: each D rank pulls its blocks from the P CP ranks that hold them (spec §5.11)."""
+    """Context parallelism: each D rank pulls its blocks from the P CP ranks that hold them."""
     pair = make_pair(**topo)
     assert pair.transfer("c0", 16 * 7 - 3, seed=3) == set()  # 7 blocks: the final block on a CP rank != 0
     assert pair.d.verify("c0", 3) > 0

@@ -1,4 +1,4 @@
-"""SWA tail alignment on D (spec §15 item 7) and state-group descriptors (spec §5.13.3)."""
+"""SWA tail alignment on D and state-group descriptors."""
 
 from __future__ import annotations
 

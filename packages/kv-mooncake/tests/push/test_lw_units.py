@@ -36,7 +36,7 @@ def _cfg(role: str = "kv_consumer", **extra: Any) -> LayerwiseConfig:
     return LayerwiseConfig.from_kv_transfer_config(engine_id="e", kv_role=role, kv_port=40000, extra=base)
 
 
-# ---- planning (spec §8.4 worked example) ------------------------------------------------------------------
+# ---- planning (worked example) --------------------------------------------------------------------------------
 
 
 def _plan(tp_rank: int, p: ParallelInfo, d: ParallelInfo, heads: int, **kw: Any) -> Any:
@@ -115,7 +115,7 @@ def test_descriptors_plain_merge_runs_and_resharded_land_at_member_offsets() -> 
 
 
 def test_alltoall_rearrangement_worked_example() -> None:
-    """Spec §7.5.1: b=4, r=2, h=1, dim=1, 2 blocks."""
+    """The head -> token all-to-all by hand: b=4, r=2, h=1, dim=1, 2 blocks."""
     r0 = torch.tensor([0, 1, 2, 3, 10, 11, 12, 13]).reshape(8, 1, 1)
     r1 = r0 + 100
     sent = [chunk_major(x, 2, 4) for x in (r0, r1)]

@@ -1,6 +1,6 @@
 """D's read thread over its real ZMQ server, with a fake engine (our `RemoteReadBackend` Protocol).
 
-Covers the completion rules of spec §10.5 precisely: every contributor must send the last layer
+Covers the completion rules precisely: every contributor must send the last layer
 (duplicates do not count), a failed engine read fails the batch's requests, ranks owning nothing
 still answer, and stale, unknown or hello-less requests are refused.
 """

@@ -6,7 +6,7 @@ JSON line each:
 
 * ``{"cmd": "create", "name", "config": {...}, "model": {...}, "tp_ranks": [..], "gloo": null |
   {"init_method", "rank", "world_size", "timeout_s"}}`` -> ``{"ok": true}``. With ``gloo`` the
-  process joins a gloo group of all P ranks and builds the all-to-all sub-groups of spec §7.5.1
+  process joins a gloo group of all P ranks and builds the all-to-all sub-groups
   (the ``pd_head_ratio`` consecutive ranks feeding one D rank).
 * ``{"cmd": "prefill", "name", "params", "prompt_len", "seed", "compute_s", "chunks", "kv_in_forward"}``
   -> ``{"start": monotonic, "elapsed": s}`` (the layer-by-layer forward; pushes overlap it).

@@ -81,7 +81,7 @@ def block_geometry(
         strides: Its strides in elements, same order.
         element_size: Bytes per element.
         base: Address of block 0.
-        num_blocks: Logical blocks; ``shape[B]`` may be a multiple (kernel blocks, spec §5.4.3), and
+        num_blocks: Logical blocks; ``shape[B]`` may be a multiple (kernel blocks), and
             the geometry then describes one kernel block.
         layout: The engine's layout name, named in errors.
 

@@ -143,7 +143,7 @@ def reply_codec(max_bytes: int) -> Codec[Reply]:
 
 
 class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    """``kv_transfer_params`` P returns through the proxy to D (spec §5.2).
+    """``kv_transfer_params`` P returns through the proxy to D.
 
     ``remote_block_ids`` has one list per KV-cache group (P's logical ids, already trimmed).
     ``remote_window_blocks`` (blocks kept per sliding-window group, 0 for others) and

@@ -1,4 +1,4 @@
-"""Pure block-id planning of a pull with context parallelism (PCP/DCP on P and/or D), spec §5.11.
+"""Pure block-id planning of a pull with context parallelism (PCP/DCP on P and/or D).
 
 Runs in: D worker processes (and tests). No I/O, no threads, no torch.
 
@@ -101,7 +101,7 @@ def cp_sources(d_tp_rank: int, p: ParallelInfo, d: ParallelInfo, heads: int) -> 
 
 
 def cp_block_counts(num_prompt_blocks: int, num_present_blocks: int, rcp: int) -> tuple[list[int], int]:
-    """Blocks still to pull per P CP rank, and the CP rank holding the final block (spec §5.11 D).
+    """Blocks still to pull per P CP rank, and the CP rank holding the final block.
 
     Args:
         num_prompt_blocks: Prompt blocks in P units.
@@ -140,7 +140,7 @@ def plan_cp_pull(
     p_block_size: int,
     d_block_size: int,
 ) -> list[CpShard]:
-    """Plan one D rank's pull when either side uses context parallelism (spec §5.11 A-E).
+    """Plan one D rank's pull when either side uses context parallelism.
 
     Args:
         p: P's layout (``pd_head_ratio`` ignored).
@@ -212,7 +212,7 @@ def plan_cp_pull(
 
 
 def cp_p_fan_in(p_world_rank: int, *, p: ParallelInfo, d: ParallelInfo, heads: int, block_ratio: int = 1) -> int:
-    """How many D ranks read from P world rank ``p_world_rank`` (0: P frees at once), spec §5.11 C.
+    """How many D ranks read from P world rank ``p_world_rank`` (0: P frees at once).
 
     Independent of the request (the CP pairing has no random choice), so P can count DONEs. Every
     D rank sends one DONE per P rank of each of its shards, also for a shard with no blocks.

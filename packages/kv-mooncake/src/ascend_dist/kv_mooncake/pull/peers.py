@@ -4,7 +4,7 @@ Runs in: D worker processes (the receiver's pool threads; thread-safe). Every re
 deadline and retries of `ascend_dist.common.zmq_rpc.RpcClient`; replies are decoded strictly. A P
 worker's metadata is fetched once after a compatibility handshake and cached per (engine id,
 host, port) until a transfer from it fails (`forget`): a P restarted on the same port must not be
-read with stale addresses (spec §15 item 12).
+read with stale addresses.
 """
 
 from __future__ import annotations

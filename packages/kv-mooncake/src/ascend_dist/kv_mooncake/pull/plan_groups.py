@@ -2,12 +2,12 @@
 
 Runs in: D worker processes (and tests). No I/O, no threads, no torch.
 
-* `pair_swa_blocks` (spec §15 item 7): P sends only the last ``window_blocks`` non-null blocks of a
+* `pair_swa_blocks`: P sends only the last ``window_blocks`` non-null blocks of a
   sliding-window group (`ascend_dist.kv_mooncake.core.plan.trim_block_ids`), so skipping P's blocks
   from the *head* by D's prefix hit (the full-attention rule) misaligns them. D clips its own list
   to the prompt and the same window, drops vLLM's null block 0, and pairs the two lists by their
   **tails** (both end at the prompt's final block).
-* `state_descriptors` (spec §5.13.3): a state group holds one block per request (conv and ssm
+* `state_descriptors`: a state group holds one block per request (conv and ssm
   tensors per layer); with ``ratio = P_tp / D_tp > 1`` D's conv row interleaves the Q, K and V
   sub-projections of ``ratio`` P ranks, and its ssm state stacks them.
 """
@@ -111,7 +111,7 @@ def pair_group_blocks(meta: ReqMeta, group: int, block_size: int) -> tuple[list[
 def state_block_pair(
     local_ids: Sequence[int], remote_ids: Sequence[int], num_speculative_tokens: int = 0
 ) -> tuple[int, int] | None:
-    """The one (local, remote) block of a state group (spec §5.13 step 4), or None if empty.
+    """The one (local, remote) block of a state group, or None if empty.
 
     Remote index ``len(remote) - num_speculative_tokens - 1``, local ``local_ids[0]`` (D may
     allocate a different number of blocks; never force equal counts). vLLM's null block 0 (the
@@ -161,7 +161,7 @@ def state_descriptors(
     elt: int = 0,
     segments: Sequence[int] = (),
 ) -> Descriptors:
-    """Descriptors pulling one layer's state block from one P rank (spec §5.13.3).
+    """Descriptors pulling one layer's state block from one P rank.
 
     Args:
         local: D's tensors.
@@ -216,7 +216,7 @@ def state_descriptors(
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Per-P-rank sizes of the conv row's sub-projections, needed when ``P_tp > D_tp`` (spec §5.13.3).
+    """Per-P-rank sizes of the conv row's sub-projections, needed when ``P_tp > D_tp``.
 
     One P rank's conv row is its TP shard of each sub-projection, back to back: for GDN
     ``[Q (sK) | K (sK) | V (sV)]`` (`gdn`), for Mamba2 ``[x | B | C]``. D's row holds ``ratio``
@@ -252,7 +252,7 @@ class StateLayout:
 
 
 def state_source_ranks(d_rank: int, p_tp: int, d_tp: int) -> list[int]:
-    """P tp ranks whose state shards D rank ``d_rank`` assembles (spec §5.12: ``d*k + j``, ``k = P_tp / D_tp``).
+    """P tp ranks whose state shards D rank ``d_rank`` assembles (``d*k + j``, ``k = P_tp / D_tp``).
 
     Raises:
         ConfigError: ``P_tp`` is not a multiple of ``D_tp`` (a state shard cannot be split further).
@@ -304,7 +304,7 @@ def source_fan_in(
 
 
 def tp_num_need_pulls(heads: int, p_tp: int, d_tp: int, *, use_mla: bool = False) -> int:
-    """P ranks one D rank reads per PP stage for an attention group (spec §5.4.1).
+    """P ranks one D rank reads per PP stage for an attention group.
 
     ``max(1, H // D_tp) // max(1, H // P_tp)``; 1 for MLA. `select_sources` yields exactly this
     many P ranks for ``P_tp >= D_tp`` (one P rank for ``P_tp < D_tp``, which upstream refuses).

@@ -7,7 +7,7 @@ KV-cache group of D's cache:
 
 * **attention** groups (full or sliding window): the head slices of `ascend_dist.kv_mooncake.core.plan`
   for the paired blocks (`plan_groups.pair_group_blocks`, or the CP shard's ids);
-* **state** groups (Mamba/GDN/linear attention, spec §5.13.3): one state block per layer, read
+* **state** groups (Mamba/GDN/linear attention): one state block per layer, read
   from the P ranks of `plan_groups.state_source_ranks`; whole tensors when ``P_tp == D_tp``, the
   conv Q/K/V interleave and the stacked ssm slice (`plan_groups.state_descriptors`) when
   ``P_tp > D_tp``.
@@ -114,7 +114,7 @@ def _check_ids(remote_ids: Sequence[int], agent: AgentMetadata, scale: int = 1) 
 
 
 def _sub_blocks(geom: TensorGeom, r: int) -> TensorGeom:
-    """D's block as ``r`` sub-blocks of P's size (CP with ``Bd = r * Bp``, spec §5.11).
+    """D's block as ``r`` sub-blocks of P's size (CP with ``Bd = r * Bp``).
 
     Sub-block ``x`` is tokens ``(x % r) * Bp ..`` of block ``x // r``: linear in ``x`` only for
     dense token-major blocks (in a head-major block of several heads a token range is one run per
@@ -147,7 +147,7 @@ def _scales(cache: LocalCache, meta: ReqMeta, group: int) -> tuple[int, int, int
 
 
 def group_pairs(cache: LocalCache, meta: ReqMeta, group: int) -> tuple[list[int], list[int]]:
-    """D's and P's ids of one group in **kernel-block** units (rows of the registered tensors), spec §5.10.
+    """D's and P's ids of one group in **kernel-block** units (rows of the registered tensors).
 
     Without kernel scaling and with equal block sizes these are the logical ids of
     `plan_groups.pair_group_blocks`. Otherwise a full-attention group expands logical block

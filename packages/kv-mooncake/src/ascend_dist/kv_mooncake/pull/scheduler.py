@@ -93,7 +93,7 @@ class PullScheduler:
             block_sizes: Tokens per block of each KV-cache group.
             window_blocks: Per group, ``ceil(window / block) + 1`` for sliding-window groups, else 0.
             state_groups: Indices of the state (Mamba/linear-attention) groups. With any, P drops
-                the last prompt token (a recurrent state cannot be rewound, spec §5.3.2) and D
+                the last prompt token (a recurrent state cannot be rewound) and D
                 loads ``prompt - 1`` tokens, then recomputes the last one.
             num_speculative_tokens: Speculative tokens (P's state block is the ``spec + 1``-th last).
 
@@ -129,7 +129,7 @@ class PullScheduler:
             pcp_size=config.prefill.pcp_size,
             dp_size=config.prefill.dp_size,
         )
-        # With CP on P each scheduler block id covers cp blocks' worth of prompt (spec §5.3.3).
+        # With CP on P each scheduler block id covers cp blocks' worth of prompt.
         self._p_cp = config.prefill.cp_size if config.is_producer else 1
         self._remote_port = layout.dp_base(config.dp_rank) if config.is_producer else 0
         self._recv: StateTable[RecvState] = StateTable(RECV_TRANSITIONS, name="recv")
@@ -225,7 +225,7 @@ class PullScheduler:
             if d_block % p_block or ratio % (d_block // p_block):
                 return (
                     f"kv_transfer_params.remote_block_size={p_block} with D's {d_block} and context parallelism: "
-                    f"D's block must be r x P's with (P cp / D cp) = {ratio} a multiple of r (spec §5.11)"
+                    f"D's block must be r x P's with (P cp / D cp) = {ratio} a multiple of r"
                 )
         if params.remote_state_groups is not None and sorted(params.remote_state_groups) != self._states:
             return (
@@ -235,7 +235,7 @@ class PullScheduler:
         return ""
 
     def truncate_for_state(self, request: SchedRequest) -> bool:
-        """P with state groups: drop the request's last prompt token, once (spec §5.3.2).
+        """P with state groups: drop the request's last prompt token, once.
 
         P then computes the state after ``N - 1`` tokens and D recomputes token ``N`` from it.
         Sets ``prompt_len -= 1`` and ``kv_transfer_params["_p_side_truncated"]`` (the guard
@@ -336,7 +336,7 @@ class PullScheduler:
     def request_finished(
         self, request: SchedRequest, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Decide delayed free and P's hand-off params (spec §5.2, §5.3.6).
+        """Decide delayed free and P's hand-off params.
 
         Returns:
             ``(delay_free, kv_transfer_params)``.

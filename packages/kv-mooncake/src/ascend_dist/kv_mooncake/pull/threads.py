@@ -10,7 +10,7 @@ failed task records the logical block ids it was to fill, in every KV group, *be
 is reported finished. A request still pulling after ``pull_timeout_s`` is reported
 failed (its late results are ignored).
 
-Quarantine (spec §15 item 14): a failed or timed-out read may still write into D's blocks later
+Quarantine: a failed or timed-out read may still write into D's blocks later
 (Mooncake #4247), so its request's blocks are reported as load errors at once but the request
 reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of its reads runs and
 ``quarantine_s`` has passed since the last failed read; a read that never returns is given up one
@@ -165,7 +165,7 @@ class Receiver:
             self._pool.submit(self._run_task, meta.request_id, global_rank)
 
     def _submit_cp(self, meta: ReqMeta) -> None:
-        """Plan with context parallelism (spec §5.11): one task per (P CP rank, P rank) of each shard."""
+        """Plan with context parallelism: one task per (P CP rank, P rank) of each shard."""
         p_info, d_info = cp_layouts(self._config, self._use_mla)
         bs = self._cache.block_size
         external = max(0, meta.prompt_len - meta.num_computed_tokens) if any(meta.local_block_ids) else 0

@@ -190,7 +190,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         return _sched_request(request, digest=digest)
 
     def on_new_request(self, request: Request) -> None:
-        """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates (§5.3.2)."""
+        """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates."""
         if self._scheduler is not None and self._scheduler.truncate_for_state(self._admitted(request)):
             _truncate_prompt(request)
 
@@ -226,7 +226,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Delayed free and P's kv_transfer_params (spec §5.2); a rejected request is freed at once."""
+        """Delayed free and P's kv_transfer_params; a rejected request is freed at once."""
         return self._sched().request_finished(self._admitted(request, digest=True), list(block_ids))
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
@@ -300,10 +300,10 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
 
 class MooncakeHybridConnector(MooncakeConnectorV1):
-    """vllm-ascend's ``MooncakeHybridConnector`` name, served by the section-5 pull planner (spec §6).
+    """vllm-ascend's ``MooncakeHybridConnector`` name, served by the whole-prompt pull planner.
 
-    Upstream this is an older pull variant (flat metadata, no CP); the spec recommends mapping the
-    name to the current planner, which handles what it was for: attention plus state (Mamba/GDN)
+    Upstream this is an older pull variant (flat metadata, no CP); the name is mapped
+    to the current planner, which handles what it was for: attention plus state (Mamba/GDN)
     groups, sliding-window groups, heterogeneous TP and PP on P. Differences that remain against
     the legacy connector: the wire format is this package's (the handshake refuses a legacy peer),
     prefixes are skipped by D's prefix hit (tail alignment only for sliding-window groups),

@@ -139,9 +139,9 @@ class PullWorker:
     def make_handshake(self, block_size: int, kernel_block_size: int = 0) -> Handshake:
         """This side's handshake: everything P and D must agree on.
 
-        The logical block sizes may differ between P and D (D pairs kernel blocks, spec §5.10);
+        The logical block sizes may differ between P and D (D pairs kernel blocks);
         the kernel block (``kernel_block_size`` tokens, default ``block_size``) must match. With
-        context parallelism D may read its blocks as P-sized sub-blocks (spec §5.11), so the
+        context parallelism D may read its blocks as P-sized sub-blocks, so the
         kernel block is left out and every pull checks both sides' block geometry instead.
         """
         c = self._config
@@ -184,7 +184,7 @@ class PullWorker:
             block_size: Tokens per block.
             state_groups: Indices of the state (Mamba) groups in ``groups``.
             state_layout: D with ``P_tp > D_tp`` and state groups: the conv row's sub-projection
-                sizes per P rank (spec §5.13.3).
+                sizes per P rank.
             layout: The tensors' logical axes and the engine's layout name
                 (`kv_views.label_kv_caches`); default vllm-ascend's ``[blocks, tokens, heads, dim]``.
 

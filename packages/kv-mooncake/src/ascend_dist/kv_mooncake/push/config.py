@@ -3,7 +3,7 @@
 Runs in: scheduler and worker processes. Pure: no I/O. Every bad value raises `ConfigError`
 naming the field and the values it accepts. P's and D's topologies use the pull connector's
 `ascend_dist.kv_mooncake.core.config.Topology` (``prefill`` / ``decode`` keys, both required on both
-roles); PP is not supported by the push (spec §4.2: no PP term in its port layout).
+roles); PP is not supported by the push (no PP term in its port layout).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class LayerwiseConfig(ConnectorConfig):
 
     @property
     def d_ports(self) -> PortLayout:
-        """D's side-channel port layout (spec §4.2)."""
+        """D's side-channel port layout."""
         d = self.decode
         return PortLayout(
             kv_port=self.kv_port,

@@ -1,4 +1,4 @@
-"""The layer-wise buffer reuse gate (spec §7.7) of a P worker.
+"""The layer-wise buffer reuse gate of a P worker.
 
 Runs in: P worker processes: the forward thread closes a layer's gate (`mark_pending`) before its
 send task becomes visible and waits on it at the layer's next entry (`wait_for_layer_reuse`); the

@@ -133,7 +133,7 @@ def reply_codec(max_bytes: int) -> Codec[Reply]:
 
 
 class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    """``kv_transfer_params`` D's scheduler posts to the metaserver and the proxy hands to P (spec §7.1).
+    """``kv_transfer_params`` D's scheduler posts to the metaserver and the proxy hands to P.
 
     ``remote_block_ids`` has one list per KV-cache group (D's logical ids, prefix-hit blocks included).
     ``remote_prompt_digest`` (of D's first ``remote_prompt_tokens`` prompt tokens): P pushes only for
@@ -166,7 +166,7 @@ def external_request_id(request_id: str) -> str:
 
     vLLM 0.33 makes request ids unique per engine as ``f"{external}-{8 hex}"`` (unless
     ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``), so P's and D's internal ids of one request differ; the
-    proxy matches D's announcement to P's request by the external id (spec kv-p2p §7.1). An id without
+    proxy matches D's announcement to P's request by the external id. An id without
     such a suffix is its own external id.
     """
     return _VLLM_SUFFIX.sub("", request_id)

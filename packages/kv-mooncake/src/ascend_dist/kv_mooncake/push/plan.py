@@ -3,11 +3,11 @@
 Runs in: P worker processes (once per request per step, in ``start_load_kv``) and the send thread
 (descriptors per layer). Pure: numpy and `ascend_dist.common` only.
 
-The block/port mapping is common's (`ascend_dist.common.transfer_mappings`, spec §8): CP groups
+The block/port mapping is common's (`ascend_dist.common.transfer_mappings`): CP groups
 (`get_cp_group`), the P/D group pair of a request (`select_group_pair`), the window of logical blocks
 computed since the last step (`transfer_window`), their D endpoint and D block
 (`get_local_remote_block_port_mappings`) and this rank's tasks (`get_transfer_mappings`). This module
-adds the per-request wrapper and the two descriptor layouts of spec §7.5:
+adds the per-request wrapper and the two descriptor layouts:
 
 * plain (``pd_head_ratio == 1``): whole blocks, consecutive runs merged;
 * resharded (``pd_head_ratio = r > 1``): after the all-to-all each P rank holds all heads of a
@@ -93,7 +93,7 @@ def plan_request(
     remote_cached_tokens: int,
     chunk_finished: bool,
 ) -> RequestPlan:
-    """Plan one request's writes for this step on one P rank (spec §7.4, §8).
+    """Plan one request's writes for this step on one P rank.
 
     Args:
         transfer_id: The request id both sides use on the wire.
@@ -253,7 +253,7 @@ def resharded_pieces(
     member: int,
     ratio: int,
 ) -> Pieces:
-    """Writes of one layer after the all-to-all (spec §7.5, resharded path): one piece per block and tensor.
+    """Writes of one layer after the all-to-all (resharded path): one piece per block and tensor.
 
     Args:
         staging: Base address of each tensor's staging buffer (block ``i`` of the rearranged list

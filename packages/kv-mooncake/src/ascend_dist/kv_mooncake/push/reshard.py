@@ -1,4 +1,4 @@
-"""The all-to-all "head -> token" rearrangement of P_tp > D_tp (spec §7.5.1, §9.3).
+"""The all-to-all "head -> token" rearrangement of P_tp > D_tp.
 
 Runs in: P worker processes, on the forward thread inside ``save_kv_layer`` (a collective: every
 member of the group calls it for the same layer in the same order, which the shared scheduler

@@ -105,7 +105,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
     """P/D disaggregation: P pushes each layer into D's blocks as soon as it is computed (vllm-ascend's name)."""
 
     # The multi-connector gives this connector the real blocks and token count even when another
-    # child loads (spec §12 item 2), and treats it as a layer-wise reuse provider (item 5).
+    # child loads, and treats it as a layer-wise reuse provider (its P workers have a reuse gate).
     requires_full_blocks_on_update_after_alloc = True
     supports_layerwise_buffer_reuse = True
 

@@ -1,4 +1,4 @@
-"""``SfaRemoteD2HConnector``: D reads each layer from P's device memory into its host pool (spec kv-p2p §10).
+"""``SfaRemoteD2HConnector``: D reads each layer from P's device memory into its host pool.
 
 For sparse-attention (SFA/DSA, MLA-style) models whose decode instance keeps the main KV cache in a
 host pool shared by its TP ranks and only the small indexer cache on the device. D reads each layer

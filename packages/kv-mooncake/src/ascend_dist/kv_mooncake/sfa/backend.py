@@ -1,7 +1,7 @@
 """The three-method remote-read engine of the SFA connector: MemFabric on Ascend, Mooncake elsewhere.
 
-Runs in: P and D worker processes. Upstream wraps MemFabric's engine (``GlobalMemfabricTE``,
-spec kv-p2p §10.6) and calls exactly three methods on it; the same three exist with the same
+Runs in: P and D worker processes. Upstream wraps MemFabric's engine (``GlobalMemfabricTE``)
+and calls exactly three methods on it; the same three exist with the same
 signatures on Mooncake's ``TransferEngine``, so the connector depends only on `RemoteReadBackend`:
 
 * ``get_rpc_port() -> int`` (the session id peers use is ``"<host>:<port>"``),
@@ -49,7 +49,7 @@ ASCEND_DRIVER_VERSION_FILE = "/usr/local/Ascend/driver/version.info"
 
 
 class RemoteReadBackend(Protocol):
-    """The three calls the SFA connector makes on its engine (spec §10.6)."""
+    """The three calls the SFA connector makes on its engine."""
 
     def get_rpc_port(self) -> int:
         """The engine's RPC port; peers address it as ``"<host>:<port>"``."""
@@ -143,7 +143,7 @@ class MemfabricReadBackend:
     """`RemoteReadBackend` over MemFabric (``memfabric_hybrid``); Ascend only."""
 
     def __init__(self, hostname: str, role: str, device_id: int) -> None:
-        """Create and initialise MemFabric's engine (spec §10.6).
+        """Create and initialise MemFabric's engine.
 
         Raises:
             ConfigError: ``role`` is not ``Prefill``/``Decode`` or ``device_id`` is negative.
@@ -193,7 +193,7 @@ _MEMFABRIC_LOCK = threading.Lock()
 
 
 def _memfabric(host: str, role: str, device_id: int) -> MemfabricReadBackend:
-    """The process's one MemFabric engine (spec §10.6); asking again with other settings is an error."""
+    """The process's one MemFabric engine; asking again with other settings is an error."""
     with _MEMFABRIC_LOCK:
         known = _MEMFABRIC.get("engine")
         if known is not None:

@@ -1,7 +1,7 @@
 """Configuration of ``SfaRemoteD2HConnector``, parsed from vLLM's ``kv_transfer_config`` fields.
 
 Runs in: scheduler and worker processes of both roles. Pure: no I/O. Every bad value raises
-`ConfigError` naming the field and the values it accepts (spec kv-p2p §3, §4.3, §10).
+`ConfigError` naming the field and the values it accepts.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class SfaConfig(ConnectorConfig):
         kv_port: Base of the side channel: D rank r of global DP rank g binds
             ``kv_port + g * decode.tp_size + r``.
         prefill: P's topology (``tp_size`` must be a multiple of ``decode.tp_size``).
-        dp_rank: This instance's GLOBAL data-parallel rank (spec §4.3).
+        dp_rank: This instance's GLOBAL data-parallel rank.
         host: Interface D binds and advertises (never a wildcard).
         transfer_backend: ``memfabric`` (Ascend driver needed) or ``mooncake``.
         use_layerwise: D reads each layer as soon as P wrote it (the only mode implemented).
@@ -93,7 +93,7 @@ class SfaConfig(ConnectorConfig):
 
     @property
     def d_base_port(self) -> int:
-        """D's side-channel base for this instance's global DP rank (spec §4.3)."""
+        """D's side-channel base for this instance's global DP rank."""
         return self.kv_port + self.dp_rank * self.decode.tp_size
 
     @classmethod

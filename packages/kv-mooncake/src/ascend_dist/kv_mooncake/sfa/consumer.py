@@ -1,4 +1,4 @@
-"""D's worker half of the SFA remote-D2H connector: the read thread and completion (spec kv-p2p §10.5).
+"""D's worker half of the SFA remote-D2H connector: the read thread and completion.
 
 Runs in: every D worker process. Call order: `ConsumerWorker.register` (after the host pool and
 the indexer caches exist; binds the ROUTER at ``kv_port + dp_rank * D_tp + tp_rank``) ->

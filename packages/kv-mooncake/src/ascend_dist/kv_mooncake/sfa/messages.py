@@ -1,4 +1,4 @@
-"""Every message of the SFA remote-D2H connector that crosses a process (spec kv-p2p §10.3).
+"""Every message of the SFA remote-D2H connector that crosses a process.
 
 Runs in: P workers (client side, a DEALER per D endpoint), D workers (the ROUTER read thread),
 schedulers (the contact info D posts to the metaserver). Nothing is pickled: msgspec Structs in
@@ -157,7 +157,7 @@ def reply_codec(max_bytes: int) -> Codec[Reply]:
 
 
 class ContactInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    """``kv_transfer_params`` D posts to the metaserver for P (spec §10.2): contact only, no block ids.
+    """``kv_transfer_params`` D posts to the metaserver for P: contact only, no block ids.
 
     Attributes:
         request_id: D's external request id (P sends it back in every `ReadReq`).

@@ -1,4 +1,4 @@
-"""D's metaserver client: posts a request's contact info to the proxy, with bounded retries (spec §10.2).
+"""D's metaserver client: posts a request's contact info to the proxy, with bounded retries.
 
 Runs in: D's scheduler process, on one background thread (joined by `close`). A post is JSON over
 HTTP (stdlib ``urllib``; no pickle): up to ``attempts`` transport attempts of ``timeout_s`` each;

@@ -1,7 +1,6 @@
 """Pure planning of the SFA remote-D2H connector: ports, ranks, block ranges, read descriptors.
 
-Runs in: P and D workers. No I/O, no threads, no torch (numpy only). Spec kv-p2p §4.3, §10.4,
-§10.5:
+Runs in: P and D workers. No I/O, no threads, no torch (numpy only). The rules:
 
 * P rank p feeds D rank ``p // ratio`` as contributor ``p mod ratio`` (``ratio = P_tp / D_tp``).
 * A chunk covers the request's blocks ``[start, end)``: ``start = max(D's cached tokens,
@@ -59,7 +58,7 @@ def layer_index(name: str) -> int:
 
 @dataclass(frozen=True)
 class GroupIds:
-    """Which vLLM KV-cache group holds the main cache and which the indexer cache (spec §10.1)."""
+    """Which vLLM KV-cache group holds the main cache and which the indexer cache."""
 
     main: int
     indexer: int
@@ -81,7 +80,7 @@ def infer_groups(groups: Sequence[Sequence[str]]) -> GroupIds:
 
 
 def contributor_of(p_tp_rank: int, p_tp: int, d_tp: int) -> tuple[int, int, int]:
-    """``(d_rank, group_member_idx, ratio)`` of P rank ``p_tp_rank`` (spec §4.3).
+    """``(d_rank, group_member_idx, ratio)`` of P rank ``p_tp_rank``.
 
     Raises:
         ConfigError: ``P_tp < D_tp``, not divisible, or the rank is out of range.
@@ -107,7 +106,7 @@ def d_endpoint_port(remote_port: int, d_rank: int) -> int:
 
 
 def tp_block_range(n: int, rank: int, size: int, start_block: int) -> tuple[int, int]:
-    """``(first, count)`` of the ``n`` chunk blocks owned by ``rank`` of ``size`` (spec §10.5).
+    """``(first, count)`` of the ``n`` chunk blocks owned by ``rank`` of ``size``.
 
     The ranks' ranges are disjoint, contiguous and cover ``[0, n)``; the rotation by
     ``start_block`` lets consecutive small chunks land on different ranks.
@@ -129,7 +128,7 @@ def chunk_block_range(
     finished: bool,
     allocated: int,
 ) -> tuple[int, int]:
-    """Blocks ``[start, end)`` of a request that this prefill chunk makes readable (spec §10.4).
+    """Blocks ``[start, end)`` of a request that this prefill chunk makes readable.
 
     Raises:
         BlockIdError: ``end`` lies beyond the ``allocated`` blocks.

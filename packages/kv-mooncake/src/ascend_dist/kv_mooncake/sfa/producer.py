@@ -1,4 +1,4 @@
-"""P's worker half of the SFA remote-D2H connector (spec kv-p2p §10.4).
+"""P's worker half of the SFA remote-D2H connector.
 
 Runs in: every P worker process. Call order per step, as vLLM's model runner makes it:
 `start_load_kv` (this step's chunks) -> per attention layer: `wait_for_layer_load` (the reuse
@@ -221,7 +221,7 @@ class ProducerWorker:
     def _read_req(self, r: SendReq, layer: _Layer) -> ReadReq | None:
         bs, ibs = self._block_sizes
         if not r.main_block_ids or (layer.meta.indexer and not (r.indexer_block_ids or ibs == bs)):
-            return None  # spec §10.4: requests lacking the layer's blocks are skipped
+            return None  # requests lacking the layer's blocks are skipped
         cached, done, fin = r.cached_tokens, r.transferred_tokens, r.chunk_finish
         s, e = chunk_block_range(
             cached_tokens=cached,

@@ -1,6 +1,6 @@
 """Scheduler side of the SFA remote-D2H connector: the consumer (D) and producer (P) halves.
 
-Runs in: vLLM's scheduler process. Call order per request (spec kv-p2p §10.2):
+Runs in: vLLM's scheduler process. Call order per request:
 
 * D: `ConsumerScheduler.get_num_new_matched_tokens` -> ``update_state_after_alloc`` (records the
   destination block ids, posts D's contact info to the metaserver) -> ``build_connector_meta``
