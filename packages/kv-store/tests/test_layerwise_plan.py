@@ -1,4 +1,4 @@
-"""Layer-wise planning, TP-mismatch planning, KV-event aggregation and the attention gate (spec examples)."""
+"""Layer-wise planning, TP-mismatch planning, KV-event aggregation and the attention gate (worked examples)."""
 
 from __future__ import annotations
 

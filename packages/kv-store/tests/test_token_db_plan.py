@@ -1,4 +1,4 @@
-"""ChunkedTokenDatabase, prefix hashing, load specs, ReqMeta and hit helpers (spec tables)."""
+"""ChunkedTokenDatabase, prefix hashing, load specs, ReqMeta and hit helpers (tables of worked cases)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Side-channel port-offset scheme: spec examples, the inverse, and range validation."""
+"""Side-channel port-offset scheme: worked examples, the inverse, and range validation."""
 
 from __future__ import annotations
 

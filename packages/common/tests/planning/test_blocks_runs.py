@@ -1,4 +1,4 @@
-"""Block-id validation and run grouping (kv-p2p 5.13.1)."""
+"""Block-id validation and run grouping."""
 
 from __future__ import annotations
 

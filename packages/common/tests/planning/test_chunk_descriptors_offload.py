@@ -1,4 +1,4 @@
-"""Offload host-chunk descriptors (kv-offload 1.4): worked example, groups, skip, coalescing, limits."""
+"""Offload host-chunk descriptors: worked example, groups, skip, coalescing, limits."""
 
 from __future__ import annotations
 

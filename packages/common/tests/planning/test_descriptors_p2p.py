@@ -1,4 +1,4 @@
-"""P2P descriptors (kv-p2p 5.13): the numeric examples, many layers, splitting, bad input."""
+"""P2P descriptors: the numeric examples, many layers, splitting, bad input."""
 
 from __future__ import annotations
 

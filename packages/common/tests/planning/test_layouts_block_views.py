@@ -1,4 +1,4 @@
-"""Canonical block views (kv-offload 1.3): the six worked examples and the allocation traps."""
+"""Canonical block views: the six worked examples and the allocation traps."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _geometry(view: BlockView) -> tuple[tuple[int, ...], tuple[int, ...], int, i
     return tuple(view.tensor.shape), tuple(view.tensor.stride()), view.copy_bytes, view.row_stride
 
 
-# --- the six worked examples of kv-offload 1.3 -------------------------------------------------
+# --- the six worked examples -------------------------------------------------------------------
 
 
 def test_example_split_kv() -> None:

@@ -1,4 +1,4 @@
-"""Layout kinds (kv-offload 1.2): classification, parts and page sizes, each layout end to end."""
+"""Layout kinds: classification, parts and page sizes, each layout end to end."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_every_kind_is_described() -> None:
 
 
 def test_page_bytes_helpers() -> None:
-    # kv-p2p 5.4.3: bf16, 128 tokens, 4 heads, dim 128 -> 131 072 bytes per part.
+    # bf16, 128 tokens, 4 heads, dim 128 -> 131 072 bytes per part.
     assert attention_part_bytes(128, 4, 128, 2) == 131_072
     assert attention_page_bytes(128, 4, 128, 2) == 262_144
     assert attention_page_bytes(128, 4, 128, 2, num_parts=1) == 131_072

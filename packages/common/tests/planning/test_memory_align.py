@@ -1,4 +1,4 @@
-"""align_up and align_memory (kv-p2p 9.2)."""
+"""align_up and align_memory."""
 
 from __future__ import annotations
 

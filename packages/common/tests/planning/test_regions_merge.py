@@ -1,4 +1,4 @@
-"""Registration regions: ranges, merging, per-storage collection and the region limit (kv-p2p 9.7)."""
+"""Registration regions: ranges, merging, per-storage collection and the region limit."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from ascend_dist.common.units import BYTE_UNITS, format_bytes, parse_byte_size
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("1GB", 1073741824),  # spec examples
+        ("1GB", 1073741824),  # the documented size syntax
         ("1.5 mb", 1572864),
         ("1024", 1024),
         ("512", 512),

@@ -208,7 +208,7 @@ def dedup_views(views: Iterable[BlockView]) -> list[BlockView]:
     """Drop views of bytes already covered, keyed by (data pointer, row stride, row bytes).
 
     Layers that share KV (aliasing the same bytes) then register and copy once. Keying by storage
-    pointer instead would lose sibling tensors of one allocation (kv-offload 3.5 defect D-S1).
+    pointer instead would lose sibling tensors of one allocation (an upstream defect of simple offload).
 
     Args:
         views: views in registration order.

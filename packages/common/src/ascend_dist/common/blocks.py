@@ -220,7 +220,7 @@ def group_concurrent_contiguous(
     stride_b: int = 1,
     length: int = 1,
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Group parallel id lists into runs that are byte-contiguous on both sides (kv-p2p 5.13.1).
+    """Group parallel id lists into runs that are byte-contiguous on both sides.
 
     A run breaks between positions i and i+1 unless ``(a[i+1] - a[i]) * stride_a == length`` and
     ``(b[i+1] - b[i]) * stride_b == length``. The defaults (1, 1, 1) mean "id-contiguous".

@@ -110,7 +110,7 @@ def descriptors_from_runs(
 ) -> Descriptors:
     """Turn caller-chosen runs into descriptors, one per run, without re-checking contiguity.
 
-    Address arithmetic of kv-p2p 5.13: local ``base + L0 * stride + offset``, remote
+    Address arithmetic: local ``base + L0 * stride + offset``, remote
     ``base + R0 * stride + offset``, length ``length * run_length``. For runs that were grouped by
     another rule (e.g. the replicated-indexer lists of 5.15); prefer `build_block_descriptors`, which
     only merges blocks that really are byte-contiguous.
@@ -167,7 +167,7 @@ def build_block_descriptors(
 ) -> Descriptors:
     """Descriptors for one tensor: contiguous block runs merged when both strides equal `length`.
 
-    Example (kv-p2p 5.13.2): local base 0x1000, remote 0x3000, strides and length 1024, local
+    Example: local base 0x1000, remote 0x3000, strides and length 1024, local
     ``[2, 3, 4]``, remote ``[7, 8, 9]`` -> one descriptor ``(0x1000 + 2048, 0x3000 + 7168, 3072)``.
 
     Args:

@@ -6,7 +6,7 @@ translates vLLM's request and block objects).
 When the scheduler preempts a request on a decode node, `RecomputeManager.update_state_before_preempt`
 reserves host blocks for its computed KV and records device -> host pairs. The next
 `build_meta` puts them in one store event with ``need_flush``: workers copy them synchronously in
-``handle_preemptions``, before the freed device blocks can be written by another request (F4). When
+``handle_preemptions``, before the freed device blocks can be written by another request. When
 every worker has acknowledged the store, the request is ready; on re-admission it reports its saved
 tokens as an asynchronous external hit, and after allocation the host -> device pairs are loaded.
 

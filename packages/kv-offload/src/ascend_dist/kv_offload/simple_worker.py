@@ -5,8 +5,8 @@ and metadata are kept (the adapter passes vLLM's metadata object, read through `
 
 Every sub-tensor of every layer becomes one per-block view (``shape[0] >= num_blocks``: one view;
 stacked ``[N, num_blocks, ...]``: N views); views are deduplicated by (data pointer, row stride,
-row bytes), never by storage pointer, so sibling tensors of one allocation are all kept (D-S1).
-The host block count comes from the one capacity formula (`capacity.HostCapacity`, D-S2/F5).
+row bytes), never by storage pointer, so sibling tensors of one allocation are all kept.
+The host block count comes from the one capacity formula (`capacity.HostCapacity`), shared with the scheduler.
 
 Copies run on a background copy thread (descriptor building stays off the step's critical path);
 loads are submitted in ``start_load_kv``, stores in ``wait_for_save`` behind a compute-done event

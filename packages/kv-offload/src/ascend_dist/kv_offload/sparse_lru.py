@@ -8,8 +8,8 @@ the host pool. A slot holding a token at or beyond the row's stable prefix is cl
 speculative suffix may have been rewritten on the host). A row whose request changed starts empty.
 
 Request identity is a 64-bit id handed out once per request at admission (`RequestIds`), not a
-32-bit checksum of the id string, so two requests can never be confused (F9). Address planning
-writes size 0 for skipped entries rather than leaving stale descriptors (F8).
+32-bit checksum of the id string, so two requests can never be confused. Address planning
+writes size 0 for skipped entries rather than leaving stale descriptors.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def miss_descriptors(
 
     Host address of token t of row r: ``base + table[r][t // block_size] * block_size * tb +
     (t % block_size) * tb``; device address of slot s: ``dev + (r * cap + s) * tb``. Entries that
-    cannot be addressed (bad slot, block beyond the table, null table entry) get size 0 (F8).
+    cannot be addressed (bad slot, block beyond the table, null table entry) get size 0.
 
     Returns:
         ``(src, dst, sizes)`` int64 arrays of length ``2N``.

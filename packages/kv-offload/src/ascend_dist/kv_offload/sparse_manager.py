@@ -8,7 +8,7 @@ Per main layer the host pool holds K ``[num_blocks * block_size, kv_lora_rank]``
 layer->layer deltas are uniform), and the device holds a hot-buffer pair ``[rows, cap, dim]``.
 `offload_new_kv` writes each decode token's K/V straight to its host slot; `onload_topk_kv` plans
 the row's top-k residency (`LruResidency`) and copies only the misses host -> hot buffer. Invalid
-slots or table entries copy 0 bytes (F8). `get_manager` / `reset_manager` hold the process
+slots or table entries copy 0 bytes. `get_manager` / `reset_manager` hold the process
 singleton.
 """
 

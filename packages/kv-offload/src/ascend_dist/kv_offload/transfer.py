@@ -9,7 +9,7 @@ reads a block before the model wrote it; then a start event, the batched copy an
 One stream per direction means jobs complete in submission order, so `get_finished` pops from the
 head while the head's end event has fired.
 
-Failures (F12): a copy that fails at descriptor k marks that job failed, with its device block ids
+Failures: a copy that fails at descriptor k marks that job failed, with its device block ids
 and k; the stream's sticky error is then attributed to that job only, and jobs behind it (whose
 copies ran) are reported as they completed. Nothing else is touched.
 """
