@@ -136,7 +136,7 @@ def test_contiguous_ids_yield_one_descriptor_per_tensor_and_run() -> None:
 
 
 def test_stacked_pull_lands_at_the_pull_offset() -> None:
-    # Spec 5.13.2: local block_len 131072, pulls 4, inner 32768; pull 2 into block 5 from block 9.
+    # Worked example: local block_len 131072, pulls 4, inner 32768; pull 2 into block 5 from block 9.
     local = [TensorGeom(0, 131072, 131072, 128, 4, 256)]
     remote = [TensorGeom(0x100000, 32768, 32768, 128, 1, 256)]
     slices = [HeadSlice(p, 0, p, 1) for p in range(4)]

@@ -222,7 +222,7 @@ class OffloadScenario:
             start = time.perf_counter()
             plan_61()
             best = min(best, time.perf_counter() - start)
-        report.check("61-layer plan matches the spec", (plan.num_blocks, plan.limit) == (10_743, "npu"))
+        report.check("61-layer plan matches the worked example", (plan.num_blocks, plan.limit) == (10_743, "npu"))
         report.measurements.append(
             Measurement(
                 "sparse planner, 61 layers",
