@@ -1,0 +1,72 @@
+"""The package's dependency rules, read from the sources' import statements.
+
+core/ imports no transport; pull/, push/ and sfa/ import core/ and never each other; nothing outside
+_demo/ imports _demo/; only the vLLM adapters and core/vllm_glue import vLLM (at module level or not).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).parents[1] / "src" / "ascend_dist" / "kv_mooncake"
+TRANSPORTS = ("pull", "push", "sfa")
+PREFIX = "ascend_dist.kv_mooncake."
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _area(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0] if len(rel.parts) > 1 else ""
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in SRC.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_the_rules_see_every_area() -> None:
+    # A rename that empties an area would make every rule below pass vacuously.
+    areas = {_area(p) for p in _modules()}
+    assert {"core", "pull", "push", "sfa", "_demo"} <= areas
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_module_imports_follow_the_dependency_direction(path: Path) -> None:
+    area = _area(path)
+    ours = {name.removeprefix(PREFIX).split(".")[0] for name in _imports(path) if name.startswith(PREFIX)}
+    if area == "_demo":
+        return
+    assert "_demo" not in ours, f"{path.name}: library code imports the demo package"
+    if area == "core":
+        assert not ours & set(TRANSPORTS), f"{path.name}: core imports a transport: {sorted(ours)}"
+    elif area in TRANSPORTS:
+        others = ours & (set(TRANSPORTS) - {area})
+        assert not others, f"{area}/{path.name} imports another transport: {sorted(others)}"
+    else:
+        # The stable re-export modules at the top and under layerwise/ name exactly one transport each.
+        assert len(ours & set(TRANSPORTS)) <= 1, f"{path.name} re-exports from several transports"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_only_the_adapters_import_vllm(path: Path) -> None:
+    uses_vllm = any(name == "vllm" or name.startswith("vllm.") for name in _imports(path))
+    adapter = path.name == "vllm_connector.py" or path.relative_to(SRC).as_posix() == "core/vllm_glue.py"
+    assert adapter or not uses_vllm, f"{path.relative_to(SRC)} imports vllm"
+
+
+def test_a_violation_is_seen(tmp_path: Path) -> None:
+    # The control: the reader does see an import of another transport.
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler\n")
+    assert "ascend_dist.kv_mooncake.pull.scheduler" in _imports(bad)
