@@ -119,7 +119,7 @@ def needs_vllm(modules: dict[str, Path]) -> set[str]:
 # module, so every module is imported by a process that has loaded no ascend_dist module yet.
 _PROBE = r"""
 import importlib, json, os, sys
-for heavy in ("numpy", "msgspec", "torch", "zmq"):
+for heavy in json.loads(sys.argv[2]):
     try:
         importlib.import_module(heavy)
     except ImportError:
@@ -148,10 +148,16 @@ print(json.dumps(results))
 """
 
 
-def probe(names: list[str], timeout_s: float) -> dict[str, dict[str, object]]:
-    """For each module: the ascend_dist modules its import loaded, or the error it raised."""
+HEAVY = ("numpy", "msgspec", "torch", "zmq")
+
+
+def probe(names: list[str], timeout_s: float, preload: tuple[str, ...] = HEAVY) -> dict[str, dict[str, object]]:
+    """For each module: the ascend_dist modules its import loaded, or the error it raised.
+
+    `preload` (third-party only) is imported once before the forks, so each child pays only for ours.
+    """
     done = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(names)],
+        [sys.executable, "-c", _PROBE, json.dumps(names), json.dumps(preload)],
         capture_output=True,
         text=True,
         timeout=timeout_s,

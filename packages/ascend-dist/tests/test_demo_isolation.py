@@ -8,7 +8,7 @@ process that has loaded no `ascend_dist` module before; none may bring in a `_de
 from __future__ import annotations
 
 import pytest
-from demo_isolation import all_modules, is_demo, library_modules, needs_vllm, probe
+from demo_isolation import HEAVY, all_modules, is_demo, library_modules, needs_vllm, probe
 
 from ascend_dist.plugin import COMPONENTS
 
@@ -29,7 +29,8 @@ def plain_results() -> dict[str, dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def vllm_results() -> dict[str, dict[str, object]]:
-    return probe(WITH_VLLM, timeout_s=540)
+    # vLLM's own import is the slow part (~15 s): paid once, before the forks.
+    return probe(WITH_VLLM, timeout_s=540, preload=(*HEAVY, "vllm", "vllm.config"))
 
 
 def _assert_no_demo(name: str, result: dict[str, object]) -> None:
