@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ascend_dist.common.memory import REGISTRATION_ALIGNMENT, align_memory
 from ascend_dist.common.regions import (
     RegisterRegions,
     collect_storage_merged_register_regions,
     validate_register_region_count,
 )
+from ascend_dist.kv_offload.memory import REGISTRATION_ALIGNMENT, align_memory
 
 
 class SplitKVCache:

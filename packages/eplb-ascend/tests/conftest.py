@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ascend_dist.eplb_ascend.demo_worker import run_rank
-from ascend_dist.eplb_ascend.launch import run_ranks
+from ascend_dist.eplb_ascend._demo.launch import run_ranks
+from ascend_dist.eplb_ascend._demo.worker import run_rank
 
 # --import-mode=importlib does not put this folder on sys.path; the tests share placement_strategies.
 if str(Path(__file__).resolve().parent) not in sys.path:

@@ -10,11 +10,11 @@ import torch.distributed as dist
 
 from ascend_dist.common.device import create_runtime
 from ascend_dist.common.errors import ConfigError, TransferTimeout
+from ascend_dist.eplb_ascend._demo.launch import run_ranks
+from ascend_dist.eplb_ascend._demo.worker import build_weights, weights_match
 from ascend_dist.eplb_ascend.communicator import ExpertTransferQueue
 from ascend_dist.eplb_ascend.controller import EplbRankState
-from ascend_dist.eplb_ascend.demo_worker import build_weights, weights_match
 from ascend_dist.eplb_ascend.hccl_transport import hccl_transport
-from ascend_dist.eplb_ascend.launch import run_ranks
 from ascend_dist.eplb_ascend.mover import ExpertWeightMover
 from ascend_dist.eplb_ascend.placement import initial_placement
 from ascend_dist.eplb_ascend.transport import GlooTransport, P2POperation

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.eplb_ascend.launch import run_ranks
+from ascend_dist.eplb_ascend._demo.launch import run_ranks
 from ascend_dist.eplb_ascend.p2p_schedule import partner_rounds, rendezvous_order
 from ascend_dist.eplb_ascend.transport import GlooTransport, P2POperation, RendezvousTransport
 

@@ -1,7 +1,7 @@
 """The `eplb` demo/bench scenario runs end to end (forked gloo ranks) and reports what it checked."""
 
 from ascend_dist.common.scenarios import Scenario, ScenarioContext
-from ascend_dist.eplb_ascend.scenario import make_scenario
+from ascend_dist.eplb_ascend._demo.scenario import make_scenario
 
 
 class Progress:

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ascend_dist.common.errors import ConfigError, TransferError
+from ascend_dist.eplb_ascend._demo.launch import run_ranks
 from ascend_dist.eplb_ascend.communicator import ExpertTransferQueue
-from ascend_dist.eplb_ascend.launch import run_ranks
 from ascend_dist.eplb_ascend.transport import DeviceCollectiveTransport, GlooTransport, P2POperation, P2PTransport
 
 

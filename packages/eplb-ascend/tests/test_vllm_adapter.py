@@ -16,8 +16,8 @@ from vllm.distributed.eplb.eplb_communicator import EplbCommunicator, create_epl
 from vllm.distributed.eplb.eplb_state import EplbLayerState, EplbState  # noqa: E402
 
 from ascend_dist.common.errors import TransferError  # noqa: E402
+from ascend_dist.eplb_ascend._demo.launch import run_ranks  # noqa: E402
 from ascend_dist.eplb_ascend.errors import EplbContractError, EplbStateError  # noqa: E402
-from ascend_dist.eplb_ascend.launch import run_ranks  # noqa: E402
 from ascend_dist.eplb_ascend.state import MappingContract, detect_mapping_contract  # noqa: E402
 from ascend_dist.eplb_ascend.tables import compute_routing_table  # noqa: E402
 from ascend_dist.eplb_ascend.vllm_eplb import (  # noqa: E402

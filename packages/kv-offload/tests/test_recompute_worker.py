@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ascend_dist.common.block_views import canonical_block_views
 from ascend_dist.common.device import CpuSimRuntime
+from ascend_dist.kv_offload.block_views import canonical_block_views
 from ascend_dist.kv_offload.capacity import HostCapacity
 from ascend_dist.kv_offload.messages import decode_metadata, encode_message
 from ascend_dist.kv_offload.recompute_plan import GroupKind, GroupSpec

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ascend_dist.common.scenarios import ScenarioContext
-from ascend_dist.kv_offload.scenario import make_scenario
+from ascend_dist.kv_offload._demo.scenario import make_scenario
 
 
 class _Progress:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ascend_dist.common.block_views import canonical_block_views
 from ascend_dist.common.device import CpuSimRuntime
+from ascend_dist.kv_offload.block_views import canonical_block_views
 from ascend_dist.kv_offload.offload_worker import OffloadWorker
 
 

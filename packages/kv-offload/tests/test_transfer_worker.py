@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_dist.common.block_views import canonical_block_views
 from ascend_dist.common.device import CpuSimRuntime
 from ascend_dist.common.errors import BlockIdError, ConfigError
+from ascend_dist.kv_offload.block_views import canonical_block_views
 from ascend_dist.kv_offload.host_pool import HostChunkPool
 from ascend_dist.kv_offload.offload_worker import GroupRef, OffloadWorker
 

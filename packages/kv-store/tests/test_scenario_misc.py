@@ -9,8 +9,8 @@ import pytest
 from ascend_dist.common.errors import BlockIdError, StoreError
 from ascend_dist.common.scenarios import ScenarioContext
 from ascend_dist.kv_store import PoolConfig, PoolSpec, build_scheduler, build_worker
+from ascend_dist.kv_store._demo.scenario import make_scenario
 from ascend_dist.kv_store.backends.factory import UnavailableBackend, create_backend_or_unavailable
-from ascend_dist.kv_store.scenario import make_scenario
 
 pytestmark = pytest.mark.mooncake
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ascend_dist.weight_transfer.demo_procs import Spec, WorkerProcess
+from ascend_dist.weight_transfer._demo.procs import Spec, WorkerProcess
 
 
 def free_port() -> int:

@@ -8,14 +8,14 @@ import pytest
 
 from ascend_dist.common.device import close_runtime
 from ascend_dist.hccl_ctypes import PyHcclCommunicator
-from ascend_dist.weight_transfer.collective import CommunicatorCollective, gloo_collective, hccl_collective
-from ascend_dist.weight_transfer.demo_procs import (
+from ascend_dist.weight_transfer._demo.procs import (
     Spec,
     WorkerProcess,
     param_digests,
     synthetic_specs,
     synthetic_weights,
 )
+from ascend_dist.weight_transfer.collective import CommunicatorCollective, gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.errors import ManifestRejected, UpdateAborted, WorkerLost
 from ascend_dist.weight_transfer.trainer import BroadcastTrainer
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ascend_dist.common.device import CpuSimRuntime
-from ascend_dist.weight_transfer.demo_procs import (
+from ascend_dist.weight_transfer._demo.procs import (
     Spec,
     WorkerProcess,
     param_digests,

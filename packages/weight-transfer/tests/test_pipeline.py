@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ascend_dist.weight_transfer._demo.procs import synthetic_specs, synthetic_weights
 from ascend_dist.weight_transfer.broadcast import receive_update, send_update
-from ascend_dist.weight_transfer.demo_procs import synthetic_specs, synthetic_weights
 from ascend_dist.weight_transfer.packing import as_bytes, plan_stream
 from ascend_dist.weight_transfer.pool import BufferPool
 from ascend_dist.weight_transfer.trainer import manifest_of

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from ascend_dist.weight_transfer.demo_procs import synthetic_specs, synthetic_weights
+from ascend_dist.weight_transfer._demo.procs import synthetic_specs, synthetic_weights
 
 from .conftest import free_port
 

@@ -2,7 +2,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from ascend_dist.common.bench_planning import descriptors_baseline, fragmented_ids, make_scenario, runs_baseline
+from ascend_dist.common._demo.bench_planning import descriptors_baseline, fragmented_ids, make_scenario, runs_baseline
 from ascend_dist.common.blocks import contiguous_runs
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.scenarios import ENTRY_POINT_GROUP, Measurement, ScenarioContext, discover_scenarios
@@ -31,7 +31,7 @@ def test_installed_planning_scenario_is_discovered():
 
 def test_a_broken_entry_point_is_reported_and_does_not_hide_the_others():
     found, broken = discover_scenarios(
-        [_ep("planning", "ascend_dist.common.bench_planning:make_scenario"), _ep("bad", "no_such_module:make")]
+        [_ep("planning", "ascend_dist.common._demo.bench_planning:make_scenario"), _ep("bad", "no_such_module:make")]
     )
     assert list(found) == ["planning"]
     assert "ModuleNotFoundError" in broken["bad"]
@@ -44,7 +44,7 @@ def test_an_entry_point_that_is_not_a_scenario_is_reported():
 
 
 def test_two_scenarios_with_one_name_are_refused():
-    ep = "ascend_dist.common.bench_planning:make_scenario"
+    ep = "ascend_dist.common._demo.bench_planning:make_scenario"
     with pytest.raises(ConfigError, match="scenario name"):
         discover_scenarios([_ep("a", ep), _ep("b", ep)])
 

@@ -3,8 +3,8 @@
 Import the submodule you need (the error types are in `errors`); this package itself imports
 nothing, so that `import ascend_dist.common` stays cheap (no torch, no numpy).
 
-Planning (pure): `blocks`, `descriptors`, `chunk_descriptors`, `regions`, `layouts`, `block_views`,
-`mappings`, `transfer_mappings`, `ports`, `memory`, `units`, `timeouts`, `hashing`.
+Planning (pure): `blocks`, `descriptors`, `regions`, `mappings`, `transfer_mappings`, `ports`, `units`,
+`timeouts`, `hashing`.
 Wire: `wire` (msgspec codecs, handshake with compatibility hash), `zmq_rpc` / `zmq_server`.
 Runtime: `device` (NPU, CUDA or CPU simulation), `states`, `log`, `scenarios`.
 """

@@ -6,7 +6,7 @@ Importing the package imports nothing heavy. Modules by role:
 - worker (torch): `tables` (routing tables refreshed in place), `transport` (`P2PTransport`, gloo,
   the device seam), `communicator`, `mover`, `controller`, `state`;
 - vLLM adapter: `vllm_eplb` (the only module importing vllm);
-- demo/bench: `scenario`, `demo_worker`, `launch`.
+- demo/bench (in `_demo`, never imported by the modules above): `scenario`, `worker`, `launch`.
 """
 
 __all__: list[str] = []

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.memory import align_up
 from ascend_dist.common.units import parse_byte_size
+from ascend_dist.kv_offload.memory import align_up
 
 __all__ = [
     "DEFAULT_ALIGNMENT",

@@ -18,14 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ascend_dist.common.chunk_descriptors import ChunkRef
 from ascend_dist.common.errors import BlockIdError, ConfigError
+from ascend_dist.kv_offload.chunk_descriptors import ChunkRef
 
 if TYPE_CHECKING:
     import torch
 
-    from ascend_dist.common.block_views import BlockView
     from ascend_dist.common.device import DeviceRuntime
+    from ascend_dist.kv_offload.block_views import BlockView
 
 __all__ = ["HostChunkPool", "HostMirror", "allocate_host_mirrors"]
 
@@ -120,7 +120,7 @@ def allocate_host_mirrors(
 
     Args:
         runtime: the device runtime (its ``pinned_empty`` allocates).
-        views: canonical device views (see ``ascend_dist.common.block_views``).
+        views: canonical device views (see ``ascend_dist.kv_offload.block_views``).
         num_chunks: host chunks per tensor, computed once by the capacity planner.
         blocks_per_chunk: device blocks per host chunk.
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ascend_dist.common.block_views import BlockView
 from ascend_dist.common.blocks import BlockIds
-from ascend_dist.common.chunk_descriptors import ChunkRef
 from ascend_dist.common.device import DeviceRuntime
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.kv_offload.block_views import BlockView
+from ascend_dist.kv_offload.chunk_descriptors import ChunkRef
 from ascend_dist.kv_offload.host_pool import HostMirror, allocate_host_mirrors
 from ascend_dist.kv_offload.transfer import DEFAULT_WAIT_S, DirectionHandler, TransferResult
 
@@ -55,7 +55,7 @@ class OffloadWorker:
 
         Args:
             runtime: the device runtime.
-            views: unique canonical views (int8, 2-D; see ``ascend_dist.common.block_views``).
+            views: unique canonical views (int8, 2-D; see ``ascend_dist.kv_offload.block_views``).
             group_refs: per KV-cache group, its parts; default one group over every view with the
                 view's own ``copy_bytes``.
             num_chunks: host chunks per tensor (computed once by the capacity planner).

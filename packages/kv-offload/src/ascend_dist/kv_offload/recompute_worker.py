@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ascend_dist.common.block_views import BlockView
 from ascend_dist.common.device import DeviceRuntime
+from ascend_dist.kv_offload.block_views import BlockView
 from ascend_dist.kv_offload.capacity import HostCapacity, check_worker_capacity
 from ascend_dist.kv_offload.messages import NO_EVENT, RecomputeMetadata, RecomputeWorkerMeta
 from ascend_dist.kv_offload.offload_worker import OffloadWorker

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from ascend_dist.common.block_views import BlockView, dedup_views, generic_block_view, logical_block_bytes
 from ascend_dist.common.device import DeviceRuntime, Event
 from ascend_dist.common.errors import DeadlineExceeded, LayoutError
-from ascend_dist.common.layouts import layer_parts
+from ascend_dist.kv_offload.block_views import BlockView, dedup_views, generic_block_view, logical_block_bytes
 from ascend_dist.kv_offload.capacity import HostCapacity
+from ascend_dist.kv_offload.layouts import layer_parts
 from ascend_dist.kv_offload.offload_worker import OffloadWorker
 from ascend_dist.kv_offload.transfer import DEFAULT_WAIT_S, DirectionHandler
 

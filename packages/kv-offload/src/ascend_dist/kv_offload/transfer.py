@@ -23,9 +23,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ascend_dist.common.blocks import BlockIds, validate_block_ids
-from ascend_dist.common.chunk_descriptors import ChunkRef, Direction, build_chunk_descriptors
 from ascend_dist.common.device import CopyDirection, DeviceRuntime, Event, Stream
 from ascend_dist.common.errors import AscendDistError, ConfigError, DeadlineExceeded, format_allowed
+from ascend_dist.kv_offload.chunk_descriptors import ChunkRef, Direction, build_chunk_descriptors
 
 __all__ = ["DEFAULT_WAIT_S", "DirectionHandler", "TransferResult"]
 

@@ -58,11 +58,11 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from ascend_dist.common.block_views import BlockView, canonical_block_views
 from ascend_dist.common.device import DeviceRuntime, get_runtime
 from ascend_dist.common.errors import ConfigError, TransferError
-from ascend_dist.common.layouts import layer_parts
+from ascend_dist.kv_offload.block_views import BlockView, canonical_block_views
 from ascend_dist.kv_offload.capacity import normalise_legacy_native_config
+from ascend_dist.kv_offload.layouts import layer_parts
 from ascend_dist.kv_offload.offload_worker import GroupRef, OffloadWorker
 from ascend_dist.kv_offload.vllm_native_scheduler import (
     AscendOffloadingConnectorScheduler,

@@ -27,10 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-from ascend_dist.common.block_views import BlockView, canonical_block_views, dedup_views
 from ascend_dist.common.device import get_runtime
-from ascend_dist.common.layouts import layer_parts
+from ascend_dist.kv_offload.block_views import BlockView, canonical_block_views, dedup_views
 from ascend_dist.kv_offload.capacity import HostCapacity, per_rank_capacity
+from ascend_dist.kv_offload.layouts import layer_parts
 from ascend_dist.kv_offload.messages import decode_metadata, decode_worker_meta, encode_message
 from ascend_dist.kv_offload.recompute_plan import GroupKind, GroupSpec
 from ascend_dist.kv_offload.recompute_scheduler import RecomputeManager

@@ -18,8 +18,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from ascend_dist.common.device.ipc import IpcHandle
 from ascend_dist.common.errors import ProtocolError
 from ascend_dist.weight_transfer.errors import ManifestMismatch
@@ -31,14 +29,14 @@ from ascend_dist.weight_transfer.messages import (
     ipc_chunk_from_builtins,
 )
 from ascend_dist.weight_transfer.packing import new_staging, plan_stream, staging_images, unpack_buffer
-from ascend_dist.weight_transfer.session import ModuleSink, Session, SessionState, WeightSink
+from ascend_dist.weight_transfer.session import Session, SessionState, WeightSink
 
 if TYPE_CHECKING:
     import torch
 
     from ascend_dist.common.device import DeviceRuntime
 
-__all__ = ["IpcWorker", "ipc_command_handler"]
+__all__ = ["IpcWorker"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,41 +213,3 @@ class IpcWorker:
         self._opened.clear()
         self._staged = None
         self.session.move(SessionState.CLOSED)
-
-
-def ipc_command_handler(model: torch.nn.Module) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Serve the demo driver's ``ipc`` commands against ``model`` (used by `demo_procs`)."""
-    from ascend_dist.common.device import CpuSimRuntime
-
-    state: dict[str, Any] = {}
-
-    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
-        action = cmd.get("action") or cmd["op"]
-        if action == "close":
-            worker, runtime = state.pop("worker", None), state.pop("runtime", None)
-            if worker is not None:
-                worker.shutdown()
-            if runtime is not None:
-                runtime.close()
-            return {}
-        if action == "init":
-            params = msgspec.convert(cmd["init_info"], IpcParams)
-            worker = state.get("worker")
-            if worker is None or cmd.get("uuid") is not None:  # a new identity needs a new engine
-                runtime = state.get("runtime") or CpuSimRuntime()
-                state["runtime"] = runtime
-                sink = ModuleSink(model)
-                worker = IpcWorker(sink, runtime, uuid=cmd.get("uuid"), validate=sink.validate)
-                state["worker"] = worker
-            worker.init(params)
-            return {"uuid": worker.uuid}
-        worker = state["worker"]
-        if action == "start":
-            worker.start()
-        elif action == "update":
-            worker.update(cmd["update_info"])
-        elif action == "finish":
-            worker.finish()
-        return {}
-
-    return handle

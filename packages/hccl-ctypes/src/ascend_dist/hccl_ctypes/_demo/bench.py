@@ -1,7 +1,7 @@
 """Benchmark and demo scenario ``hccl``: the communicator vs torch.distributed gloo, 2 processes, CPU.
 
 Runs in: the ``ascend-dist bench``/``demo`` process, which starts two rank processes
-(`ascend_dist.hccl_ctypes._bench_worker`) on 127.0.0.1 and kills them on any failure.
+(`ascend_dist.hccl_ctypes._demo.bench_worker`) on 127.0.0.1 and kills them on any failure.
 
 What is compared, honestly: on the CPU the communicator's engine is gloo on the same group
 (on the CPU backend the collective library is gloo), so the ratio measures what the communicator
@@ -25,7 +25,7 @@ import time
 import msgspec
 
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
-from ascend_dist.hccl_ctypes._bench_worker import BENCH_VERSION, BenchResult
+from ascend_dist.hccl_ctypes._demo.bench_worker import BENCH_VERSION, BenchResult
 
 __all__ = ["HcclBenchmark", "make_scenario"]
 
@@ -57,7 +57,7 @@ def run_ranks(engine: str, *, quick: bool, rounds: int, timeout_s: float = TIMEO
     args = [str(WORLD), str(port), engine, "quick" if quick else "full", str(rounds)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "ascend_dist.hccl_ctypes._bench_worker", str(rank), *args],
+            [sys.executable, "-m", "ascend_dist.hccl_ctypes._demo.bench_worker", str(rank), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

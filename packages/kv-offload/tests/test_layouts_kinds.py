@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ascend_dist.common.errors import ConfigError, LayoutError
-from ascend_dist.common.layouts import (
+from ascend_dist.kv_offload.layouts import (
     KV_LAYOUTS,
     KVLayoutKind,
     attention_page_bytes,

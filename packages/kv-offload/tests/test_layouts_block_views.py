@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from ascend_dist.common.errors import ConfigError, LayoutError
-from ascend_dist.common.layouts import (
+from ascend_dist.kv_offload.layouts import (
     BlockView,
     canonical_block_views,
     dedup_views,
     generic_block_view,
 )
-from ascend_dist.common.memory import REGISTRATION_ALIGNMENT, align_memory
+from ascend_dist.kv_offload.memory import REGISTRATION_ALIGNMENT, align_memory
 
 
 def _geometry(view: BlockView) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:

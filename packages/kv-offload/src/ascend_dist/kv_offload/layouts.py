@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from ascend_dist.common.block_views import (
+from ascend_dist.common.errors import ConfigError, LayoutError
+from ascend_dist.kv_offload.block_views import (
     BlockView,
     canonical_block_views,
     dedup_views,
     generic_block_view,
     logical_block_bytes,
 )
-from ascend_dist.common.errors import ConfigError, LayoutError
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """One EP rank of the `eplb` demo/bench and of the multi-process tests (a process entry point).
 
 Runs in: a child process started by `scenario.py` or the tests:
-``python -m ascend_dist.eplb_ascend.demo_worker '<json config>'``. It joins a gloo group on
+``python -m ascend_dist.eplb_ascend._demo.worker '<json config>'``. It joins a gloo group on
 127.0.0.1, builds a synthetic MoE layer set (each expert its own tensors, filled with a value
 derived from (layer, expert, k) so any rank can check what it holds), and runs one mode:
 

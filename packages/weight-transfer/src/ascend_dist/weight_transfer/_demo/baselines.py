@@ -37,7 +37,7 @@ _POOL = BufferPool()  # one per process: the baselines' preallocated buffers
 
 
 class CommandPeer(Protocol):
-    """A worker process the driver sends JSON commands to (`demo_procs.WorkerProcess`)."""
+    """A worker process the driver sends JSON commands to (`procs.WorkerProcess`)."""
 
     def send(self, op: str, **fields: Any) -> None:
         """Send a command without waiting for its reply."""

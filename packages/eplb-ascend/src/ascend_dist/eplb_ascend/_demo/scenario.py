@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
-from ascend_dist.eplb_ascend.demo_worker import run_rank
-from ascend_dist.eplb_ascend.launch import run_ranks
+from ascend_dist.eplb_ascend._demo.launch import run_ranks
+from ascend_dist.eplb_ascend._demo.worker import run_rank
 
 __all__ = ["EplbScenario", "make_scenario"]
 

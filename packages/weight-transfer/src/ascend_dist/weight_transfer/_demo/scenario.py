@@ -26,8 +26,8 @@ from typing import Any
 
 from ascend_dist.common.device import CpuSimRuntime
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
-from ascend_dist.weight_transfer.baselines import MODES, raw_send
-from ascend_dist.weight_transfer.demo_procs import (
+from ascend_dist.weight_transfer._demo.baselines import MODES, raw_send
+from ascend_dist.weight_transfer._demo.procs import (
     Spec,
     WorkerProcess,
     llm_like_specs,

@@ -1,6 +1,6 @@
-"""One rank of the ``hccl`` benchmark: ``python -m ascend_dist.hccl_ctypes._bench_worker RANK WORLD PORT ENGINE``.
+"""One rank of the ``hccl`` benchmark: ``python -m ascend_dist.hccl_ctypes._demo.bench_worker RANK WORLD PORT ENGINE``.
 
-Runs in: a child process started by `ascend_dist.hccl_ctypes.bench`. Joins a gloo group on
+Runs in: a child process started by `ascend_dist.hccl_ctypes._demo.bench`. Joins a gloo group on
 127.0.0.1, builds a `PyHcclCommunicator` with ``ENGINE`` (``gloo`` or ``library``) on the CPU
 runtime, and for each size times, in alternating rounds, the communicator and torch.distributed gloo
 called directly on the same group (the baseline), calls interleaved one by one, each after a barrier;

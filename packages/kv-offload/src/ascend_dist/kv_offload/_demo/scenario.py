@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
-from ascend_dist.common.block_views import canonical_block_views
 from ascend_dist.common.device import CopyDirection, CpuSimRuntime, DeviceRuntime, create_runtime, select_backend
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
+from ascend_dist.kv_offload.block_views import canonical_block_views
 from ascend_dist.kv_offload.capacity import HostCapacity
 from ascend_dist.kv_offload.host_pool import HostChunkPool
 from ascend_dist.kv_offload.offload_worker import OffloadWorker

@@ -214,7 +214,7 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     if op == "ipc":
         return state["ipc"](cmd)
     if op == "raw":
-        from ascend_dist.weight_transfer.baselines import raw_receive
+        from ascend_dist.weight_transfer._demo.baselines import raw_receive
 
         return raw_receive(state["engine"].collective, state["model"], cmd)
     engine = state["engine"]
@@ -232,7 +232,7 @@ def worker_main(conn: multiprocessing.connection.Connection, specs_json: str) ->
     """Entry point of a worker process: build the model, then serve commands until ``shutdown``."""
     import torch
 
-    from ascend_dist.weight_transfer.ipc_worker import ipc_command_handler
+    from ascend_dist.weight_transfer._demo.ipc_commands import ipc_command_handler
 
     torch.set_num_threads(1)  # this process stands in for one device worker; one CPU thread is its "device"
     specs = [(n, d, tuple(s)) for n, d, s in json.loads(specs_json)]

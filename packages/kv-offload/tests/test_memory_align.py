@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ascend_dist.common.errors import ConfigError, RegionError
-from ascend_dist.common.memory import REGISTRATION_ALIGNMENT, align_memory, align_up, is_power_of_two
+from ascend_dist.kv_offload.memory import REGISTRATION_ALIGNMENT, align_memory, align_up, is_power_of_two
 
 
 @pytest.mark.parametrize(

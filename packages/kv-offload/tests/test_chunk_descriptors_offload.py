@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ascend_dist.common.chunk_descriptors import (
+from ascend_dist.common.errors import BlockIdError, ConfigError
+from ascend_dist.kv_offload.chunk_descriptors import (
     BATCH_COPY_MAX_DESCRIPTORS,
     ChunkRef,
     CopyDescriptors,
@@ -16,7 +17,6 @@ from ascend_dist.common.chunk_descriptors import (
     host_subblock_addresses,
     split_copy_descriptors,
 )
-from ascend_dist.common.errors import BlockIdError, ConfigError
 
 KiB = 1024
 MiB = 1024 * KiB
