@@ -1,11 +1,9 @@
-"""vLLM builders shared by this package's vLLM tests (model dir, ``VllmConfig``, ``KVCacheConfig``, requests).
+"""vLLM builders for the adapter tests: a tiny model directory, configs, block hashers, requests.
 
-Not a test module: the vLLM test modules load it by path (the tests folder is not a package under
-``--import-mode=importlib``) with::
+`Side` is one instance's scheduler- and worker-role connectors from vLLM's factory.
 
-    _spec = importlib.util.spec_from_file_location("kvm_vllm_builders", <tests>/vllm_builders.py)
-
-It imports vLLM and torch only inside its functions, so loading it costs nothing without vLLM.
+vLLM and torch are imported inside the functions only: importing this module costs nothing where
+vLLM is absent, so a test module can import it before its ``pytest.importorskip("vllm")``.
 """
 
 from __future__ import annotations
