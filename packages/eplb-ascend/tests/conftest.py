@@ -8,7 +8,8 @@ import pytest
 from ascend_dist.eplb_ascend.demo_worker import run_rank
 from ascend_dist.eplb_ascend.launch import run_ranks
 
-# --import-mode=importlib does not put this folder on sys.path; the tests share placement_strategies.
+# --import-mode=importlib does not put this folder on sys.path; the tests import placement_strategies
+# and vllm_ranks from it.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
