@@ -12,6 +12,8 @@ PACKAGES = ROOT / "packages"
 META_FOLDER = "ascend-dist"
 # The meta-package is the one exception to folder <-> distribution <-> import naming.
 META_IMPORTS = ("ascend_dist.plugin", "ascend_dist.cli", "ascend_dist.parallel")
+# PyPI rejects any upload carrying this classifier; a member with it exists for the workspace only.
+PRIVATE_CLASSIFIER = "Private :: Do Not Upload"
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,11 @@ class Member:
     @property
     def is_meta(self) -> bool:
         return self.folder.name == META_FOLDER
+
+    @property
+    def is_private(self) -> bool:
+        """A development-only member (the tests' helpers): built and tested, never published or depended on."""
+        return PRIVATE_CLASSIFIER in self.pyproject["project"].get("classifiers", [])
 
     @property
     def expected_dist(self) -> str:

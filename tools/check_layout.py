@@ -4,10 +4,12 @@
 - folder `packages/x-y` <-> distribution `ascend-dist-x-y` <-> import `ascend_dist.x_y` (the meta-package
   `ascend-dist` owns `ascend_dist.plugin` and `ascend_dist.cli`);
 - each import package has `__init__.py` and `py.typed`; each member has README.md, CHANGELOG.md, tests/,
-  a static version and a `test` dependency group.
+  a static version and a `test` dependency group;
+- a private member (classifier `Private :: Do Not Upload`, the tests' helpers) is required by no member's
+  dependencies or extras: only `test` groups and the workspace's dev group may take it.
 
-With `--installed`, checks the current environment instead: every member distribution is installed from a
-wheel, each import package resolves, and the vLLM plugin entry point points at an importable callable.
+With `--installed`, checks the current environment instead: every published member distribution is installed
+from a wheel, each import package resolves, and the vLLM plugin entry point points at an importable callable.
 
 Exit status 1 when any rule is broken; every problem is printed.
 """
@@ -19,11 +21,21 @@ import importlib
 import importlib.metadata
 import sys
 
-from _workspace import members
+from _workspace import members, normalise
+
+
+def check_private_unrequired() -> list[str]:
+    """A private member may sit in `test` groups and the dev group only, never in what a library requires."""
+    private = {normalise(m.dist) for m in members() if m.is_private}
+    return [
+        f"{m.folder.relative_to(m.folder.parent.parent)}: requires {name}, a private member (only `test` groups may)"
+        for m in members()
+        for name in sorted(m.requirement_names(extras=True) & private)
+    ]
 
 
 def check_sources() -> list[str]:
-    problems: list[str] = []
+    problems: list[str] = check_private_unrequired()
     for member in members():
         where = member.folder.relative_to(member.folder.parent.parent)
         if member.dist != member.expected_dist:
@@ -52,6 +64,8 @@ def check_sources() -> list[str]:
 def check_installed() -> list[str]:
     problems: list[str] = []
     for member in members():
+        if member.is_private:
+            continue  # never published, so not part of what a user installs
         try:
             importlib.metadata.distribution(member.dist)
         except importlib.metadata.PackageNotFoundError:

@@ -2,7 +2,8 @@
 
 Runs under the engine environment's Python (``nox -s engine``). One zygote serves the whole run;
 models are written once; the reference engine (no connector) is shared. Engines with a connector
-live as long as their module (or test, when a test kills one). Helpers are in `engine_tier`.
+live as long as their module (or test, when a test kills one). Helpers are in
+``ascend_dist.testing.engines`` (the ``ascend-dist-testing`` member, installed in the engine environment).
 """
 
 from __future__ import annotations
@@ -13,12 +14,8 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # --import-mode=importlib: make `engine_tier` importable
-    sys.path.insert(0, str(HERE))
-
-from ascend_dist.cli.engines.host import Engine, EngineHost  # noqa: E402
-from ascend_dist.cli.engines.wire import EngineSpec  # noqa: E402
+from ascend_dist.cli.engines.host import Engine, EngineHost
+from ascend_dist.cli.engines.wire import EngineSpec
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_tier import assert_same_output, free_port_base, local, make_prompts
 
 from ascend_dist.cli.engines.host import Engine, EngineHost
 from ascend_dist.cli.engines.pd import disaggregated_generate, pull_connector_config
 from ascend_dist.cli.engines.wire import EngineSpec, Prompt
+from ascend_dist.testing.engines import assert_same_output, free_port_base, local, make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -16,22 +16,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_tier import assert_every_output_differs, assert_same_output, free_port_base, local, make_prompts
-from test_pool import (
-    LENGTHS,
+
+from ascend_dist.cli.engines.host import Engine, EngineHost
+from ascend_dist.cli.engines.pd import Disaggregated, disaggregated_generate, pull_connector_config
+from ascend_dist.cli.engines.wire import Completion, EngineSpec
+from ascend_dist.kv_store.master_process import MasterProcess
+from ascend_dist.testing.engines import (
+    POOL_LENGTHS,
+    assert_every_output_differs,
+    assert_same_output,
     expected_hits,
+    free_port_base,
     full_chunks,
+    local,
+    make_prompts,
     master_key_count,
     master_metric,
     mooncake_store_config,
     pool_config,
     wait_for_keys,
 )
-
-from ascend_dist.cli.engines.host import Engine, EngineHost
-from ascend_dist.cli.engines.pd import Disaggregated, disaggregated_generate, pull_connector_config
-from ascend_dist.cli.engines.wire import Completion, EngineSpec
-from ascend_dist.kv_store.master_process import MasterProcess
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -111,7 +115,7 @@ def read_through_pool(engine: Engine, master: MasterProcess, prompts: list[list[
 
 
 def test_decode_pulls_and_prefill_pools(engines: dict[str, Engine], master: MasterProcess, reference: Engine) -> None:
-    prompts = make_prompts(1801, LENGTHS)
+    prompts = make_prompts(1801, POOL_LENGTHS)
     out = pd_through_multi(engines["p"], engines["d"], master, prompts)
     want = reference.generate(local(prompts))
     assert_same_output([r.decode for r in out], want)
@@ -122,7 +126,7 @@ def test_decode_pulls_and_prefill_pools(engines: dict[str, Engine], master: Mast
 
 def test_control_prefill_on_other_weights(engines: dict[str, Engine], master: MasterProcess, reference: Engine) -> None:
     """P on "b": D decoded P's bytes, and the pool reader decodes the chunks P pooled (every output changes)."""
-    prompts = make_prompts(1802, LENGTHS)
+    prompts = make_prompts(1802, POOL_LENGTHS)
     out = pd_through_multi(engines["p-b"], engines["d"], master, prompts)
     want = reference.generate(local(prompts))
     assert_every_output_differs([r.decode for r in out], want)

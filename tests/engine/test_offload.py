@@ -34,7 +34,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_tier import assert_same_output, local, make_prompts
 
 from ascend_dist.cli.engines.host import Engine, EngineHost
 from ascend_dist.cli.engines.offload_bench import (
@@ -46,6 +45,7 @@ from ascend_dist.cli.engines.offload_bench import (
     offload_spec,
 )
 from ascend_dist.cli.engines.wire import Completion
+from ascend_dist.testing.engines import assert_same_output, local, make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

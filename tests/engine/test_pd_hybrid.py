@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_tier import assert_every_output_differs, free_port_base, local, make_prompts
 
 from ascend_dist.cli.engines.host import Engine, EngineHost
 from ascend_dist.cli.engines.pd import disaggregated_generate, pull_connector_config
 from ascend_dist.cli.engines.wire import EngineSpec
+from ascend_dist.testing.engines import assert_every_output_differs, free_port_base, local, make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

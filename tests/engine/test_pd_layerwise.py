@@ -14,11 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_tier import TP2_ENV, assert_every_output_differs, assert_same_output, free_port_base, local, make_prompts
 
 from ascend_dist.cli.engines.host import Engine, EngineHost
 from ascend_dist.cli.engines.pd import Metaserver, pull_connector_config, pushed_generate
 from ascend_dist.cli.engines.wire import EngineSpec, Prompt
+from ascend_dist.testing.engines import (
+    TP2_ENV,
+    assert_every_output_differs,
+    assert_same_output,
+    free_port_base,
+    local,
+    make_prompts,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

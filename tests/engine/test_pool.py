@@ -14,95 +14,37 @@ The engines of one mode live in one test class (class-scoped fixtures), so at mo
 
 from __future__ import annotations
 
-import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_tier import assert_every_output_differs, assert_same_output, local, make_prompts
 
 from ascend_dist.cli.engines.host import Engine, EngineHost
 from ascend_dist.cli.engines.wire import Completion, EngineSpec
 from ascend_dist.kv_store.master_process import MasterProcess, free_port
+from ascend_dist.testing.engines import (
+    POOL_LENGTHS,
+    assert_every_output_differs,
+    assert_same_output,
+    expected_hits,
+    full_chunks,
+    local,
+    make_prompts,
+    master_key_count,
+    mooncake_store_config,
+    pool_config,
+    wait_for_keys,
+)
+from ascend_dist.testing.ports import wait_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
-BLOCK = 32  # EngineSpec's block size: one pool chunk
-# A few chunks each, none a whole multiple of the block (a full-prompt hit reports one token less).
-LENGTHS = (45, 100, 140)
 NUM_LAYERS = 4  # the tier's tiny Llama: layer-wise mode stores one object per chunk and layer
-SAVE_DEADLINE_S = 60.0
-
-
-def pool_config(store: str, store_config: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """The ``kv_transfer_config`` of a pool engine (saves and loads) over ``store`` ("mooncake"/"yuanrong").
-
-    ``kv_load_failure_policy="recompute"``: vLLM 0.32 would fail a request whose load failed.
-    """
-    return {
-        "kv_connector": "AscendStoreConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": store, "store_config": store_config, **extra},
-    }
-
-
-def mooncake_store_config(address: str) -> dict[str, Any]:
-    """Mooncake client settings for a master on loopback (each engine lends a small segment)."""
-    return {
-        "master_server_address": address,
-        "metadata_server": "P2PHANDSHAKE",
-        "protocol": "tcp",
-        "local_hostname": "127.0.0.1",
-        "global_segment_size": "64MB",
-        "local_buffer_size": "16MB",
-    }
-
-
-def full_chunks(prompts: Sequence[Sequence[int]]) -> int:
-    return sum(len(p) // BLOCK for p in prompts)
-
-
-def expected_hits(prompts: Sequence[Sequence[int]]) -> list[int]:
-    """The tokens a reader loads from the pool: every full chunk of each prompt."""
-    return [len(p) // BLOCK * BLOCK for p in prompts]
-
-
-def master_metric(master: MasterProcess, name: str) -> int:
-    """One counter or gauge from the master's Prometheus endpoint."""
-    url = f"http://127.0.0.1:{master.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    match = re.search(rf"^{re.escape(name)} (\d+)", text, re.MULTILINE)
-    if match is None:
-        raise AssertionError(f"no {name} in {url}")
-    return int(match.group(1))
-
-
-def master_key_count(master: MasterProcess) -> int:
-    """Objects the master holds now."""
-    return master_metric(master, "master_key_count")
-
-
-def wait_for_keys(master: MasterProcess, at_least: int, timeout_s: float = SAVE_DEADLINE_S) -> float:
-    """Wait until the master holds ``at_least`` objects; the seconds waited.
-
-    A request finishes before its background save: without this wait the reader's lookup could
-    race the writer's put and see a shorter hit.
-    """
-    start = time.monotonic()
-    while (have := master_key_count(master)) < at_least:
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"the master holds {have} objects after {timeout_s} s, expected {at_least}")
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def pooled_then_loaded(
@@ -187,7 +129,7 @@ class TestMooncakeWholeRequest:
         self, engines: dict[str, Engine], master: MasterProcess, reference: Engine, case: tuple[str, str, int]
     ) -> None:
         reader, writer, seed = case  # the reader's load mode; the other engine writes
-        prompts = make_prompts(seed, LENGTHS)
+        prompts = make_prompts(seed, POOL_LENGTHS)
         settle = MooncakeSettle(master, 1).after(prompts)
         check_reuse(engines[writer], engines[reader], reference, prompts, settle)
 
@@ -195,7 +137,7 @@ class TestMooncakeWholeRequest:
     def test_control_writer_on_other_weights_changes_every_output(
         self, engines: dict[str, Engine], master: MasterProcess, reference: Engine, reader: str, seed: int
     ) -> None:
-        prompts = make_prompts(seed, LENGTHS)
+        prompts = make_prompts(seed, POOL_LENGTHS)
         settle = MooncakeSettle(master, 1).after(prompts)
         check_control(engines["b"], engines[reader], reference, prompts, settle)
 
@@ -220,30 +162,19 @@ class TestMooncakeLayerwise:
     def test_second_engine_loads_the_pooled_prefixes(
         self, engines: dict[str, Engine], master: MasterProcess, reference: Engine
     ) -> None:
-        prompts = make_prompts(1301, LENGTHS)
+        prompts = make_prompts(1301, POOL_LENGTHS)
         settle = MooncakeSettle(master, NUM_LAYERS).after(prompts)
         check_reuse(engines["writer"], engines["reader"], reference, prompts, settle)
 
     def test_control_writer_on_other_weights_changes_every_output(
         self, engines: dict[str, Engine], master: MasterProcess, reference: Engine
     ) -> None:
-        prompts = make_prompts(1302, LENGTHS)
+        prompts = make_prompts(1302, POOL_LENGTHS)
         settle = MooncakeSettle(master, NUM_LAYERS).after(prompts)
         check_control(engines["b"], engines["reader"], reference, prompts, settle)
 
 
 # ---- openYuanrong -----------------------------------------------------------------------------
-
-
-def _listening(port: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return True
-        except OSError:
-            time.sleep(0.1)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +195,7 @@ def yuanrong_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ]  # fmt: skip
     res = subprocess.run(start, capture_output=True, text=True, timeout=120, check=False)
     try:
-        if res.returncode != 0 or not _listening(port, 30):
+        if res.returncode != 0 or not wait_port(port, 30, poll_s=0.1):
             pytest.fail(f"openYuanrong worker did not start: {res.stdout[-1500:]} {res.stderr[-1500:]}")
         yield address
     finally:
@@ -294,9 +225,9 @@ class TestYuanrong:
         time.sleep(2.0)
 
     def test_second_engine_loads_the_pooled_prefixes(self, engines: dict[str, Engine], reference: Engine) -> None:
-        check_reuse(engines["writer"], engines["reader"], reference, make_prompts(1401, LENGTHS), self.settle)
+        check_reuse(engines["writer"], engines["reader"], reference, make_prompts(1401, POOL_LENGTHS), self.settle)
 
     def test_control_writer_on_other_weights_changes_every_output(
         self, engines: dict[str, Engine], reference: Engine
     ) -> None:
-        check_control(engines["b"], engines["reader"], reference, make_prompts(1402, LENGTHS), self.settle)
+        check_control(engines["b"], engines["reader"], reference, make_prompts(1402, POOL_LENGTHS), self.settle)

@@ -18,20 +18,22 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from engine_tier import assert_same_output, local, make_prompts
-from test_pool import (
-    LENGTHS,
+
+from ascend_dist.cli.engines.host import Engine, EngineHost
+from ascend_dist.cli.engines.wire import Completion, EngineSpec
+from ascend_dist.kv_store.master_process import MasterProcess
+from ascend_dist.testing.engines import (
+    POOL_LENGTHS,
+    assert_same_output,
     expected_hits,
     full_chunks,
+    local,
+    make_prompts,
     master_key_count,
     mooncake_store_config,
     pool_config,
     wait_for_keys,
 )
-
-from ascend_dist.cli.engines.host import Engine, EngineHost
-from ascend_dist.cli.engines.wire import Completion, EngineSpec
-from ascend_dist.kv_store.master_process import MasterProcess
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -151,23 +153,23 @@ def test_engines_start_and_serve_without_their_master(pair: PoolPair, reference:
         assert [c.num_cached_tokens for c in got] == [0]
         assert_same_output(got, want)
         assert took < FIRST_BATCH_BOUND_S, f"{engine.name}'s first batch took {took:.1f} s without its master"
-    check_recomputed_quickly(pair, reference, make_prompts(1501, LENGTHS), DOWN_SLACK_S)
+    check_recomputed_quickly(pair, reference, make_prompts(1501, POOL_LENGTHS), DOWN_SLACK_S)
     # A second batch: the backends' reconnect attempts (every 2 s) must not stall it either.
-    check_recomputed_quickly(pair, reference, make_prompts(1502, LENGTHS), DOWN_SLACK_S)
+    check_recomputed_quickly(pair, reference, make_prompts(1502, POOL_LENGTHS), DOWN_SLACK_S)
 
 
 def test_pool_serves_once_its_master_comes_up(pair: PoolPair, reference: Engine) -> None:
     pair.bring_up()
-    check_pool_serves(pair, reference, make_prompts(1601, LENGTHS))
+    check_pool_serves(pair, reference, make_prompts(1601, POOL_LENGTHS))
 
 
 def test_master_killed_while_serving(pair: PoolPair, reference: Engine) -> None:
     pair.bring_up()
-    check_pool_serves(pair, reference, make_prompts(1701, LENGTHS))
+    check_pool_serves(pair, reference, make_prompts(1701, POOL_LENGTHS))
     pair.kill_master()
-    check_recomputed_quickly(pair, reference, make_prompts(1702, LENGTHS), FIRST_AFTER_KILL_SLACK_S)
+    check_recomputed_quickly(pair, reference, make_prompts(1702, POOL_LENGTHS), FIRST_AFTER_KILL_SLACK_S)
     # Past the first RPC failure the pool answers misses at once.
     for seed in (1703, 1704):
-        check_recomputed_quickly(pair, reference, make_prompts(seed, LENGTHS), DOWN_SLACK_S)
+        check_recomputed_quickly(pair, reference, make_prompts(seed, POOL_LENGTHS), DOWN_SLACK_S)
     for engine in pair.engines:
         assert engine.alive, f"{engine.name} died with its master"

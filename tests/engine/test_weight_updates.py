@@ -29,10 +29,16 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_tier import assert_every_output_differs, assert_same_output, free_port_base, local, make_prompts
 
 from ascend_dist.cli.engines.host import Engine, EngineHost, WeightSyncError
 from ascend_dist.cli.engines.wire import WEIGHT_SYNC_METHODS, Completion, EngineSpec, WeightSync
+from ascend_dist.testing.engines import (
+    assert_every_output_differs,
+    assert_same_output,
+    free_port_base,
+    local,
+    make_prompts,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 

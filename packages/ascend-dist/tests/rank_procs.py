@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ascend_dist.testing.ports import free_port
 
 
 def run_ranks(script: Path, world: int, *, timeout: float) -> list[dict[str, Any]]:

@@ -11,9 +11,7 @@ added to the plugin without a case here fails `test_every_registered_connector_h
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,24 +24,19 @@ pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 
 from ascend_dist import plugin  # noqa: E402
 from ascend_dist.common.errors import AscendDistError, ConfigError  # noqa: E402
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
+from ascend_dist.testing.ports import free_port  # noqa: E402
 
 BLOCK = 16
 NUM_BLOCKS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -87,7 +80,7 @@ def _store_extra(env: Env) -> dict[str, Any]:
         "master_server_address": env.master(), "protocol": "tcp",
         "global_segment_size": "16MB", "local_buffer_size": "4MB",
     }  # fmt: skip
-    return {"backend": "mooncake", "store_config": store, "lookup_rpc_port": _free_port()}
+    return {"backend": "mooncake", "store_config": store, "lookup_rpc_port": free_port()}
 
 
 def _recompute_extra(_: Env) -> dict[str, Any]:
@@ -147,13 +140,7 @@ def _registered() -> dict[str, plugin.Component]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1024, "torch_dtype": "float16",
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
+    d = vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
     plugin.register()
     return d
 
@@ -182,29 +169,14 @@ def _vllm_config(model_dir: Path, name: str, role: str, case: Case, extra: dict[
         kv_connector=name,
         kv_role=role,
         engine_id=f"{name}-{role}",
-        kv_port=_free_port() if case.kv_port else 14579,
+        kv_port=free_port() if case.kv_port else 14579,
         kv_connector_extra_config=extra,
     )
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=case.prefix_caching),
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
+    return vb.cpu_vllm_config(model_dir, ktc, num_blocks=NUM_BLOCKS, enable_prefix_caching=case.prefix_caching)
 
 
 def _kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    page = spec.page_size_bytes
-    tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-    )
+    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))], num_blocks=NUM_BLOCKS)
 
 
 def test_every_registered_connector_has_a_case() -> None:

@@ -8,7 +8,6 @@ the pull through the merged finished set; the preempted-request holder wins the 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -25,16 +24,14 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorMetadata  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
@@ -42,25 +39,19 @@ from ascend_dist.kv_mooncake.core.messages import prompt_digest  # noqa: E402
 from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
 from ascend_dist.kv_offload.vllm_recompute import RecomputeCPUOffloadConnector  # noqa: E402
 from ascend_dist.plugin.multi_connector import AscendMultiConnector  # noqa: E402
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 MULTI = "ascend_dist.plugin.multi_connector"
 PULL = "ascend_dist.kv_mooncake.pull.vllm_connector"
 RECOMPUTE = "ascend_dist.kv_offload.vllm_recompute"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-NUM_BLOCKS = 32
-BLOCK = 16
+NUM_BLOCKS = vb.NUM_BLOCKS
+BLOCK = vb.BLOCK
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 1024, "torch_dtype": "float16",
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
-    return d
+    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def make_config(
@@ -85,42 +76,11 @@ def make_config(
             "non_loader_blocks": non_loader,
         },
     )
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
+    return vb.cpu_vllm_config(model_dir, ktc)
 
 
 def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    page = spec.page_size_bytes
-    tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-    )
-
-
-def block_hasher(config: VllmConfig, kcc: KVCacheConfig) -> Any:
-    """The block hasher vLLM's ``EngineCore.__init__`` gives every request (a KV connector is set).
-
-    The hash function ``prefix_caching_hash_algo`` names, ``init_none_hash`` with it, hashes every
-    hash block vLLM resolves for ``config`` and ``kcc``.
-    """
-    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hash_block = resolve_kv_cache_block_sizes(kcc, config)[1]
-    # vLLM 0.33 hashes a block with the tokens after it when drafting needs them; 0.32 has no lookahead.
-    lookahead = getattr(config, "num_hash_lookahead_tokens", 0)
-    if lookahead:
-        return get_request_block_hasher(hash_block, hash_fn, lookahead)
-    return get_request_block_hasher(hash_block, hash_fn)
+    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))])
 
 
 class Side:
@@ -128,7 +88,7 @@ class Side:
 
     def __init__(self, config: VllmConfig, seed: int) -> None:
         kcc = kv_cache_config()
-        self.hasher = block_hasher(config, kcc)
+        self.hasher = vb.block_hasher(config, kcc)
         sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
         worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
         assert isinstance(sched, AscendMultiConnector) and isinstance(worker, AscendMultiConnector)
@@ -262,7 +222,7 @@ def test_two_children_returning_kv_transfer_params_is_an_error(model_dir: Path) 
     sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
     assert isinstance(sched, AscendMultiConnector)
     pool = BlockPool(NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK)
-    req = request("p-req", 40, {"do_remote_decode": True}, block_hasher(config, kcc))
+    req = request("p-req", 40, {"do_remote_decode": True}, vb.block_hasher(config, kcc))
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     got = blocks(pool, 3)
     sched.update_state_after_alloc(req, got, 0)
@@ -312,7 +272,7 @@ def test_hostile_kv_transfer_params_through_vllms_scheduler(model_dir: Path, cap
 
     config = make_config(model_dir, "kv_consumer", "D-hostile", 40500)
     kcc = kv_cache_config()
-    hasher = block_hasher(config, kcc)
+    hasher = vb.block_hasher(config, kcc)
     sched = Scheduler(
         vllm_config=config,
         kv_cache_config=kcc,

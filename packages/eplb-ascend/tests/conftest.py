@@ -8,7 +8,8 @@ import pytest
 from ascend_dist.eplb_ascend._demo.launch import run_ranks
 from ascend_dist.eplb_ascend._demo.worker import run_rank
 
-# --import-mode=importlib does not put this folder on sys.path; the tests share placement_strategies.
+# --import-mode=importlib does not put this folder on sys.path; the tests import placement_strategies
+# and vllm_ranks from it.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -1,9 +1,7 @@
 """The vLLM adapter against the pinned vLLM's real EPLB classes (marked vllm; run in .nox/vllm)."""
 
 import dataclasses
-import importlib.util
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ import torch
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+import vllm_ranks  # noqa: E402  (next to this file: conftest puts the folder on sys.path)
 from vllm.distributed.eplb import eplb_state as vllm_eplb_state  # noqa: E402
 from vllm.distributed.eplb.eplb_communicator import EplbCommunicator, create_eplb_communicator  # noqa: E402
 from vllm.distributed.eplb.eplb_state import EplbLayerState, EplbState  # noqa: E402
@@ -27,11 +26,6 @@ from ascend_dist.eplb_ascend.vllm_eplb import (  # noqa: E402
     wrap_communicator_factory,
     wrap_move_to_workspace,
 )
-
-_spec = importlib.util.spec_from_file_location("eplb_vllm_ranks", Path(__file__).with_name("vllm_ranks.py"))
-assert _spec is not None and _spec.loader is not None
-vllm_ranks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vllm_ranks)
 
 
 def test_two_ranks_through_vllm_eplb_state_gate_weights_and_tables():

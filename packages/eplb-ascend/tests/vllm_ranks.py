@@ -1,4 +1,4 @@
-"""One rank of the vLLM adapter test (imported by test_vllm_adapter.py, run in forked children).
+"""One rank of the vLLM adapter test (imported by test_vllm_adapter.py after its vLLM check, run in forked children).
 
 Brings up vLLM's own distributed environment over gloo on the CPU with EPLB enabled (set after
 the config is built: on CPU vLLM's config check refuses EPLB, the Ascend platform lifts that),

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ascend_dist.testing.ports import free_port
 
 HERE = Path(__file__).parent
 WORKER = HERE / "workers" / "rank_worker.py"
@@ -63,12 +64,6 @@ def fake_nccl(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _compile(HERE / "csrc" / "fake_nccl.c", tmp_path_factory.mktemp("fakenccl"), "libfakenccl.so")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _kill(procs: list[subprocess.Popen[str]]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -85,7 +80,7 @@ def run_ranks() -> RunRanks:
     def run(
         scenario: str, world: int, env: dict[str, str] | None = None, timeout: float = 45.0
     ) -> list[dict[str, Any]]:
-        port = _free_port()
+        port = free_port()
         full_env = {**os.environ, "ASCEND_DIST_DEVICE": "cpu", **(env or {})}
         procs: list[subprocess.Popen[str]] = []
         try:

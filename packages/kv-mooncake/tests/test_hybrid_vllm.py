@@ -9,7 +9,6 @@ real Mooncake engine (TCP, loopback). P drops the last prompt token (``on_new_re
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from pathlib import Path
@@ -21,9 +20,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
-_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parent / "vllm_builders.py")
-vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
@@ -36,6 +32,8 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from ascend_dist.common.errors import ConfigError  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeHybridConnector  # noqa: E402
+from ascend_dist.testing import hostile as hr  # noqa: E402
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
 ATTN = "model.layers.0.self_attn.attn"
@@ -297,11 +295,6 @@ def test_a_failed_load_with_a_mamba_group_is_reported_by_request_and_recomputed(
         d.close()
         if p_open:
             p.close()
-
-
-_hspec = importlib.util.spec_from_file_location("kvm_hostile", Path(__file__).parent / "hostile_requests.py")
-hr = importlib.util.module_from_spec(_hspec)  # type: ignore[arg-type]
-_hspec.loader.exec_module(hr)  # type: ignore[union-attr]
 
 
 def _hybrid_tracked(engine: Any) -> int:

@@ -8,7 +8,6 @@ blocks byte-exact into the blocks D allocated, and P frees its blocks after D's 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from pathlib import Path
@@ -20,9 +19,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
-_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parent / "vllm_builders.py")
-vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
@@ -35,6 +31,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from ascend_dist.common.errors import ConfigError  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1, MooncakeConnectorV1Metadata  # noqa: E402
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

@@ -35,7 +35,6 @@ def _load(name: str) -> ModuleType:
 
 
 _h = _load("test_vllm_connector")  # configs, the P side, requests
-hr = _load("hostile_requests")
 model_dir = _h.model_dir  # the tiny-llama config directory fixture
 
 import torch  # noqa: E402
@@ -46,6 +45,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.core.messages import prompt_digest  # noqa: E402
 from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
+from ascend_dist.testing import hostile as hr  # noqa: E402
 
 PROMPT = 40  # tokens: 3 blocks of 16
 

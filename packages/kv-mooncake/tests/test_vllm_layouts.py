@@ -11,7 +11,6 @@ layout, and a P on another layout than D's at the handshake, naming both.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
@@ -23,9 +22,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
-_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parent / "vllm_builders.py")
-vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -44,6 +40,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from ascend_dist.common.errors import LayoutError  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1Metadata  # noqa: E402
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
 LW_MODULE = "ascend_dist.kv_mooncake.push.vllm_connector"

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from ascend_dist.testing import vllm_builders
+
 pytestmark = pytest.mark.vllm
 
 NUM_BLOCKS = 16
@@ -62,21 +64,6 @@ def _configs(
     return vllm_config, KVCacheConfig(NUM_BLOCKS, [tensor], [KVCacheGroupSpec(["l0"], spec)])
 
 
-def _block_hasher(vllm_config: Any, kv_config: Any) -> Any:
-    """The block hasher vLLM's ``EngineCore.__init__`` gives every request (a KV connector is set)."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
-
-    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hash_block = resolve_kv_cache_block_sizes(kv_config, vllm_config)[1]
-    # vLLM 0.33 hashes a block with the tokens after it when drafting needs them; 0.32 has no lookahead.
-    lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0)
-    if lookahead:
-        return get_request_block_hasher(hash_block, hash_fn, lookahead)
-    return get_request_block_hasher(hash_block, hash_fn)
-
-
 def _kv() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
     shape = (NUM_BLOCKS, BLOCK, 1, 4)
@@ -103,7 +90,7 @@ def test_recompute_preempt_reuse_restore_cycle() -> None:
     sched.bind_gpu_block_pool(pool)
     k, v = _kv()
     worker.register_kv_caches({"l0": (k, v)})
-    hasher = _block_hasher(vllm_config, kv_config)
+    hasher = vllm_builders.block_hasher(vllm_config, kv_config)
     request = Request("A", list(range(40)), SamplingParams(max_tokens=4), None, block_hasher=hasher)
     blocks = pool.get_new_blocks(3)
     ids = [b.block_id for b in blocks]

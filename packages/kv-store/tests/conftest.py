@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,29 +15,12 @@ import torch
 
 from ascend_dist.common.errors import StoreError
 from ascend_dist.kv_store.master_process import MasterProcess
-
-
-def free_port() -> int:
-    """An OS-assigned free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ascend_dist.testing.ports import free_port, wait_port
 
 
 def _tool(name: str) -> str | None:
     local = Path(sys.executable).parent / name
     return str(local) if local.exists() else shutil.which(name)
-
-
-def _wait_port(port: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
 
 
 class MooncakeMaster(MasterProcess):
@@ -121,7 +102,7 @@ def yuanrong_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Yuanro
         "128",
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-    if res.returncode != 0 or not _wait_port(worker.port, 20):
+    if res.returncode != 0 or not wait_port(worker.port, 20):
         subprocess.run([dscli, "stop", "-w", worker.address], capture_output=True, timeout=30, check=False)
         pytest.fail(f"openYuanrong worker did not start: {res.stdout[-1500:]} {res.stderr[-1500:]}")
     try:

@@ -23,11 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -39,33 +37,17 @@ from ascend_dist.kv_store.vllm_connector import (  # noqa: E402
     AscendStoreConnectorMetadata,
     MooncakeConnectorStoreV1,
 )
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 MODULE = "ascend_dist.kv_store.vllm_connector"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-NUM_BLOCKS = 32
-BLOCK = 16
+NUM_BLOCKS = vb.NUM_BLOCKS
+BLOCK = vb.BLOCK
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 1024,
-                "torch_dtype": "float16",
-            }
-        )
-    )
-    return d
+    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def make_config(
@@ -83,44 +65,11 @@ def make_config(
         kv_connector_module_path=MODULE,
         kv_connector_extra_config={"backend": "mooncake", "store_config": store, "lookup_rpc_port": port, **extra},
     )
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=ktc,
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
+    return vb.cpu_vllm_config(model_dir, ktc)
 
 
 def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16)
-    page = spec.page_size_bytes
-    tensors = [
-        KVCacheTensor(size=page * NUM_BLOCKS, layers=[name], layer_stride=0, block_stride=page) for name in LAYERS
-    ]
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-    )
-
-
-def block_hasher(config: VllmConfig, kcc: KVCacheConfig) -> Any:
-    """The block hasher vLLM's ``EngineCore.__init__`` gives every request (a KV connector is set).
-
-    The hash function ``prefix_caching_hash_algo`` names, ``init_none_hash`` with it, hashes every
-    hash block vLLM resolves for ``config`` and ``kcc``.
-    """
-    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hash_block = resolve_kv_cache_block_sizes(kcc, config)[1]
-    # vLLM 0.33 hashes a block with the tokens after it when drafting needs them; 0.32 has no lookahead.
-    lookahead = getattr(config, "num_hash_lookahead_tokens", 0)
-    if lookahead:
-        return get_request_block_hasher(hash_block, hash_fn, lookahead)
-    return get_request_block_hasher(hash_block, hash_fn)
+    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))])
 
 
 class Instance:
@@ -128,7 +77,7 @@ class Instance:
 
     def __init__(self, config: VllmConfig, seed: int, kcc: KVCacheConfig | None = None) -> None:
         self.kcc = kcc or kv_cache_config()
-        self.hasher = block_hasher(config, self.kcc)
+        self.hasher = vb.block_hasher(config, self.kcc)
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
         gen = torch.Generator().manual_seed(seed)
         self.caches = {
@@ -580,7 +529,7 @@ class RunnerInstance:
     def __init__(self, config: VllmConfig, shape: Shape, seed: int) -> None:
         self.shape = shape
         self.kcc = shape_kv_cache_config(shape)
-        self.hasher = block_hasher(config, self.kcc)
+        self.hasher = vb.block_hasher(config, self.kcc)
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
         gen = self.gen = torch.Generator().manual_seed(seed)
         dims = (shape.num_blocks, shape.block, shape.kv_heads, shape.head_dim)

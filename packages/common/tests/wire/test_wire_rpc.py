@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from ascend_dist.common.errors import (
 )
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.common.zmq_server import KIND_REPLY, KIND_REQUEST, pack_header, unpack_header
+from ascend_dist.testing.ports import free_port
 
 
 class CountingContext(zmq.Context[Any]):
@@ -80,12 +80,6 @@ def client(ctx: CountingContext) -> Iterator[RpcClient]:
     rpc = RpcClient(ctx, timeout_s=1.0, retries=3, retry_delay_s=0.02)
     yield rpc
     rpc.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _dealer_sockets(ctx: CountingContext) -> list[zmq.Socket]:
@@ -170,7 +164,7 @@ def test_malformed_frames_are_dropped_and_server_keeps_serving(
 
 
 def test_no_server_raises_deadline_exceeded_with_fresh_socket_per_attempt(ctx: CountingContext) -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     rpc = RpcClient(ctx, timeout_s=0.15, retries=3, retry_delay_s=0.05)
     try:
         start = time.monotonic()
@@ -190,7 +184,7 @@ def test_no_server_raises_deadline_exceeded_with_fresh_socket_per_attempt(ctx: C
 
 
 def test_per_request_timeout_overrides_the_default(ctx: CountingContext) -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     with RpcClient(ctx, timeout_s=5.0, retries=1) as rpc:
         start = time.monotonic()
         with pytest.raises(DeadlineExceeded):

@@ -29,13 +29,13 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 _h = _load("kvm_lw_vllm_helpers", Path(__file__).with_name("test_lw_vllm.py"))  # configs, KV-cache config
-hr = _load("kvm_hostile", Path(__file__).parents[1] / "hostile_requests.py")
 model_dir = _h.model_dir  # the tiny-llama config directory fixture
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.kv_mooncake.core.messages import prompt_digest  # noqa: E402
 from ascend_dist.kv_mooncake.push.vllm_connector import MooncakeLayerwiseConnector  # noqa: E402
+from ascend_dist.testing import hostile as hr  # noqa: E402
 
 PROMPT = 40
 

@@ -10,7 +10,6 @@ at ``save_kv_layer``, and D's worker reports the request received with P's bytes
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import os
 import threading
@@ -24,9 +23,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
-_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parents[1] / "vllm_builders.py")
-vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
@@ -41,6 +37,7 @@ from ascend_dist.kv_mooncake.push.vllm_connector import (  # noqa: E402
     MooncakeLayerwiseConnector,
     MooncakeLayerwiseMetadata,
 )
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.push.vllm_connector"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

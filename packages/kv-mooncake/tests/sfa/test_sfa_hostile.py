@@ -30,12 +30,12 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 _h = _load("kvm_sfa_vllm_helpers", Path(__file__).with_name("test_sfa_vllm.py"))  # configs, KV-cache config
-hr = _load("kvm_hostile", Path(__file__).parents[1] / "hostile_requests.py")
 model_dir = _h.model_dir  # the tiny MLA-like config directory fixture
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.kv_mooncake.sfa.vllm_connector import SfaRemoteD2HConnector  # noqa: E402
+from ascend_dist.testing import hostile as hr  # noqa: E402
 
 PROMPT = 40
 

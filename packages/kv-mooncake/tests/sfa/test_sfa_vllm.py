@@ -9,13 +9,9 @@ threads fill the host pool and the indexer caches, checked byte for byte against
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +21,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
-_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).parents[1] / "vllm_builders.py")
-vb = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(vb)  # type: ignore[union-attr]
 
 import torch  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
@@ -41,6 +34,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from ascend_dist.common.errors import ConfigError, DeviceUnavailable  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.sfa.vllm_connector import SfaRemoteD2HConnector, SfaRemoteD2HMetadata  # noqa: E402
+from ascend_dist.testing import hostile as hr  # noqa: E402
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.sfa.vllm_connector"
 MAIN = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
@@ -54,37 +49,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"), num_key_value_heads=1)
 
 
-class _Metaserver:
-    """The proxy's metaserver endpoint: keeps every contact D posts."""
-
-    def __init__(self) -> None:
-        self.got: dict[str, dict[str, Any]] = {}
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.got[body["request_id"]] = body
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/metaserver"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
-
-
 @pytest.fixture
-def metaserver() -> Iterator[_Metaserver]:
-    m = _Metaserver()
+def metaserver() -> Iterator[hr.Metaserver]:
+    m = hr.Metaserver()
     yield m
     m.close()
 
@@ -123,7 +90,7 @@ def bind(connector: Any, meta: Any) -> None:
     connector.start_load_kv(None)
 
 
-def test_layerwise_remote_d2h_through_the_vllm_connector(model_dir: Path, metaserver: _Metaserver) -> None:
+def test_layerwise_remote_d2h_through_the_vllm_connector(model_dir: Path, metaserver: hr.Metaserver) -> None:
     port = free_port_range(1)
     kcc = kv_cache_config()
     p_cfg = make_config(model_dir, "kv_producer", "P-sfa", port)
@@ -234,7 +201,7 @@ def _report(sched: Any, out: Any, d_work: Any, rid: str) -> Any:
     return results.failed_recving
 
 
-def test_d_driven_by_vllms_scheduler_loads_or_recomputes(model_dir: Path, metaserver: _Metaserver) -> None:
+def test_d_driven_by_vllms_scheduler_loads_or_recomputes(model_dir: Path, metaserver: hr.Metaserver) -> None:
     """D's real v1 Scheduler: WAITING_FOR_REMOTE_KVS until the reads end; a P that never sends -> recompute."""
     port = free_port_range(1)
     kcc = kv_cache_config()
@@ -291,7 +258,9 @@ def test_d_driven_by_vllms_scheduler_loads_or_recomputes(model_dir: Path, metase
             c.shutdown()
 
 
-def test_p_and_d_both_driven_by_vllms_scheduler_with_chunked_prefill(model_dir: Path, metaserver: _Metaserver) -> None:
+def test_p_and_d_both_driven_by_vllms_scheduler_with_chunked_prefill(
+    model_dir: Path, metaserver: hr.Metaserver
+) -> None:
     """P's real v1 Scheduler prefills in 16-token chunks; each chunk's layers are read by D at once."""
     from vllm.v1.outputs import ModelRunnerOutput
 

@@ -1,30 +1,22 @@
-"""Hostile ``kv_transfer_params`` shared by the three connectors' tests, and a driver of vLLM's real Scheduler.
+"""Hostile ``kv_transfer_params`` and a driver of vLLM's real v1 Scheduler, for the connectors' tests.
 
-Not a test module: the tests load it by path (the tests folder is not a package under
-``--import-mode=importlib``), as they load ``vllm_builders.py``::
-
-    _spec = importlib.util.spec_from_file_location("kvm_hostile", <tests>/hostile_requests.py)
-
-`Engine` imports vLLM only when built, so the garbage tables cost nothing without vLLM.
+The garbage tables are plain data. `Engine` imports vLLM only when built and `Metaserver` is the
+standard library's HTTP server, so importing this module costs nothing without vLLM.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("kvm_vllm_builders", Path(__file__).with_name("vllm_builders.py"))
-_builders = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(_builders)  # type: ignore[union-attr]
+from ascend_dist.testing import vllm_builders
 
 
 class Garbage(NamedTuple):
@@ -130,8 +122,8 @@ class Engine:
 
     def add(self, rid: str, tokens: int, params: Any, *, first: int = 100) -> Any:
         """Add a request (prompt ``first..first+tokens``, one output token) carrying ``params``, as vLLM hashes it."""
-        hasher = _builders.block_hasher(self.sched.vllm_config, self.sched.kv_cache_config)
-        req = _builders.request(rid, tokens, params, first=first, hasher=hasher)
+        hasher = vllm_builders.block_hasher(self.sched.vllm_config, self.sched.kv_cache_config)
+        req = vllm_builders.request(rid, tokens, params, first=first, hasher=hasher)
         self.sched.add_request(req)
         return req
 

@@ -1,11 +1,9 @@
-"""vLLM builders shared by this package's vLLM tests (model dir, ``VllmConfig``, ``KVCacheConfig``, requests).
+"""vLLM builders for the adapter tests: a tiny model directory, configs, block hashers, requests.
 
-Not a test module: the vLLM test modules load it by path (the tests folder is not a package under
-``--import-mode=importlib``) with::
+`Side` is one instance's scheduler- and worker-role connectors from vLLM's factory.
 
-    _spec = importlib.util.spec_from_file_location("kvm_vllm_builders", <tests>/vllm_builders.py)
-
-It imports vLLM and torch only inside its functions, so loading it costs nothing without vLLM.
+vLLM and torch are imported inside the functions only: importing this module costs nothing where
+vLLM is absent, so a test module can import it before its ``pytest.importorskip("vllm")``.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 NUM_BLOCKS = 32
 BLOCK = 16
@@ -44,7 +42,7 @@ def make_vllm_config(
     *,
     connector: str,
     module: str,
-    role: str,
+    role: Literal["kv_producer", "kv_consumer", "kv_both"],
     engine_id: str,
     kv_port: int,
     extra: dict[str, Any],
@@ -55,7 +53,7 @@ def make_vllm_config(
     ``cache`` goes to ``CacheConfig`` (e.g. ``enable_prefix_caching=False``); the pool has
     `NUM_BLOCKS` blocks of `BLOCK` tokens.
     """
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(
         kv_connector=connector,
@@ -65,16 +63,27 @@ def make_vllm_config(
         kv_port=kv_port,
         kv_connector_extra_config={"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, **extra},
     )
+    return cpu_vllm_config(model_dir, ktc, **cache)
+
+
+def cpu_vllm_config(model_dir: Path, kv_transfer_config: Any, *, num_blocks: int = NUM_BLOCKS, **cache: Any) -> Any:
+    """A CPU ``VllmConfig`` of the model in ``model_dir`` with ``kv_transfer_config`` as given.
+
+    512-token context and batches, 8 sequences, float16; ``cache`` goes to ``CacheConfig``, the
+    pool has ``num_blocks`` blocks of `BLOCK` tokens.
+    """
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
         ),
         cache_config=CacheConfig(block_size=BLOCK, **cache),
-        kv_transfer_config=ktc,
+        kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
     )
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    config.cache_config.num_gpu_blocks = num_blocks
     return config
 
 
@@ -86,8 +95,10 @@ def attention_spec(num_kv_heads: int, head_size: int) -> Any:
     return FullAttentionSpec(block_size=BLOCK, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float16)
 
 
-def kv_cache_config(groups: Sequence[tuple[Sequence[str], Any]], *, block_stride: bool = True) -> Any:
-    """A ``KVCacheConfig`` of one KV-cache group per ``(layer names, spec)``, one tensor per layer.
+def kv_cache_config(
+    groups: Sequence[tuple[Sequence[str], Any]], *, block_stride: bool = True, num_blocks: int = NUM_BLOCKS
+) -> Any:
+    """A ``KVCacheConfig`` of ``num_blocks`` blocks: one group per ``(layer names, spec)``, one tensor per layer.
 
     With ``block_stride`` each tensor says its page size as the block stride, else 0.
     """
@@ -95,7 +106,7 @@ def kv_cache_config(groups: Sequence[tuple[Sequence[str], Any]], *, block_stride
 
     tensors = [
         KVCacheTensor(
-            size=spec.page_size_bytes * NUM_BLOCKS,
+            size=spec.page_size_bytes * num_blocks,
             layers=[name],
             layer_stride=0,
             block_stride=spec.page_size_bytes if block_stride else 0,
@@ -104,7 +115,7 @@ def kv_cache_config(groups: Sequence[tuple[Sequence[str], Any]], *, block_stride
         for name in names
     ]
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups],
     )
@@ -181,7 +192,8 @@ class Side:
         meta = self.sched.build_connector_meta(out)
         assert isinstance(meta, self.meta_type)
         self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
+        # Our connectors never read the forward context; the tests have no model to build one from.
+        self.worker.start_load_kv(cast("Any", None))
 
     def block(self, block_id: int) -> bytes:
         """Every layer's K and V bytes of one block."""
