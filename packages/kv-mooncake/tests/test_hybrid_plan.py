@@ -36,8 +36,10 @@ def test_spec_hybrid_trim_table_with_p_side_truncation() -> None:
     p = _hybrid("kv_producer")
     req = SchedRequest("r", 65, {"do_remote_decode": True})
     assert p.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.prompt_len == 65 and req.kv_transfer_params == {"do_remote_decode": True}  # a pure query
+    assert p.truncate_for_state(req)  # the adapter's on_new_request
     assert req.prompt_len == 64 and req.kv_transfer_params == {"do_remote_decode": True, "_p_side_truncated": True}
-    p.get_num_new_matched_tokens(req, 0)  # a preempted request is not truncated twice
+    assert not p.truncate_for_state(req)  # a preempted request is not truncated twice
     assert req.prompt_len == 64
     req.length_capped = True
     delay, params = p.request_finished(req, [list(range(100, 105)), [0, *range(200, 205)], list(range(300, 305))])

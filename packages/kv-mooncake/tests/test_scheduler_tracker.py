@@ -122,6 +122,20 @@ def test_consumer_flow_and_single_transfer() -> None:
     assert sched.tracked == 0
 
 
+def test_matched_tokens_query_is_pure_on_both_roles() -> None:
+    """Asked twice (vLLM re-asks a request it could not schedule): same answer, nothing written."""
+    d = PullScheduler(_config("kv_consumer"), [16])
+    req = SchedRequest("d1", 40, _params())
+    before = dict(req.kv_transfer_params or {})
+    assert [d.get_num_new_matched_tokens(req, 16) for _ in range(2)] == [(24, True)] * 2
+    assert req.kv_transfer_params == before and req.prompt_len == 40 and d.tracked == 0
+    hybrid = PullScheduler(_config("kv_producer"), [16, 16], state_groups=[1])
+    preq = SchedRequest("p1", 41, {"do_remote_decode": True})
+    assert [hybrid.get_num_new_matched_tokens(preq, 0) for _ in range(2)] == [(0, False)] * 2
+    assert preq.prompt_len == 41 and preq.kv_transfer_params == {"do_remote_decode": True}  # not truncated
+    assert hybrid.tracked == 0
+
+
 def test_rejected_consumer_request_sends_an_empty_receive() -> None:
     sched = PullScheduler(_config("kv_consumer"), [16, 16])
     req = SchedRequest("d2", 40, {**_params(), "remote_block_ids": [[3], [4]]})

@@ -15,6 +15,8 @@ loaded from ``test_vllm_connector.py`` so both files build vLLM the same way.
    blocks are released by D's DONE (not by the lease).
 3. Abort before allocation: P is released by D's DONE, and D's worker reports no receive for the
    request vLLM already freed (vLLM's scheduler asserts on such a stray id; this was a connector bug).
+4. ``get_num_new_matched_tokens`` is a pure query: asked twice it answers the same and changes
+   nothing; the pull recorded after allocation carries D's prefix hit and completes.
 """
 
 from __future__ import annotations
@@ -276,6 +278,54 @@ def test_abort_before_allocation_releases_p_without_a_stray_receive(model_dir: P
         assert done == set()
         d.sched.update_from_output(out, output(recving=done))
         assert d.free_blocks() == d.free_at_start
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("hit", [0, 16], ids=["no-prefix-hit", "one-block-prefix-hit"])
+def test_matched_tokens_query_is_pure_and_the_pull_is_recorded_after_allocation(model_dir: Path, hit: int) -> None:
+    """vLLM may ask ``get_num_new_matched_tokens`` again for a request it could not schedule.
+
+    Asked twice before vLLM's real Scheduler runs, the query gives the same answer and changes
+    neither the request nor the connector; the pull then recorded by ``update_state_after_alloc``
+    carries D's prefix hit (recovered from the external count) and completes.
+    """
+    port = free_port_range(1)
+    p = _h.Side(_h.make_config(model_dir, "kv_producer", "P-pure", port, lease_s=60.0), seed=8)
+    d = D(_h.make_config(model_dir, "kv_consumer", "D-pure", port))
+    try:
+        if hit:
+            warm_prefix(d)
+        params = prefill_on_p(p, "p-req")
+        req = d.request("d-req", PROMPT, params)
+        d.sched.add_request(req)
+        conn = d.sched.connector
+        assert isinstance(conn, MooncakeConnectorV1) and conn._scheduler is not None
+        before = (dict(req.kv_transfer_params or {}), req.num_prompt_tokens, list(req.all_token_ids))
+        answers = [conn.get_num_new_matched_tokens(req, hit) for _ in range(2)]
+        assert answers == [(PROMPT - hit, True)] * 2
+        assert (dict(req.kv_transfer_params or {}), req.num_prompt_tokens, list(req.all_token_ids)) == before
+        assert conn._scheduler.tracked == 0  # nothing recorded by the query
+        out = d.sched.schedule()
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_computed_tokens == PROMPT
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, _h.MooncakeConnectorV1Metadata)
+        pull = meta.inner.requests["d-req"]
+        assert pull.num_computed_tokens == hit and not pull.notify_only
+        assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False
+        d.run_worker(out)
+        done, errors = d.wait_recv("d-req")
+        assert done == {"d-req"} and errors == set()
+        d.sched.update_from_output(out, output(recving=done))
+        out = d.sched.schedule()
+        assert req.status == RequestStatus.RUNNING
+        d.run_worker(out)
+        d.sched.update_from_output(out, output(sampled={"d-req": 7}))
+        assert req.is_finished()
+        d.run_worker(d.sched.schedule())
+        assert d.free_blocks() == d.free_at_start
+        assert d.idle() == {"sched_tracked": 0, "in_flight": 0, "quarantined": 0}
     finally:
         d.close()
         p.close()

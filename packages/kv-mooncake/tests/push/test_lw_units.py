@@ -235,6 +235,18 @@ def test_d_scheduler_announces_all_blocks_and_p_scheduler_tracks_chunks() -> Non
     assert p.build_connector_meta({"r": Scheduled(70, 1)}).send == [] and p.tracked == 0
 
 
+def test_d_scheduler_query_is_pure() -> None:
+    """Asked twice before allocation: same answer, no announcement, nothing tracked."""
+    ms = CollectingMetaserver()
+    d = LayerwiseScheduler(_cfg(), [16], metaserver=ms)
+    req = SchedRequest("r", 70, {"do_remote_prefill": True, "metaserver": "http://x/v1/metaserver"})
+    before = dict(req.kv_transfer_params or {})
+    assert [d.get_num_new_matched_tokens(req, 16) for _ in range(2)] == [(54, True)] * 2
+    assert req.kv_transfer_params == before and d.tracked == 0
+    assert d.build_connector_meta().recv == []
+    d.close()
+
+
 def test_d_scheduler_without_metaserver_fails_the_request_not_the_engine() -> None:
     d = LayerwiseScheduler(_cfg(), [16], metaserver=CollectingMetaserver())
     req = SchedRequest("r", 20, {"do_remote_prefill": True})

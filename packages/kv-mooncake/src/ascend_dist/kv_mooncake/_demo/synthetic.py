@@ -212,7 +212,7 @@ class SyntheticInstance:
         """P: run a request's prefill (fill its KV with the pattern) and return kv_transfer_params."""
         req = SchedRequest(rid, prompt_len, {"do_remote_decode": True})
         self.requests[rid] = req
-        self.scheduler.get_num_new_matched_tokens(req, 0)  # a hybrid model drops the last prompt token
+        self.scheduler.truncate_for_state(req)  # a hybrid model drops the last prompt token (vLLM: on_new_request)
         ids = self._alloc(rid, req.prompt_len)
         self.scheduler.update_state_after_alloc(req, ids, 0)
         self._step()

@@ -2,30 +2,30 @@
 
 Runs in: the scheduler process of P and of D (the same class; the role decides what fires).
 Works on plain values (`SchedRequest`, block-id lists); the vLLM adapter translates vLLM's
-objects. Each tracked request has one state in an explicit table, and every entry is dropped when
-the request finishes, so nothing accumulates.
+objects. `get_num_new_matched_tokens` is a pure query; what a request needs from the workers is
+recorded in `update_state_after_alloc` / `request_finished` and handed out (and dropped) by the
+next `build_connector_meta`, so nothing accumulates. D's per-request state lives in the workers
+(`ascend_dist.kv_mooncake.pull.d_requests`).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.ports import MAX_PORT, PortLayout
-from ascend_dist.common.states import StateTable
 from ascend_dist.kv_mooncake.core.admission import check_block_ids
 from ascend_dist.kv_mooncake.core.messages import TransferParams, parse_transfer_params
 from ascend_dist.kv_mooncake.core.plan import trim_block_ids
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 
-__all__ = ["PullMetadata", "PullScheduler", "RecvState", "ReqMeta", "SchedRequest"]
+__all__ = ["PullMetadata", "PullScheduler", "ReqMeta", "SchedRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +59,6 @@ class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):
     requests: dict[str, ReqMeta] = {}
     to_send: list[str] = []
     in_batch: list[str] = []
-
-
-class RecvState(enum.Enum):
-    """A D request on the scheduler."""
-
-    MATCHED = enum.auto()
-    ALLOCATED = enum.auto()
-
-
-RECV_TRANSITIONS: Final = {
-    RecvState.MATCHED: frozenset({RecvState.ALLOCATED}),
-    RecvState.ALLOCATED: frozenset(),
-}
 
 
 class PullScheduler:
@@ -132,7 +119,6 @@ class PullScheduler:
         # With CP on P each scheduler block id covers cp blocks' worth of prompt.
         self._p_cp = config.prefill.cp_size if config.is_producer else 1
         self._remote_port = layout.dp_base(config.dp_rank) if config.is_producer else 0
-        self._recv: StateTable[RecvState] = StateTable(RECV_TRANSITIONS, name="recv")
         self._pending: dict[str, ReqMeta] = {}
         self._to_send: list[str] = []
         self._in_batch: set[str] = set()
@@ -140,7 +126,7 @@ class PullScheduler:
     @property
     def tracked(self) -> int:
         """Requests with scheduler state (0 when idle: nothing leaks)."""
-        return len(self._recv) + len(self._pending) + len(self._to_send) + len(self._in_batch)
+        return len(self._pending) + len(self._to_send) + len(self._in_batch)
 
     def check_params(self, request_id: str, raw: Mapping[str, Any], prompt_len: int) -> TransferParams:
         """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
@@ -179,29 +165,26 @@ class PullScheduler:
     def get_num_new_matched_tokens(self, request: SchedRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens D will load from P beyond its local prefix hit, and whether asynchronously.
 
+        A pure query (vLLM may ask again for a request it could not schedule): it writes neither the
+        request nor this scheduler. P's truncation for state groups is `truncate_for_state` (run by
+        the adapter's ``on_new_request``); D's pull is recorded by `update_state_after_alloc`.
+
         Raises:
             ConfigError: The request's ``kv_transfer_params`` are invalid (names the key).
         """
         if not request.kv_transfer_params:
             return 0, False
         params = parse_transfer_params(request.kv_transfer_params)
-        if params.do_remote_decode:
-            self.truncate_for_state(request)
         if not params.do_remote_prefill:
             return 0, False
-        request.kv_transfer_params["num_computed_tokens"] = num_computed_tokens
         disagreement = self._disagreement(params)
         if disagreement:
             # Pairing blocks with different windows or group kinds would load wrong bytes: D
-            # recomputes the prompt instead, and the empty receive still tells P to free.
-            logger.error("request %s: not loading from P: %s", request.request_id, disagreement)
+            # recomputes the prompt instead, and the empty receive still tells P to free (logged
+            # once, by `update_state_after_alloc`: this query may run many times).
             return 0, False
         count = max(self.loaded_len(request.prompt_len) - num_computed_tokens, 0)
-        if count == 0:
-            return 0, False
-        if request.request_id not in self._recv:
-            self._recv.add(request.request_id, RecvState.MATCHED)
-        return count, True
+        return (count, True) if count else (0, False)
 
     def loaded_len(self, prompt_len: int) -> int:
         """Prompt tokens D loads from P: all, or all but the last with state groups (D recomputes it)."""
@@ -274,18 +257,22 @@ class PullScheduler:
             return
         groups = len(self._block_sizes)
         local = [list(ids) for ids in local_block_ids] if num_external_tokens > 0 else [[] for _ in range(groups)]
+        loaded = self.loaded_len(request.prompt_len)
+        if num_external_tokens == 0 and (disagreement := self._disagreement(params)):
+            logger.error("request %s: not loading from P: %s", request.request_id, disagreement)
+        # vLLM hands back what the query answered (loaded - prefix hit), so D's hit is recovered here
+        # rather than written into the request by the query.
+        computed = loaded - num_external_tokens if num_external_tokens > 0 else 0
         if len(local) != groups:
             raise ConfigError("local_block_ids", f"<{len(local)} groups>", f"{groups} lists (one per KV-cache group)")
         self._pending[request.request_id] = self._req_meta(
             request.request_id,
             params,
             local,
-            raw,
-            prompt_len=self.loaded_len(request.prompt_len),
+            computed=max(computed, 0),
+            prompt_len=loaded,
             notify_only=num_external_tokens == 0,
         )
-        if request.request_id in self._recv:
-            self._recv.advance(request.request_id, RecvState.ALLOCATED)
         raw["do_remote_prefill"] = False
 
     def _req_meta(
@@ -293,8 +280,8 @@ class PullScheduler:
         request_id: str,
         params: Any,
         local: list[list[int]],
-        raw: dict[str, Any],
         *,
+        computed: int,
         prompt_len: int,
         notify_only: bool = False,
     ) -> ReqMeta:
@@ -309,7 +296,7 @@ class PullScheduler:
             request_id=request_id,
             local_block_ids=local,
             remote_block_ids=remote,
-            num_computed_tokens=int(raw.get("num_computed_tokens", 0)),
+            num_computed_tokens=computed,
             remote_request_id=params.remote_request_id or "",
             remote_engine_id=params.remote_engine_id or "",
             remote_host=params.remote_host or "",
@@ -327,9 +314,6 @@ class PullScheduler:
     def build_connector_meta(self) -> PullMetadata:
         """This step's work for the workers; resets the pending collections."""
         meta = PullMetadata(requests=self._pending, to_send=self._to_send, in_batch=sorted(self._in_batch))
-        for rid in self._pending:
-            if rid in self._recv:
-                self._recv.pop(rid)
         self._pending, self._to_send, self._in_batch = {}, [], set()
         return meta
 
@@ -341,8 +325,6 @@ class PullScheduler:
         Returns:
             ``(delay_free, kv_transfer_params)``.
         """
-        if request.request_id in self._recv:
-            self._recv.pop(request.request_id)
         raw = request.kv_transfer_params
         if not raw:
             return False, None
@@ -351,7 +333,7 @@ class PullScheduler:
             # D request rejected before allocation: an empty receive still tells P to free.
             empty = [[] for _ in self._block_sizes]
             self._pending[request.request_id] = self._req_meta(
-                request.request_id, params, empty, raw, prompt_len=request.prompt_len, notify_only=True
+                request.request_id, params, empty, computed=0, prompt_len=request.prompt_len, notify_only=True
             )
             raw["do_remote_prefill"] = False
             return False, None

@@ -14,17 +14,18 @@ Quarantine: a failed or timed-out read may still write into D's blocks later
 (Mooncake #4247), so its request's blocks are reported as load errors at once but the request
 reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of its reads runs and
 ``quarantine_s`` has passed since the last failed read; a read that never returns is given up one
-more ``pull_timeout_s`` after the deadline (logged).
+more ``pull_timeout_s`` after the deadline (logged). Each request's state (pulling, quarantined,
+done, reported failed) is one record of `ascend_dist.kv_mooncake.pull.d_requests.DRequests`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from ascend_dist.common.errors import TransferError
@@ -32,18 +33,26 @@ from ascend_dist.common.mappings import context_parallel_parameters_check
 from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.engine import TransferBackend
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
-from ascend_dist.kv_mooncake.core.plan import HeadSlice, PullMode, pull_mode, select_sources
+from ascend_dist.kv_mooncake.core.plan import PullMode, pull_mode, select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig
-from ascend_dist.kv_mooncake.pull.cp_plan import CpShard, cp_layouts, cp_sources, plan_cp_pull
+from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
+from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
 from ascend_dist.kv_mooncake.pull.plan_groups import pull_source_ranks, state_source_ranks
 from ascend_dist.kv_mooncake.pull.pull_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
 
-__all__ = ["STATE_TASK", "LocalCache", "Receiver"]
+__all__ = ["LocalCache", "Receiver", "ShardKind"]
 
-STATE_TASK = -2
-"""Shard index of a CP task that reads only the state groups (from P's PCP rank 0)."""
+
+class ShardKind(enum.IntEnum):
+    """A pull task's ``shard`` when it is not a CP shard index (those are >= 0)."""
+
+    WHOLE = -1
+    """No context parallelism: the task reads every group D wants from one P rank (and PP stage)."""
+    STATE_ONLY = -2
+    """Context parallelism: the task reads only the state groups (replicated: from P's PCP rank 0)."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -54,21 +63,6 @@ class Reformat(Protocol):
     def __call__(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
         """Reformat the listed blocks (sub-blocks of ``sub_tokens`` tokens when non-zero)."""
         ...
-
-
-@dataclass
-class _Pull:
-    """A request being pulled."""
-
-    meta: ReqMeta
-    slices: list[HeadSlice]
-    pending: int
-    deadline: float
-    failed: bool = False
-    pulled_layers: set[str] = field(default_factory=set)
-    hold_until: float = 0.0
-    shards: list[CpShard] = field(default_factory=list)
-    group_shards: list[list[CpShard]] = field(default_factory=list)
 
 
 class Receiver:
@@ -102,12 +96,9 @@ class Receiver:
         self._clock = clock
         self._peers = PeerClient(config, handshake, tp_rank)
         self._pool = ThreadPoolExecutor(max_workers=config.recv_workers, thread_name_prefix=f"kv-pull-{tp_rank}")
-        self._lock = threading.Lock()
-        self._pulls: dict[str, _Pull] = {}
-        self._finished: set[str] = set()
-        self._quarantined: dict[str, _Pull] = {}
+        self._lock = threading.Lock()  # guards the table and the load errors
+        self._requests = DRequests(pull_timeout_s=config.pull_timeout_s)
         self._errors: set[int] = set()
-        self._failed_rids: set[str] = set()  # failed requests, reported with their finish (multi-group models)
 
     @property
     def cache(self) -> LocalCache:
@@ -118,13 +109,13 @@ class Receiver:
     def in_flight(self) -> int:
         """Requests still pulling."""
         with self._lock:
-            return len(self._pulls)
+            return self._requests.count(DState.PULLING)
 
     @property
     def quarantined(self) -> int:
         """Failed requests whose blocks are held because a late write could still land."""
         with self._lock:
-            return len(self._quarantined)
+            return self._requests.count(DState.QUARANTINED)
 
     @property
     def cached_peers(self) -> int:
@@ -139,7 +130,7 @@ class Receiver:
         """Plan a request's pulls and queue them (an empty receive only sends DONEs)."""
         if meta.do_virtual:
             with self._lock:
-                self._finished.add(meta.request_id)
+                self._requests.finish_now(DRequest(meta, deadline=self._clock()))
             return
         if self._config.uses_cp:
             self._submit_cp(meta)
@@ -160,9 +151,9 @@ class Receiver:
         tasks = [stage * p_tp + p for stage in range(p_pp) for p in ranks]
         now = self._clock()
         with self._lock:
-            self._pulls[meta.request_id] = _Pull(meta, slices, len(tasks), now + self._config.pull_timeout_s)
+            self._requests.start(DRequest(meta, now + self._config.pull_timeout_s, pending=len(tasks), slices=slices))
         for global_rank in tasks:
-            self._pool.submit(self._run_task, meta.request_id, global_rank)
+            self._pool.submit(self._run_task, meta.request_id, global_rank, ShardKind.WHOLE)
 
     def _submit_cp(self, meta: ReqMeta) -> None:
         """Plan with context parallelism: one task per (P CP rank, P rank) of each shard."""
@@ -191,27 +182,30 @@ class Receiver:
         ]
         attn = self._cache.attention_groups
         shards = group_shards[attn[0]] if attn else []
-        tasks = [(i, w) for i, s in enumerate(shards) for w in s.p_world_ranks]
+        tasks: list[tuple[int, int]] = [(i, w) for i, s in enumerate(shards) for w in s.p_world_ranks]
         if self._cache.has_state:  # the state is replicated over P's CP ranks: read it from P's PCP rank 0
             p_tp, d_tp = self._config.prefill.tp_size, self._config.decode.tp_size
-            tasks += [(STATE_TASK, w) for w in state_source_ranks(self._tp_rank, p_tp, d_tp)]
+            tasks += [(ShardKind.STATE_ONLY, w) for w in state_source_ranks(self._tp_rank, p_tp, d_tp)]
         now = self._clock()
         slices = list(shards[0].slices) if shards else []
         with self._lock:
-            self._pulls[meta.request_id] = _Pull(
-                meta,
-                slices,
-                len(tasks),
-                now + self._config.pull_timeout_s,
-                shards=shards,
-                group_shards=group_shards,
+            self._requests.start(
+                DRequest(
+                    meta,
+                    now + self._config.pull_timeout_s,
+                    pending=len(tasks),
+                    slices=slices,
+                    shards=shards,
+                    group_shards=group_shards,
+                )
             )
         for shard, world in tasks:
             self._pool.submit(self._run_task, meta.request_id, world, shard)
 
-    def _run_task(self, request_id: str, global_rank: int, shard: int = -1) -> None:
+    def _run_task(self, request_id: str, global_rank: int, shard: int) -> None:
+        """One task: ``shard`` is a CP shard index (>= 0) or a `ShardKind`."""
         with self._lock:
-            pull = self._pulls.get(request_id)
+            pull = self._requests.pulling(request_id)
         if pull is None:
             return
         meta = pull.meta
@@ -221,11 +215,11 @@ class Receiver:
             if shard >= 0:
                 if any(gs[shard].local_ids for gs in pull.group_shards if gs):
                     self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
-            elif shard == STATE_TASK:
+            elif shard == ShardKind.STATE_ONLY:
                 if any(meta.local_block_ids[g] for g in self._cache.state_groups):
                     self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
             elif any(meta.local_block_ids):
-                self._pull(pull, port, global_rank % meta.remote_ptp_size)
+                self._pull(pull, port, global_rank % meta.remote_ptp_size, ShardKind.WHOLE)
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
             logger.error("request %s: pull from %s:%d failed: %s", request_id, meta.remote_host, port, exc)
@@ -236,10 +230,11 @@ class Receiver:
             self._task_done(pull)
             self._peers.send_done(meta.remote_host, port, meta.remote_request_id, ok)
 
-    def _pull(self, pull: _Pull, port: int, p_rank: int, shard: int = -1) -> None:
+    def _pull(self, pull: DRequest, port: int, p_rank: int, shard: int) -> None:
         meta = pull.meta
         agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
-        stage = 0 if shard >= 0 or shard == STATE_TASK else (port - meta.remote_port) // meta.remote_ptp_size
+        # A WHOLE task's global rank spans P's PP stages; CP shard and state-only tasks read stage 0.
+        stage = (port - meta.remote_port) // meta.remote_ptp_size if shard == ShardKind.WHOLE else 0
         check_peer_rank(agent, port=port, pp_rank=stage, tp_rank=p_rank)
         # Before reading, P must confirm it still holds this request's blocks: params replayed after
         # D consumed them, or aimed at a request P already freed, would read reused blocks.
@@ -253,31 +248,28 @@ class Receiver:
             d_rank=self._tp_rank,
             d_tp=self._config.decode.tp_size,
             slices=pull.slices,
-            shards=None if shard < 0 else [gs[shard] if gs else None for gs in pull.group_shards],
-            state_only=shard == STATE_TASK,
+            shards=None if shard < 0 else [gs[shard] if gs else None for gs in pull.group_shards],  # < 0: a kind
+            state_only=shard == ShardKind.STATE_ONLY,
         )
         try:
             self._engine.read(agent.te_session, batch.descriptors, timeout_s=max(0.1, pull.deadline - self._clock()))
         except BaseException:
             with self._lock:  # the engine may still write into these blocks: quarantine them
-                pull.hold_until = max(pull.hold_until, self._clock() + self._config.quarantine_s)
+                self._requests.hold(pull, self._clock() + self._config.quarantine_s)
             raise
         with self._lock:
             pull.pulled_layers.update(batch.layers)
 
-    def _fail(self, pull: _Pull) -> None:
+    def _fail(self, pull: DRequest) -> None:
         with self._lock:
-            if pull.failed:  # reported once (a timed-out request's late task fails again)
-                return
-            pull.failed = True
-            self._failed_rids.add(pull.meta.request_id)
-            for ids in pull.meta.local_block_ids:
-                self._errors.update(ids)
+            if self._requests.fail(pull):  # reported once (a timed-out request's late task fails again)
+                for ids in pull.meta.local_block_ids:
+                    self._errors.update(ids)
 
-    def _task_done(self, pull: _Pull) -> None:
+    def _task_done(self, pull: DRequest) -> None:
         with self._lock:
             pull.pending -= 1
-            if pull.pending > 0 or self._pulls.get(pull.meta.request_id) is not pull:
+            if pull.pending > 0 or self._requests.pulling(pull.request_id) is not pull:
                 return  # a timed-out request waits in quarantine for pending == 0
             wanted = {n for g, names in enumerate(self._cache.groups) if pull.meta.local_block_ids[g] for n in names}
         if not pull.failed and wanted - pull.pulled_layers:
@@ -294,13 +286,9 @@ class Receiver:
                 logger.error("request %s: reformat failed: %s", pull.meta.request_id, exc)
                 self._fail(pull)
         with self._lock:
-            self._pulls.pop(pull.meta.request_id, None)
-            if pull.failed and self._clock() < pull.hold_until:
-                self._quarantined[pull.meta.request_id] = pull
-            elif not pull.meta.notify_only:
-                self._finished.add(pull.meta.request_id)
+            self._requests.end(pull, self._clock())
 
-    def _reformat_all(self, pull: _Pull) -> None:
+    def _reformat_all(self, pull: DRequest) -> None:
         attn = [g for g in self._cache.attention_groups if self._cache.groups[g]]
         if not attn or not pull.slices:
             return
@@ -325,34 +313,15 @@ class Receiver:
         """Requests whose pulls ended (ok or failed); those past their deadline are failed now."""
         now = self._clock()
         with self._lock:
-            for rid, pull in list(self._pulls.items()):
-                if now >= pull.deadline:
-                    logger.error(
-                        "request %s: pulls not done within %.1f s; reported failed", rid, self._config.pull_timeout_s
-                    )
-                    pull.failed = True
-                    self._failed_rids.add(rid)
-                    for ids in pull.meta.local_block_ids:
-                        self._errors.update(ids)
-                    del self._pulls[rid]
-                    self._quarantined[rid] = pull  # its reads may still be running
-            for rid, pull in list(self._quarantined.items()):
-                if pull.meta.notify_only:
-                    pass  # vLLM no longer holds the request: nothing to report, only forget it
-                elif pull.pending <= 0 and now >= pull.hold_until:
-                    self._finished.add(rid)
-                elif now >= pull.deadline + self._config.pull_timeout_s:
-                    logger.error(
-                        "request %s: a read still runs %.1f s after its deadline; releasing its blocks anyway",
-                        rid,
-                        self._config.pull_timeout_s,
-                    )
-                    self._finished.add(rid)
-                else:
-                    continue
-                del self._quarantined[rid]
-            out, self._finished = self._finished, set()
-            return out
+            for pull in self._requests.expire(now):  # its reads may still be running: quarantined
+                logger.error(
+                    "request %s: pulls not done within %.1f s; reported failed",
+                    pull.request_id,
+                    self._config.pull_timeout_s,
+                )
+                for ids in pull.meta.local_block_ids:
+                    self._errors.update(ids)
+            return self._requests.take_finished(now)
 
     def take_load_errors(self) -> set[int]:
         """Logical block ids (all groups) whose load failed since the last call."""
@@ -363,9 +332,7 @@ class Receiver:
     def take_failed(self, finished: set[str]) -> set[str]:
         """Which of ``finished`` (just taken by `take_finished`) failed; vLLM's per-request failure report."""
         with self._lock:
-            failed = self._failed_rids & finished
-            self._failed_rids -= failed
-            return failed
+            return self._requests.take_failed(finished)
 
     def close(self) -> None:
         """Wait for running pulls (each bounded by the engine's timeout), then close sockets."""

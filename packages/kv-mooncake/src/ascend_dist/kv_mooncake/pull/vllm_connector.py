@@ -190,15 +190,21 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         return _sched_request(request, digest=digest)
 
     def on_new_request(self, request: Request) -> None:
-        """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates."""
+        """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates.
+
+        The truncation is here, not in `update_state_after_alloc`: vLLM sizes the first chunk
+        (``num_tokens - computed``) and allocates before that hook, and it calls this one once per
+        request when the request is added (0.32 and 0.33), where side effects are allowed.
+        """
         if self._scheduler is not None and self._scheduler.truncate_for_state(self._admitted(request)):
             _truncate_prompt(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens D loads from P (async); P truncates a hybrid request here if `on_new_request` did not.
+        """Tokens D loads from P (async); a pure query, as vLLM requires (it may ask again next step).
 
-        A request whose params fail the check gets ``(0, False)``: nothing is logged or changed here
-        (vLLM requires this hook to be free of side effects); the next hook that may change it drops them.
+        A request whose params fail the check gets ``(0, False)``: nothing is logged or changed here;
+        the next hook that may change it drops them. P's truncation happened in `on_new_request`;
+        D's pull is recorded by `update_state_after_alloc`.
         """
         sched = self._sched()
         assert self._gate is not None
@@ -207,7 +213,6 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             or prompt_binding_error(request, "do_remote_prefill") is not None
         ):
             return 0, False
-        self.on_new_request(request)
         return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -199,9 +199,7 @@ class LayerwiseScheduler:
         if num_computed_tokens % self._block:
             raise ConfigError("num_computed_tokens", num_computed_tokens, f"a multiple of block_size={self._block}")
         count = max(request.prompt_len - num_computed_tokens, 0)
-        if count:
-            self._recv.setdefault(request.request_id, _Recv()).computed = num_computed_tokens
-        return count, count > 0
+        return count, count > 0  # a pure query: `update_state_after_alloc` records the request
 
     def update_state_after_alloc(
         self, request: SchedRequest, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -224,7 +222,9 @@ class LayerwiseScheduler:
         if raw.get("do_remote_prefill") and not self._config.is_producer:
             raw["do_remote_prefill"] = False
             if num_external_tokens > 0:
-                self._announce(request, [list(ids) for ids in block_ids], raw)
+                # vLLM passes back what the query answered (prompt - prefix hit), so the hit is recovered here.
+                computed = max(request.prompt_len - num_external_tokens, 0)
+                self._announce(request, [list(ids) for ids in block_ids], raw, computed)
             return
         if raw.get("do_remote_decode") and self._config.is_producer:
             if "remote_block_ids" not in raw:
@@ -241,9 +241,10 @@ class LayerwiseScheduler:
             else:
                 self._send[request.request_id].local = [list(ids) for ids in block_ids]
 
-    def _announce(self, request: SchedRequest, ids: list[list[int]], raw: Mapping[str, object]) -> None:
+    def _announce(self, request: SchedRequest, ids: list[list[int]], raw: Mapping[str, object], computed: int) -> None:
         rid = request.request_id
         state = self._recv.setdefault(rid, _Recv())
+        state.computed = computed
         c = self._config
         wire_id = external_request_id(rid)  # what the proxy and P know this request by
         payload = PushParams(
