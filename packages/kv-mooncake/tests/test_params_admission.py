@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate, Preview, check_host, check_url
-from ascend_dist.kv_mooncake.core.messages import TransferParams, parse_transfer_params
 from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.messages import TransferParams, parse_transfer_params
 from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.messages import PushParams, parse_push_params

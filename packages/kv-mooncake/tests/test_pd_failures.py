@@ -16,18 +16,9 @@ from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
-from ascend_dist.kv_mooncake.core.messages import (
-    PROTOCOL,
-    PROTOCOL_VERSION,
-    Ack,
-    Done,
-    GetMeta,
-    MetaReply,
-    Refused,
-    Renew,
-    reply_codec,
-    request_codec,
-)
+from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Refused
+from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION
+from ascend_dist.kv_mooncake.pull.messages import CHANNEL, Renew, reply_codec, request_codec
 
 
 @pytest.mark.timeout(60)
@@ -147,7 +138,7 @@ def test_compat_mismatch_is_refused_naming_the_field(make_pair: Callable[..., An
     endpoint = tcp_endpoint("127.0.0.1", pair.kv_port)
     requests, replies = request_codec(1 << 20), reply_codec(1 << 20)
     good = pair.d.ranks[0].worker.make_handshake(16)
-    bad = make_handshake(PROTOCOL, PROTOCOL_VERSION, **{**dict(good.compat_fields), "dtype": "bfloat16"})
+    bad = make_handshake(CHANNEL.name, WIRE_VERSION, **{**dict(good.compat_fields), "dtype": "bfloat16"})
     with RpcClient(timeout_s=0.5, retries=1) as client:
         reply = replies.decode(client.request(endpoint, requests.encode(GetMeta(handshake=bad, engine_id="D0"))))
         assert isinstance(reply, Refused) and reply.field == "dtype"
@@ -155,7 +146,7 @@ def test_compat_mismatch_is_refused_naming_the_field(make_pair: Callable[..., An
             client.request(endpoint, requests.encode(GetMeta(handshake=good, engine_id=pair.extra["engine_id"])))
         )
         assert isinstance(same_id, Refused) and same_id.field == "engine_id"
-        newer = make_handshake(PROTOCOL, PROTOCOL_VERSION + 1, **dict(good.compat_fields))
+        newer = make_handshake(CHANNEL.name, WIRE_VERSION + 1, **dict(good.compat_fields))
         reply = replies.decode(client.request(endpoint, requests.encode(GetMeta(handshake=newer, engine_id="D0"))))
         assert isinstance(reply, Refused) and reply.field == "protocol_version"
     # D itself (model "another-model") is refused too: its pull fails, every block reported.

@@ -19,8 +19,9 @@ from ascend_dist.common.errors import LayoutError
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
-from ascend_dist.kv_mooncake.core.messages import GetMeta, Refused, reply_codec, request_codec
+from ascend_dist.kv_mooncake.core.messages import GetMeta, Refused
 from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.messages import reply_codec, request_codec
 
 LAYOUTS = ["", "LBHNC", "LBNHC", "BLHNC", "legacy-NHD", "legacy-HND"]
 TP = [

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from ascend_dist.common.errors import ConfigError, MessageTooLarge, ProtocolError
-from ascend_dist.kv_mooncake.core.messages import Done, GetMeta, parse_transfer_params, request_codec
+from ascend_dist.kv_mooncake.core.messages import Done, GetMeta
 from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.messages import parse_transfer_params, request_codec
 from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.pull.tracker import SendTracker
 

@@ -34,6 +34,7 @@ model_dir = _h.model_dir  # the tiny-llama config directory fixture
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.kv_mooncake.core.messages import prompt_digest  # noqa: E402
+from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION  # noqa: E402
 from ascend_dist.kv_mooncake.push.vllm_connector import MooncakeLayerwiseConnector  # noqa: E402
 from ascend_dist.testing import hostile as hr  # noqa: E402
 
@@ -58,7 +59,7 @@ def good_p(rid: str, first: int = 100) -> dict[str, Any]:
         "remote_pcp_size": 1,
         "remote_dcp_size": 1,
         "remote_cached_tokens": 0,
-        "protocol_version": 1,
+        "protocol_version": WIRE_VERSION,
         "remote_prompt_tokens": PROMPT,
         "remote_prompt_digest": prompt_digest(range(first, first + PROMPT)),
     }

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, TransferError
+from ascend_dist.kv_mooncake.core.metaserver import HttpMetaserver
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import TlsConfig
-from ascend_dist.kv_mooncake.push.metaserver import HttpMetaserver
 from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler
 
 

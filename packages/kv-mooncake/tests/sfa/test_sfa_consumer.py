@@ -17,6 +17,7 @@ from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.core.messages import Refused
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
@@ -28,7 +29,6 @@ from ascend_dist.kv_mooncake.sfa.messages import (
     ReadFailed,
     ReadReady,
     ReadReq,
-    Refused,
     Reply,
     Request,
     TensorSpan,

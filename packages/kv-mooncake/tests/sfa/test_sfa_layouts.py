@@ -16,10 +16,11 @@ from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import build_attention_caches
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
+from ascend_dist.kv_mooncake.core.messages import Refused
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
-from ascend_dist.kv_mooncake.sfa.messages import Hello, LayerMeta, Refused, TensorSpan, reply_codec, request_codec
+from ascend_dist.kv_mooncake.sfa.messages import Hello, LayerMeta, TensorSpan, reply_codec, request_codec
 from ascend_dist.kv_mooncake.sfa.plan import DestLayer
 from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker, make_sfa_handshake, span_label
 

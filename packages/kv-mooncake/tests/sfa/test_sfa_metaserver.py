@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
-from ascend_dist.kv_mooncake.sfa.metaserver import MetaserverClient
 
 _CONTACT = ContactInfo(request_id="r", remote_engine_id="d", remote_host="127.0.0.1", remote_port=9, remote_tp_size=1)
 
@@ -45,8 +45,8 @@ class _Proxy:
 
 
 @pytest.fixture
-def client() -> Iterator[MetaserverClient]:
-    c = MetaserverClient(timeout_s=0.5, attempts=2, retry_s=0.2)
+def client() -> Iterator[RetryingAnnouncer]:
+    c = RetryingAnnouncer(timeout_s=0.5, attempts=2, retry_s=0.2)
     yield c
     c.close()
 
@@ -58,7 +58,7 @@ def _wait(cond: Any, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def test_post_delivers_contact_json(client: MetaserverClient) -> None:
+def test_post_delivers_contact_json(client: RetryingAnnouncer) -> None:
     proxy = _Proxy()
     try:
         client.post("r", _CONTACT, proxy.url)
@@ -68,7 +68,7 @@ def test_post_delivers_contact_json(client: MetaserverClient) -> None:
         proxy.close()
 
 
-def test_http_error_counts_as_delivered(client: MetaserverClient) -> None:
+def test_http_error_counts_as_delivered(client: RetryingAnnouncer) -> None:
     proxy = _Proxy(status=500)
     try:
         client.post("r", _CONTACT, proxy.url)
@@ -77,7 +77,7 @@ def test_http_error_counts_as_delivered(client: MetaserverClient) -> None:
         proxy.close()
 
 
-def test_transport_failure_is_retried_until_the_proxy_comes_up(client: MetaserverClient) -> None:
+def test_transport_failure_is_retried_until_the_proxy_comes_up(client: RetryingAnnouncer) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -92,7 +92,7 @@ def test_transport_failure_is_retried_until_the_proxy_comes_up(client: Metaserve
         proxy.close()
 
 
-def test_cancel_stops_the_retries(client: MetaserverClient) -> None:
+def test_cancel_stops_the_retries(client: RetryingAnnouncer) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -107,7 +107,7 @@ def test_cancel_stops_the_retries(client: MetaserverClient) -> None:
 
 
 def test_close_stops_retrying_and_joins_the_thread() -> None:
-    c = MetaserverClient(timeout_s=0.2, attempts=1, retry_s=0.05)
+    c = RetryingAnnouncer(timeout_s=0.2, attempts=1, retry_s=0.05)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

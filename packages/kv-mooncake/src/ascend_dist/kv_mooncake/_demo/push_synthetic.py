@@ -25,11 +25,11 @@ from ascend_dist.kv_mooncake._demo.synthetic import Model, pattern
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
+from ascend_dist.kv_mooncake.core.metaserver import Metaserver
 from ascend_dist.kv_mooncake.core.plan import head_range
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.engine import PushBackend, PushEngine, get_push_engine
-from ascend_dist.kv_mooncake.push.metaserver import Metaserver
 from ascend_dist.kv_mooncake.push.reshard import AllToAll
 from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler, Scheduled
 from ascend_dist.kv_mooncake.push.worker import LayerwiseWorker

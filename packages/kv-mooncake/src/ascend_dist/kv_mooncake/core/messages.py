@@ -1,51 +1,54 @@
-"""Every message of the pull connector that crosses a process: msgspec Structs, tagged unions.
+"""The messages every kv-mooncake transport shares, and the handshake rule both ends apply.
 
-Runs in: P workers (server side), D workers (client side), schedulers (``kv_transfer_params``).
-Nothing is pickled. The side channel is request/reply over `ascend_dist.common.zmq_server`:
+Runs in: every worker that serves or opens a side channel (pull, push, SFA) and the schedulers
+(`prompt_digest`). All are `core.wire.Message` Structs tagged on ``kind``; each transport's
+``messages`` module adds its own messages and declares its `core.wire.Channel`:
 
-| request (D -> P) | reply (P -> D) |
-|---|---|
-| `GetMeta` (D's `Handshake`) | `MetaReply` (P's handshake + `AgentMetadata`) or `Refused` |
-| `Renew` (extend the lease of a request's blocks) | `Ack` |
-| `Done` (D finished with a request, ok or not) | `Ack` |
+| message | meaning | used by |
+|---|---|---|
+| `Greeting` (base) | a client's first request: its `Handshake` and engine id | `GetMeta`, SFA's ``Hello`` |
+| `GetMeta` | "send me your KV metadata" | pull (D -> P), push (P -> D) |
+| `MetaReply` | the server's handshake and `AgentMetadata` | pull, push |
+| `Refused` | the handshake was refused; ``field`` names the first difference | all three |
+| `Done` | the sender finished with a request, ``ok`` or not | pull (D -> P), push (P -> D) |
+| `Ack` | acknowledges a notification | pull, push |
 
-Schema evolution follows `ascend_dist.common.wire`: new fields get defaults; an incompatible change
-bumps `PROTOCOL_VERSION`.
+The server side of every handshake is `admit` (one rule: not our own engine id, then
+`check_compatible`); the client side is `accept_reply` (a `Refused` becomes `IncompatiblePeer`
+naming the field, the server's handshake is checked too when it sends one).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 import numpy as np
 
-from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.wire import Codec, Handshake
-from ascend_dist.kv_mooncake.core.admission import Count, Port, Text, check_host, convert_params
+from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
+from ascend_dist.common.wire import Handshake, check_compatible
+from ascend_dist.kv_mooncake.core.wire import Message, Request
 
 __all__ = [
-    "prompt_digest",
-    "PROTOCOL",
-    "PROTOCOL_VERSION",
     "Ack",
     "AgentMetadata",
     "Done",
     "GetMeta",
+    "Greeting",
     "MetaReply",
     "Refused",
-    "Renew",
     "TensorMeta",
-    "TransferParams",
-    "parse_transfer_params",
-    "reply_codec",
-    "request_codec",
+    "accept_reply",
+    "admit",
+    "prompt_digest",
 ]
 
-PROTOCOL = "kv-mooncake/pull"
-PROTOCOL_VERSION = 1
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
 
 
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -65,13 +68,13 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
 
 
 class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
-    """What a P worker tells D about its KV cache.
+    """What a worker tells its peer about its KV cache (pull: P's, read by D; push: D's, written by P).
 
     Attributes:
-        engine_id: P's engine id.
+        engine_id: The worker's engine id.
         te_session: Mooncake session id ``"<host>:<rpc_port>"``.
-        tp_rank: P worker's tp rank.
-        pp_rank: P worker's pp rank.
+        tp_rank: The worker's tp rank.
+        pp_rank: The worker's pp rank (always 0 on push's D).
         block_size: Tokens per logical block.
         num_blocks: Logical blocks per tensor.
         layers: Layer name -> its tensors (K, V or MLA parts) in order.
@@ -80,115 +83,108 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
     te_session: str
     tp_rank: int
-    pp_rank: int
     block_size: int
     num_blocks: int
     layers: dict[str, list[TensorMeta]]
+    pp_rank: int = 0
 
 
-class GetMeta(msgspec.Struct, frozen=True, kw_only=True, tag="get_meta"):
-    """D asks for a P worker's metadata, presenting its handshake."""
+class Greeting(Request, frozen=True, kw_only=True):
+    """Base of a channel's opening request: the client's handshake and engine id (see `admit`)."""
 
     handshake: Handshake
     engine_id: str
 
 
-class Renew(msgspec.Struct, frozen=True, kw_only=True, tag="renew"):
-    """D is about to pull these requests: P extends their leases."""
-
-    request_ids: list[str]
+class GetMeta(Greeting, frozen=True, kw_only=True, tag="get_meta"):
+    """The client asks for the server's KV metadata, presenting its handshake."""
 
 
-class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
-    """D rank ``d_rank`` finished pulling ``request_id`` (successfully or not)."""
-
-    request_id: str
-    d_rank: int
-    ok: bool = True
-
-
-class MetaReply(msgspec.Struct, frozen=True, kw_only=True, tag="meta"):
-    """P's answer to `GetMeta`."""
+class MetaReply(Message, frozen=True, kw_only=True, tag="meta"):
+    """The answer to `GetMeta`: the server's handshake and metadata."""
 
     handshake: Handshake
     metadata: AgentMetadata
 
 
-class Refused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
-    """P refused D's handshake; ``field`` names the first difference."""
+class Refused(Message, frozen=True, kw_only=True, tag="refused"):
+    """The server refused the client's greeting; ``field`` names the first difference."""
 
     field: str
     local: str
     remote: str
 
 
-class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack"):
-    """Acknowledges `Renew` or `Done`; ``known`` says whether P tracked the request."""
+class Done(Request, frozen=True, kw_only=True, tag="done"):
+    """The sender finished with ``request_id``: successfully (``ok``) or not (``reason``).
+
+    Attributes:
+        request_id: The request the server knows (pull: P's id; push: D's external id).
+        ok: Whether the sender's part succeeded.
+        reason: Why it failed (push's P tells D; empty when ``ok``).
+        sender: Push: P's rank identity; D counts ``trans_count`` distinct senders.
+        trans_count: Push: how many senders D waits for before the request is received.
+        d_rank: Pull: the D rank that finished pulling (for P's logs).
+    """
+
+    request_id: str
+    ok: bool = True
+    reason: str = ""
+    sender: str = ""
+    trans_count: int = 1
+    d_rank: int = 0
+
+
+class Ack(Message, frozen=True, kw_only=True, tag="ack"):
+    """Acknowledges a notification.
+
+    Attributes:
+        known: Pull: whether P still tracked the request(s) of a ``Renew`` or `Done`.
+        unknown: Push: request ids D does not (or no longer) wait for.
+    """
 
     known: bool = True
+    unknown: list[str] = msgspec.field(default_factory=list)
 
 
-Request = GetMeta | Renew | Done
-Reply = MetaReply | Refused | Ack
+def admit(
+    local: Handshake, engine_id: str, greeting: Greeting, check: Callable[[], None] | None = None
+) -> Refused | None:
+    """The server's handshake rule: None to serve the client, or the `Refused` to answer with.
 
-
-def request_codec(max_bytes: int) -> Codec[Request]:
-    """Codec of D -> P messages."""
-    return Codec(Request, max_bytes=max_bytes)
-
-
-def reply_codec(max_bytes: int) -> Codec[Reply]:
-    """Codec of P -> D replies."""
-    return Codec(Reply, max_bytes=max_bytes)
-
-
-class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
-    """``kv_transfer_params`` P returns through the proxy to D.
-
-    ``remote_block_ids`` has one list per KV-cache group (P's logical ids, already trimmed).
-    ``remote_window_blocks`` (blocks kept per sliding-window group, 0 for others) and
-    ``remote_state_groups`` let D refuse to pair groups it sees differently (D then recomputes).
-    ``remote_prompt_digest`` binds the params to the prompt P computed (its first
-    ``remote_prompt_tokens`` tokens, see `prompt_digest`): D pulls only for that prompt.
-    Every field is bounded (strings `Text`, counts and ids `Count`): the params come from clients.
+    Refused when the client claims our own engine id, when `check_compatible` finds a difference
+    (protocol, `core.wire.WIRE_VERSION`, a compat field), or when ``check`` (a transport's
+    extra checks, raising `IncompatiblePeer`) does. An authenticating deployment would verify the
+    client's key here, before anything is served.
     """
-
-    do_remote_prefill: bool = False
-    do_remote_decode: bool = False
-    remote_engine_id: Text | None = None
-    remote_request_id: Text | None = None
-    remote_host: Text | None = None
-    remote_port: Port | None = None
-    remote_block_ids: list[list[Count]] | None = None
-    remote_ptp_size: Count | None = None
-    remote_block_size: Count | None = None
-    num_prompt_blocks: Count = 0
-    num_computed_tokens: Count = 0
-    last_token_id: Count | None = None
-    do_virtual: bool = False
-    remote_window_blocks: list[Count] | None = None
-    remote_state_groups: list[Count] | None = None
-    remote_prompt_tokens: Count | None = None
-    remote_prompt_digest: Text | None = None
+    try:
+        if greeting.engine_id == engine_id:
+            raise IncompatiblePeer("engine_id", engine_id, greeting.engine_id)
+        check_compatible(local, greeting.handshake)
+        if check is not None:
+            check()
+    except IncompatiblePeer as exc:
+        logger.error("refused %s: %s", greeting.handshake.sender or greeting.engine_id, exc)
+        return Refused(field=exc.field, local=str(exc.local), remote=str(exc.remote))
+    return None
 
 
-_REQUIRED_FOR_PULL = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
-
-
-def parse_transfer_params(raw: Mapping[str, Any]) -> TransferParams:
-    """Validate a ``kv_transfer_params`` dict (types, ranges, lengths; flags must be booleans).
+def accept_reply(reply: Message, expected: type[M], local: Handshake, peer: str) -> M:
+    """The client's side of the handshake: the server's answer to a `Greeting`, checked.
 
     Raises:
-        ConfigError: A key has the wrong type or range, or a key D needs to pull is missing; the
-            error names ``kv_transfer_params.<key>``.
+        IncompatiblePeer: The server refused us (``field`` as it named it; local and remote seen
+            from this side), or the handshake in its reply differs from ours.
+        ProtocolError: The reply is of another type than ``expected``.
     """
-    params = convert_params(raw, TransferParams)
-    if params.do_remote_prefill:
-        for key in _REQUIRED_FOR_PULL:
-            if getattr(params, key) is None:
-                raise ConfigError(f"kv_transfer_params.{key}", None, "present when do_remote_prefill is true")
-        check_host("remote_host", params.remote_host or "")
-    return params
+    if isinstance(reply, Refused):
+        raise IncompatiblePeer(reply.field, reply.remote, reply.local)
+    if not isinstance(reply, expected):
+        raise ProtocolError(f"expected {expected.__name__} from {peer}, got {type(reply).__name__}")
+    remote = getattr(reply, "handshake", None)
+    if isinstance(remote, Handshake):
+        check_compatible(local, remote)
+    return reply
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:

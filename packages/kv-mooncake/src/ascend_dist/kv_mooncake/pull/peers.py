@@ -13,23 +13,12 @@ import logging
 import threading
 
 from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
-from ascend_dist.common.wire import Codec, Handshake, check_compatible
+from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
-from ascend_dist.kv_mooncake.core.messages import (
-    Ack,
-    AgentMetadata,
-    Done,
-    GetMeta,
-    MetaReply,
-    Refused,
-    Renew,
-    Reply,
-    Request,
-    reply_codec,
-    request_codec,
-)
+from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, accept_reply
 from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.messages import Renew, Reply, Request, reply_codec, request_codec
 
 __all__ = ["PeerClient"]
 
@@ -79,12 +68,8 @@ class PeerClient:
             return cached
         if engine_id == self._config.engine_id:
             raise IncompatiblePeer("engine_id", self._config.engine_id, engine_id)
-        reply = self._rpc(host, port, GetMeta(handshake=self._handshake, engine_id=self._config.engine_id))
-        if isinstance(reply, Refused):
-            raise IncompatiblePeer(reply.field, reply.remote, reply.local)
-        if not isinstance(reply, MetaReply):
-            raise ProtocolError(f"expected metadata from {host}:{port}, got {type(reply).__name__}")
-        check_compatible(self._handshake, reply.handshake)
+        greeting = GetMeta(handshake=self._handshake, engine_id=self._config.engine_id)
+        reply = accept_reply(self._rpc(host, port, greeting), MetaReply, self._handshake, f"{host}:{port}")
         if reply.metadata.engine_id != engine_id:
             raise IncompatiblePeer("remote_engine_id", engine_id, reply.metadata.engine_id)
         with self._lock:

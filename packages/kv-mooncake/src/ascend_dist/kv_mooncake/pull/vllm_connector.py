@@ -25,7 +25,6 @@ from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
-from ascend_dist.kv_mooncake.core.messages import TransferParams
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     admit_bound,
     block_load_errors,
@@ -37,6 +36,7 @@ from ascend_dist.kv_mooncake.core.vllm_glue import (
     transfer_results,
 )
 from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.messages import TransferParams
 from ascend_dist.kv_mooncake.pull.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.pull.scheduler import PullMetadata, PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.pull.worker import PullWorker

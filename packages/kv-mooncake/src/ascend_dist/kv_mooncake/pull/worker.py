@@ -8,38 +8,23 @@ with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from ascend_dist.common.errors import ConfigError, IncompatiblePeer, LayoutError
+from ascend_dist.common.errors import ConfigError, LayoutError
 from ascend_dist.common.ports import PortLayout, RankCoord
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
-from ascend_dist.common.wire import Codec, Handshake, check_compatible, make_handshake
+from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_server import RpcServer
 from ascend_dist.kv_mooncake.core.engine import TransferBackend, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, tensor_geometry, token_rows
-from ascend_dist.kv_mooncake.core.messages import (
-    PROTOCOL,
-    PROTOCOL_VERSION,
-    Ack,
-    AgentMetadata,
-    Done,
-    GetMeta,
-    MetaReply,
-    Refused,
-    Renew,
-    Reply,
-    Request,
-    TensorMeta,
-    reply_codec,
-    request_codec,
-)
+from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.core.plan import PLAN_VERSION
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_p_fan_in
+from ascend_dist.kv_mooncake.pull.messages import CHANNEL, Renew, Reply, Request, reply_codec, request_codec
 from ascend_dist.kv_mooncake.pull.plan_groups import StateLayout, source_fan_in, state_source_ranks
 from ascend_dist.kv_mooncake.pull.pull_batch import LocalCache
 from ascend_dist.kv_mooncake.pull.scheduler import PullMetadata
@@ -47,8 +32,6 @@ from ascend_dist.kv_mooncake.pull.threads import Receiver
 from ascend_dist.kv_mooncake.pull.tracker import SendTracker
 
 __all__ = ["KVCaches", "PullWorker", "state_geometry", "tensor_geometry"]  # the geometry lives in kv_views
-
-logger = logging.getLogger(__name__)
 
 KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
 
@@ -145,9 +128,7 @@ class PullWorker:
         kernel block is left out and every pull checks both sides' block geometry instead.
         """
         c = self._config
-        return make_handshake(
-            PROTOCOL,
-            PROTOCOL_VERSION,
+        return CHANNEL.handshake(
             sender=f"{c.engine_id}/tp{self._tp_rank}",
             model=c.model,
             dtype=c.dtype,
@@ -276,14 +257,8 @@ class PullWorker:
         msg = self._requests.decode(payload)
         if isinstance(msg, GetMeta):
             assert self._handshake is not None and self._metadata is not None
-            try:
-                if msg.engine_id == self._config.engine_id:
-                    raise IncompatiblePeer("engine_id", self._config.engine_id, msg.engine_id)
-                check_compatible(self._handshake, msg.handshake)
-            except IncompatiblePeer as exc:
-                logger.error("refused %s: %s", msg.handshake.sender or msg.engine_id, exc)
-                return self._replies.encode(Refused(field=exc.field, local=str(exc.local), remote=str(exc.remote)))
-            return self._replies.encode(MetaReply(handshake=self._handshake, metadata=self._metadata))
+            refused = admit(self._handshake, self._config.engine_id, msg)
+            return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._metadata))
         if isinstance(msg, Renew):
             known = [self._tracker.renew(r) for r in msg.request_ids]
             return self._replies.encode(Ack(known=all(known)))

@@ -17,61 +17,13 @@ from ascend_dist.common.mappings import ParallelInfo, pd_head_ratio
 from ascend_dist.common.ports import PortLayout, PortScheme, RankCoord
 from ascend_dist.kv_mooncake.core.config import (
     ConnectorConfig,
-    bool_field,
     int_field,
-    opt_str_field,
     parse_common,
     seconds_field,
 )
+from ascend_dist.kv_mooncake.core.metaserver import TlsConfig  # re-exported: the `tls_config` key is push's
 
 __all__ = ["LayerwiseConfig", "TlsConfig"]
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """TLS options of the metaserver HTTP client (``kv_connector_extra_config.tls_config``).
-
-    Attributes:
-        ssl_enable: Use HTTPS (a plain ``http://`` metaserver URL is refused when on).
-        ssl_ca_certs: CA bundle that verifies the metaserver; None = the system store.
-        ssl_certfile: Client certificate (mutual TLS), or None.
-        ssl_keyfile: Key of the client certificate, or None (then it is inside ``ssl_certfile``).
-        ssl_keyfile_password: Password of the key, or None.
-    """
-
-    ssl_enable: bool = False
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_keyfile_password: str | None = None
-
-    @classmethod
-    def parse(cls, raw: object) -> TlsConfig:
-        """Parse the ``tls_config`` dict.
-
-        Raises:
-            ConfigError: Unknown key or bad type; the field is named ``tls_config.<key>``.
-        """
-        if raw is None:
-            return cls()
-        if not isinstance(raw, Mapping):
-            raise ConfigError("tls_config", raw, "a dict of ssl_enable, ssl_ca_certs, ssl_certfile, ssl_keyfile, ...")
-        allowed = {"ssl_enable", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password"}
-        for key in raw:
-            if key not in allowed:
-                raise ConfigError(f"tls_config.{key}", raw[key], f"one of the keys {sorted(allowed)}")
-        enable = bool_field("tls_config.ssl_enable", raw.get("ssl_enable", False))
-        keyfile = opt_str_field("tls_config.ssl_keyfile", raw.get("ssl_keyfile"))
-        certfile = opt_str_field("tls_config.ssl_certfile", raw.get("ssl_certfile"))
-        if keyfile and not certfile:
-            raise ConfigError("tls_config.ssl_certfile", None, "a client certificate when ssl_keyfile is set")
-        return cls(
-            ssl_enable=enable,
-            ssl_ca_certs=opt_str_field("tls_config.ssl_ca_certs", raw.get("ssl_ca_certs")),
-            ssl_certfile=certfile,
-            ssl_keyfile=keyfile,
-            ssl_keyfile_password=opt_str_field("tls_config.ssl_keyfile_password", raw.get("ssl_keyfile_password")),
-        )
 
 
 @dataclass(frozen=True)

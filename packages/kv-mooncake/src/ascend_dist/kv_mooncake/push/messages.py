@@ -1,18 +1,17 @@
-"""Every message of the layer-wise push that crosses a process: msgspec Structs, tagged unions.
+"""The layer-wise push's wire: its side channel (P asks, **D serves**) and the params D announces.
 
 Runs in: D workers (server side), P workers (client side, on the send thread), schedulers (the
-metaserver payload). Nothing is pickled. The side channel is request/reply over
-`ascend_dist.common.zmq_server`; **D serves**, P asks:
+metaserver payload). Built on the shared vocabulary of `ascend_dist.kv_mooncake.core.messages`;
+one request/reply exchange over `ascend_dist.common.zmq_server` per message:
 
 | request (P -> D) | reply (D -> P) |
 |---|---|
-| `GetMeta` (P's `Handshake`) | `MetaReply` (D's handshake + `DAgentMetadata`) or `Refused` |
+| `GetMeta` (P's `Handshake`) | `MetaReply` (D's handshake + `AgentMetadata`) or `Refused` |
 | `LayerDone` (these layers of these requests are in D's blocks) | `Ack` (``unknown``: ids D gave up on) |
-| `Done` (this sender finished a request, ``ok`` or failed) | `Ack` |
+| `Done` (this ``sender`` finished a request, ``ok`` or failed with ``reason``) | `Ack` |
 
 D counts a request as received when ``trans_count`` distinct senders sent ``Done(ok=True)``
-(duplicates from one sender do not over-count). Schema evolution follows
-`ascend_dist.common.wire`: new fields get defaults; an incompatible change bumps `PROTOCOL_VERSION`.
+(duplicates from one sender do not over-count). The params carry `core.wire.WIRE_VERSION` too.
 """
 
 from __future__ import annotations
@@ -24,21 +23,15 @@ from typing import Any
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.kv_mooncake.core.admission import Count, ParallelSize, Port, Text, check_host, convert_params
-from ascend_dist.kv_mooncake.core.messages import TensorMeta
+from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Refused
+from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION, Channel
+from ascend_dist.kv_mooncake.core.wire import Request as _Request
 
 __all__ = [
-    "PROTOCOL",
-    "PROTOCOL_VERSION",
-    "Ack",
-    "DAgentMetadata",
-    "Done",
-    "GetMeta",
+    "CHANNEL",
     "LayerDone",
-    "MetaReply",
     "PushParams",
-    "Refused",
     "Reply",
     "Request",
     "external_request_id",
@@ -47,38 +40,8 @@ __all__ = [
     "request_codec",
 ]
 
-PROTOCOL = "kv-mooncake/layerwise"
-PROTOCOL_VERSION = 1
 
-
-class DAgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
-    """What a D worker tells P about its KV cache (P writes into it).
-
-    Attributes:
-        engine_id: D's engine id.
-        te_session: Mooncake session id ``"<host>:<rpc_port>"``.
-        tp_rank: D worker's tp rank.
-        block_size: Tokens per logical block.
-        num_blocks: Logical blocks per tensor.
-        layers: Layer name -> its tensors (K and V, or MLA parts) in order.
-    """
-
-    engine_id: str
-    te_session: str
-    tp_rank: int
-    block_size: int
-    num_blocks: int
-    layers: dict[str, list[TensorMeta]]
-
-
-class GetMeta(msgspec.Struct, frozen=True, kw_only=True, tag="get_meta"):
-    """P asks for a D worker's metadata, presenting its handshake."""
-
-    handshake: Handshake
-    engine_id: str
-
-
-class LayerDone(msgspec.Struct, frozen=True, kw_only=True, tag="layer_done"):
+class LayerDone(_Request, frozen=True, kw_only=True, tag="layer_done"):
     """P rank ``sender`` wrote ``layers`` of ``request_ids`` into D's blocks."""
 
     sender: str
@@ -87,49 +50,11 @@ class LayerDone(msgspec.Struct, frozen=True, kw_only=True, tag="layer_done"):
     trans_count: int
 
 
-class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
-    """P rank ``sender`` finished ``request_id``: every layer written (``ok``) or it failed."""
-
-    sender: str
-    request_id: str
-    trans_count: int
-    ok: bool = True
-    reason: str = ""
-
-
-class MetaReply(msgspec.Struct, frozen=True, kw_only=True, tag="meta"):
-    """D's answer to `GetMeta`."""
-
-    handshake: Handshake
-    metadata: DAgentMetadata
-
-
-class Refused(msgspec.Struct, frozen=True, kw_only=True, tag="refused"):
-    """D refused P's handshake; ``field`` names the first difference."""
-
-    field: str
-    local: str
-    remote: str
-
-
-class Ack(msgspec.Struct, frozen=True, kw_only=True, tag="ack"):
-    """Acknowledges `LayerDone` / `Done`; ``unknown`` lists ids D does not (or no longer) wait for."""
-
-    unknown: list[str] = []
-
-
 Request = GetMeta | LayerDone | Done
 Reply = MetaReply | Refused | Ack
 
-
-def request_codec(max_bytes: int) -> Codec[Request]:
-    """Codec of P -> D messages."""
-    return Codec(Request, max_bytes=max_bytes)
-
-
-def reply_codec(max_bytes: int) -> Codec[Reply]:
-    """Codec of D -> P replies."""
-    return Codec(Reply, max_bytes=max_bytes)
+CHANNEL = Channel("kv-mooncake/layerwise", Request, Reply)
+request_codec, reply_codec = CHANNEL.request_codec, CHANNEL.reply_codec  # P -> D; D -> P
 
 
 class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -153,7 +78,7 @@ class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     remote_pcp_size: ParallelSize = 1
     remote_dcp_size: ParallelSize = 1
     remote_cached_tokens: Count = 0
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = WIRE_VERSION
     remote_prompt_tokens: Count | None = None
     remote_prompt_digest: Text | None = None
 
@@ -180,6 +105,6 @@ def parse_push_params(raw: Mapping[str, Any]) -> PushParams:
     """
     params = convert_params(raw, PushParams)
     check_host("remote_host", params.remote_host)
-    if params.protocol_version != PROTOCOL_VERSION:
-        raise ConfigError("kv_transfer_params.protocol_version", params.protocol_version, str(PROTOCOL_VERSION))
+    if params.protocol_version != WIRE_VERSION:
+        raise ConfigError("kv_transfer_params.protocol_version", params.protocol_version, str(WIRE_VERSION))
     return params

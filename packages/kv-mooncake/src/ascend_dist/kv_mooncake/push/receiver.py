@@ -26,7 +26,8 @@ from typing import Final
 
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.common.states import StateTable
-from ascend_dist.kv_mooncake.push.messages import Done, LayerDone
+from ascend_dist.kv_mooncake.core.messages import Done
+from ascend_dist.kv_mooncake.push.messages import LayerDone
 from ascend_dist.kv_mooncake.push.scheduler import RecvReqMeta
 
 __all__ = ["LayerReceiver", "RecvState"]

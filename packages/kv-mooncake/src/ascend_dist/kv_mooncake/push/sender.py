@@ -28,25 +28,15 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ascend_dist.common.errors import AscendDistError, IncompatiblePeer, ProtocolError, TransferError
+from ascend_dist.common.errors import AscendDistError, IncompatiblePeer, TransferError
 from ascend_dist.common.transfer_mappings import Endpoint
-from ascend_dist.common.wire import Codec, Handshake, check_compatible
+from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
-from ascend_dist.kv_mooncake.core.messages import TensorMeta
+from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, accept_reply
 from ascend_dist.kv_mooncake.push.engine import PushBackend
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import (
-    Ack,
-    DAgentMetadata,
-    Done,
-    GetMeta,
-    LayerDone,
-    MetaReply,
-    Refused,
-    Reply,
-    Request,
-)
+from ascend_dist.kv_mooncake.push.messages import LayerDone, Reply, Request
 from ascend_dist.kv_mooncake.push.plan import Pieces, block_runs, plain_pieces, resharded_pieces
 
 __all__ = ["MetaCache", "SendTask", "SendThread", "WriteItem"]
@@ -65,10 +55,10 @@ class MetaCache:
         """Create an empty cache."""
         self._client, self._requests, self._replies = client, requests, replies
         self._handshake, self._engine_id = handshake, engine_id
-        self._cache: dict[Endpoint, DAgentMetadata] = {}
+        self._cache: dict[Endpoint, AgentMetadata] = {}
         self._lock = threading.Lock()
 
-    def get(self, endpoint: Endpoint) -> DAgentMetadata:
+    def get(self, endpoint: Endpoint) -> AgentMetadata:
         """D's metadata at ``endpoint``.
 
         Raises:
@@ -81,12 +71,8 @@ class MetaCache:
         if hit is not None:
             return hit
         payload = self._requests.encode(GetMeta(handshake=self._handshake, engine_id=self._engine_id))
-        reply = self._replies.decode(self._client.request(tcp_endpoint(endpoint.host, endpoint.port), payload))
-        if isinstance(reply, Refused):
-            raise IncompatiblePeer(reply.field, reply.remote, reply.local)
-        if not isinstance(reply, MetaReply):
-            raise ProtocolError(f"D {endpoint} answered GetMeta with {type(reply).__name__}")
-        check_compatible(self._handshake, reply.handshake)
+        raw = self._replies.decode(self._client.request(tcp_endpoint(endpoint.host, endpoint.port), payload))
+        reply = accept_reply(raw, MetaReply, self._handshake, f"D {endpoint}")
         if reply.metadata.engine_id == self._engine_id:
             raise IncompatiblePeer("engine_id", self._engine_id, reply.metadata.engine_id)
         with self._lock:

@@ -22,32 +22,20 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from ascend_dist.common.descriptors import Descriptors
-from ascend_dist.common.errors import ConfigError, IncompatiblePeer, LayoutError
+from ascend_dist.common.errors import ConfigError, LayoutError
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.timeouts import transfer_timeout_ms
-from ascend_dist.common.wire import Handshake, check_compatible, make_handshake
+from ascend_dist.common.wire import Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import RpcServer
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, token_rows
-from ascend_dist.kv_mooncake.core.messages import TensorMeta
+from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.core.plan import TensorGeom
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.engine import PushBackend, get_push_engine
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import (
-    PROTOCOL,
-    PROTOCOL_VERSION,
-    Ack,
-    DAgentMetadata,
-    Done,
-    GetMeta,
-    LayerDone,
-    MetaReply,
-    Refused,
-    reply_codec,
-    request_codec,
-)
+from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, reply_codec, request_codec
 from ascend_dist.kv_mooncake.push.producer import STAGING_SLOTS, LayerTable, Producer
 from ascend_dist.kv_mooncake.push.receiver import LayerReceiver
 from ascend_dist.kv_mooncake.push.reshard import AllToAll
@@ -118,7 +106,7 @@ class LayerwiseWorker:
         self._producer: Producer | None = None
         self._client: RpcClient | None = None
         self._handshake: Handshake | None = None
-        self._agent: DAgentMetadata | None = None
+        self._agent: AgentMetadata | None = None
         self._load_errors: set[int] = set()
         self._failed_rids: set[str] = set()
         self.failure_reasons: dict[str, str] = {}
@@ -142,9 +130,7 @@ class LayerwiseWorker:
     def make_handshake(self, block_size: int) -> Handshake:
         """This side's handshake: everything P and D must agree on."""
         c = self._config
-        return make_handshake(
-            PROTOCOL,
-            PROTOCOL_VERSION,
+        return CHANNEL.handshake(
             sender=f"{c.engine_id}/tp{self._tp_rank}",
             model=c.model,
             dtype=c.dtype,
@@ -217,7 +203,7 @@ class LayerwiseWorker:
 
     def _start_consumer(self, engine: PushBackend) -> None:
         c = self._config
-        self._agent = DAgentMetadata(
+        self._agent = AgentMetadata(
             engine_id=c.engine_id,
             te_session=engine.session,
             tp_rank=self._tp_rank,
@@ -273,14 +259,8 @@ class LayerwiseWorker:
         msg = self._requests.decode(payload)
         assert self._receiver is not None and self._handshake is not None and self._agent is not None
         if isinstance(msg, GetMeta):
-            try:
-                if msg.engine_id == self._config.engine_id:
-                    raise IncompatiblePeer("engine_id", self._config.engine_id, msg.engine_id)
-                check_compatible(self._handshake, msg.handshake)
-            except IncompatiblePeer as exc:
-                logger.error("refused %s: %s", msg.handshake.sender or msg.engine_id, exc)
-                return self._replies.encode(Refused(field=exc.field, local=str(exc.local), remote=str(exc.remote)))
-            return self._replies.encode(MetaReply(handshake=self._handshake, metadata=self._agent))
+            refused = admit(self._handshake, self._config.engine_id, msg)
+            return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._agent))
         if isinstance(msg, LayerDone):
             return self._replies.encode(Ack(unknown=self._receiver.on_layer_done(msg)))
         assert isinstance(msg, Done)

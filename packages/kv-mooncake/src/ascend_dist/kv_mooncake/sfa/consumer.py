@@ -29,8 +29,9 @@ import numpy as np
 from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import AscendDistError, ConfigError, IncompatiblePeer
 from ascend_dist.common.regions import RegisterRegions, validate_register_region_count
-from ascend_dist.common.wire import Codec, check_compatible
+from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.messages import Refused, admit
 from ascend_dist.kv_mooncake.sfa.backend import RemoteReadBackend, read_or_raise, register_all
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import (
@@ -40,7 +41,6 @@ from ascend_dist.kv_mooncake.sfa.messages import (
     ReadDone,
     ReadFailed,
     ReadReady,
-    Refused,
     Reply,
     Request,
     reply_codec,
@@ -177,26 +177,25 @@ class ConsumerWorker:
         return self._replies.encode(reply)
 
     def _hello(self, msg: Hello) -> HelloAck | Refused:
-        try:
-            if msg.engine_id == self._config.engine_id:
-                raise IncompatiblePeer("engine_id", self._config.engine_id, msg.engine_id)
-            check_compatible(self._handshake, msg.handshake)
-            for name, dest in self._dest.items():
-                layer = msg.layers.get(name)
-                if layer is None:
-                    raise IncompatiblePeer(f"layer {name}", "present", "missing")
-                main = tuple(s.block_bytes for s in layer.main)
-                if main != dest.main_block_bytes:
-                    raise IncompatiblePeer(f"{name} main block bytes", dest.main_block_bytes, main)
-                idx = tuple(s.block_bytes for s in layer.indexer)
-                if idx != dest.indexer_block_bytes:
-                    raise IncompatiblePeer(f"{name} indexer block bytes", dest.indexer_block_bytes, idx)
-        except IncompatiblePeer as exc:
-            logger.error("sfa D%d refused %s: %s", self._tp_rank, msg.sender, exc)
-            return Refused(field=exc.field, local=str(exc.local), remote=str(exc.remote))
+        refused = admit(self._handshake, self._config.engine_id, msg, lambda: self._check_layers(msg))
+        if refused is not None:
+            return refused
         with self._cond:
             self._peers[msg.sender] = _Peer(msg.session, dict(msg.layers))
         return HelloAck(receiver=f"{self._config.engine_id}/d{self._tp_rank}")
+
+    def _check_layers(self, msg: Hello) -> None:
+        """P's layers must match D's destinations block for block (raises `IncompatiblePeer`)."""
+        for name, dest in self._dest.items():
+            layer = msg.layers.get(name)
+            if layer is None:
+                raise IncompatiblePeer(f"layer {name}", "present", "missing")
+            main = tuple(s.block_bytes for s in layer.main)
+            if main != dest.main_block_bytes:
+                raise IncompatiblePeer(f"{name} main block bytes", dest.main_block_bytes, main)
+            idx = tuple(s.block_bytes for s in layer.indexer)
+            if idx != dest.indexer_block_bytes:
+                raise IncompatiblePeer(f"{name} indexer block bytes", dest.indexer_block_bytes, idx)
 
     def _wait_records(self, ext_ids: Sequence[str]) -> dict[str, _Recv]:
         """Records of ``ext_ids``, waiting up to ``dest_wait_s`` for D's own step to bring them."""

@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ascend_dist.common.errors import DeadlineExceeded, IncompatiblePeer, ProtocolError
+from ascend_dist.common.errors import DeadlineExceeded, ProtocolError
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.core.messages import accept_reply
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import (
     Hello,
@@ -33,7 +34,6 @@ from ascend_dist.kv_mooncake.sfa.messages import (
     ReadDone,
     ReadFailed,
     ReadReady,
-    Refused,
     Reply,
     Request,
     reply_codec,
@@ -116,11 +116,10 @@ class _Link(threading.Thread):
 
     def _hello(self) -> None:
         o = self.owner
-        reply = o.call(self.endpoint, o.hello(), o.config.hello_timeout_s)
-        if isinstance(reply, Refused):
-            raise IncompatiblePeer(reply.field, reply.remote, reply.local)
-        if not isinstance(reply, HelloAck):
-            raise ProtocolError(f"expected hello_ack from {self.endpoint}, got {type(reply).__name__}")
+        hello = o.hello()
+        accept_reply(
+            o.call(self.endpoint, hello, o.config.hello_timeout_s), HelloAck, hello.handshake, str(self.endpoint)
+        )
         self.greeted = True
 
 

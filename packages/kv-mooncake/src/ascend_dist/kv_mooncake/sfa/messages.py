@@ -1,17 +1,16 @@
-"""Every message of the SFA remote-D2H connector that crosses a process.
+"""The SFA remote-D2H connector's wire: P greets and signals, D reads and answers.
 
 Runs in: P workers (client side, a DEALER per D endpoint), D workers (the ROUTER read thread),
-schedulers (the contact info D posts to the metaserver). Nothing is pickled: msgspec Structs in
-tagged unions, decoded strictly and size-bounded by `ascend_dist.common.wire.Codec`.
+schedulers (the contact info D posts to the metaserver). Built on the shared vocabulary of
+`ascend_dist.kv_mooncake.core.messages` (tag ``kind``, `core.wire.WIRE_VERSION`):
 
-* `Hello` (P's `Handshake`, its engine session and per-layer metadata; upstream MF_META) is
-  answered by `HelloAck` or `Refused`.
+* `Hello` (a `Greeting`: P's `Handshake` and engine id, plus its engine session and per-layer
+  metadata; upstream MF_META) is answered by `HelloAck` or `Refused`.
 * `ReadReady` (one layer: per request P's block ids and chunk start; upstream READ_READY_BATCH)
   is answered by `ReadDone` (naming requests D could not serve) or `ReadFailed`.
 
 D remembers a `Hello` per ``sender`` (upstream: per DEALER identity); a `ReadReady` from a sender
-without one fails. Schema evolution follows `ascend_dist.common.wire`: new fields get defaults,
-an incompatible change bumps `PROTOCOL_VERSION`.
+without one fails.
 """
 
 from __future__ import annotations
@@ -21,12 +20,13 @@ from typing import Any
 
 import msgspec
 
-from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.kv_mooncake.core.admission import Count, ParallelSize, Port, Text, check_host, convert_params
+from ascend_dist.kv_mooncake.core.messages import Greeting, Refused
+from ascend_dist.kv_mooncake.core.wire import Channel, Message
+from ascend_dist.kv_mooncake.core.wire import Request as _Request
 
 __all__ = [
-    "PROTOCOL",
-    "PROTOCOL_VERSION",
+    "CHANNEL",
     "ContactInfo",
     "Hello",
     "HelloAck",
@@ -35,7 +35,6 @@ __all__ = [
     "ReadFailed",
     "ReadReady",
     "ReadReq",
-    "Refused",
     "Reply",
     "Request",
     "TensorSpan",
@@ -43,13 +42,6 @@ __all__ = [
     "reply_codec",
     "request_codec",
 ]
-
-PROTOCOL = "kv-mooncake/sfa-rd2h"
-PROTOCOL_VERSION = 1
-
-
-class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    """Base of every side-channel message: a tagged union on ``kind``."""
 
 
 class TensorSpan(msgspec.Struct, frozen=True, array_like=True):
@@ -73,11 +65,9 @@ class LayerMeta(msgspec.Struct, frozen=True, kw_only=True):
     indexer: list[TensorSpan] = []
 
 
-class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
-    """P's first message to a D endpoint: compatibility, session and layer metadata."""
+class Hello(Greeting, frozen=True, kw_only=True, tag="hello"):
+    """P's first message to a D endpoint: compatibility (the `Greeting`), session and layer metadata."""
 
-    handshake: Handshake
-    engine_id: str
     sender: str
     session: str
     layers: dict[str, LayerMeta]
@@ -96,7 +86,7 @@ class ReadReq(msgspec.Struct, frozen=True, array_like=True):
     indexer_start: int = 0
 
 
-class ReadReady(_Msg, frozen=True, kw_only=True, tag="read_ready"):
+class ReadReady(_Request, frozen=True, kw_only=True, tag="read_ready"):
     """P wrote ``layer_name`` for these requests' chunks: D may read them now.
 
     ``expires_unix_ms`` is P's wall-clock deadline for this read: after it P's reuse gate has
@@ -108,34 +98,26 @@ class ReadReady(_Msg, frozen=True, kw_only=True, tag="read_ready"):
     layer_idx: int
     layer_name: str
     reads: list[ReadReq]
-    done_ext_ids: list[str] = []
+    done_ext_ids: list[str] = msgspec.field(default_factory=list)
     group_member_idx: int = 0
     tp_ratio: int = 1
     expires_unix_ms: int = 0
 
 
-class HelloAck(_Msg, frozen=True, kw_only=True, tag="hello_ack"):
+class HelloAck(Message, frozen=True, kw_only=True, tag="hello_ack"):
     """D accepted P's hello."""
 
     receiver: str = ""
 
 
-class Refused(_Msg, frozen=True, kw_only=True, tag="refused"):
-    """D refused P's hello; ``field`` names the first difference."""
-
-    field: str
-    local: str
-    remote: str
-
-
-class ReadDone(_Msg, frozen=True, kw_only=True, tag="read_done"):
+class ReadDone(Message, frozen=True, kw_only=True, tag="read_done"):
     """D finished the layer's reads; ``failed`` lists requests it could not serve."""
 
     layer_idx: int
-    failed: list[str] = []
+    failed: list[str] = msgspec.field(default_factory=list)
 
 
-class ReadFailed(_Msg, frozen=True, kw_only=True, tag="read_failed"):
+class ReadFailed(Message, frozen=True, kw_only=True, tag="read_failed"):
     """The whole layer batch failed (every request in it is failed on D)."""
 
     layer_idx: int
@@ -145,15 +127,8 @@ class ReadFailed(_Msg, frozen=True, kw_only=True, tag="read_failed"):
 Request = Hello | ReadReady
 Reply = HelloAck | Refused | ReadDone | ReadFailed
 
-
-def request_codec(max_bytes: int) -> Codec[Request]:
-    """Codec of P -> D messages."""
-    return Codec(Request, max_bytes=max_bytes)
-
-
-def reply_codec(max_bytes: int) -> Codec[Reply]:
-    """Codec of D -> P replies."""
-    return Codec(Reply, max_bytes=max_bytes)
+CHANNEL = Channel("kv-mooncake/sfa-rd2h", Request, Reply)
+request_codec, reply_codec = CHANNEL.request_codec, CHANNEL.reply_codec  # P -> D; D -> P
 
 
 class ContactInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):

@@ -23,15 +23,14 @@ import torch
 
 from ascend_dist.common.errors import BlockIdError, ConfigError, DeadlineExceeded, LayoutError, TransferError
 from ascend_dist.common.regions import collect_storage_merged_register_regions, validate_register_region_count
-from ascend_dist.common.wire import Handshake, make_handshake
+from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import tensor_geometry
 from ascend_dist.kv_mooncake.sfa.backend import RemoteReadBackend, register_all
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.links import Dispatcher, Part, Slot
 from ascend_dist.kv_mooncake.sfa.messages import (
-    PROTOCOL,
-    PROTOCOL_VERSION,
+    CHANNEL,
     Hello,
     LayerMeta,
     ReadReady,
@@ -89,9 +88,7 @@ def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]
 
 def make_sfa_handshake(config: SfaConfig, sender: str, layers: int, layout: str = "NHD") -> Handshake:
     """The values P and D must agree on (a mismatch names the field); ``layout`` from `span_label`."""
-    return make_handshake(
-        PROTOCOL,
-        PROTOCOL_VERSION,
+    return CHANNEL.handshake(
         sender=sender,
         model=config.model,
         dtype=config.dtype,

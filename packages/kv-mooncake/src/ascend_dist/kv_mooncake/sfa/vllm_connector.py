@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     block_load_errors,
     connector_config,
@@ -41,7 +42,6 @@ from ascend_dist.kv_mooncake.sfa.backend import make_backend
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo
-from ascend_dist.kv_mooncake.sfa.metaserver import MetaserverClient
 from ascend_dist.kv_mooncake.sfa.plan import DestLayer, infer_groups, layer_index
 from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker, span_label, tensor_span
 from ascend_dist.kv_mooncake.sfa.scheduler import (
@@ -113,7 +113,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_groups = len(groups)
         self._producer_sched: ProducerScheduler | None = None
         self._consumer_sched: ConsumerScheduler | None = None
-        self._metaserver: MetaserverClient | None = None
+        self._metaserver: RetryingAnnouncer | None = None
         self._gate: ParamsGate | None = None
         self._producer: ProducerWorker | None = None
         self._consumer: ConsumerWorker | None = None
@@ -126,7 +126,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 self._producer_sched = sched
             else:
-                self._metaserver = MetaserverClient()
+                self._metaserver = RetryingAnnouncer()
                 sched = ConsumerScheduler(self._sfa, self._block_sizes, self._group_ids, self._metaserver)
                 self._consumer_sched = sched
             known = {*ContactInfo.__struct_fields__, "batch_kv_transfer_params", "do_virtual"}
@@ -336,4 +336,4 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         """Stop threads, sockets and registrations."""
         for part in (self._producer, self._consumer, self._metaserver):
             if part is not None:
-                part.close() if isinstance(part, MetaserverClient) else part.shutdown()
+                part.close() if isinstance(part, RetryingAnnouncer) else part.shutdown()

@@ -1,0 +1,75 @@
+"""The envelope every kv-mooncake side-channel message shares: base Structs, tag, version, codecs.
+
+Runs in: every process that speaks a kv-mooncake side channel (pull, push, SFA workers) and the
+schedulers that build transfer params. Three rules hold for all three transports:
+
+* **One tag.** Every message derives from `Message`: a msgspec Struct tagged on ``kind``, so a
+  channel's requests (and its replies) form one tagged union and a frame names its own type.
+* **One version.** `WIRE_VERSION` is the version of this whole vocabulary; `Channel.handshake`
+  puts it, with the channel's name, into the `Handshake` the opening message carries, and
+  `ascend_dist.common.wire.check_compatible` refuses a peer whose name, version or compat fields
+  differ (the refusal names the field). Schema evolution follows `ascend_dist.common.wire`.
+* **One codec factory.** `Channel.request_codec` / `reply_codec` decode strictly into the
+  channel's union and refuse frames over the configured size before decoding them.
+
+Every request also carries ``auth`` (see `Request`), so message authentication can be added later
+without a new vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ascend_dist.common.wire import Codec, CompatValue, Handshake, make_handshake
+
+__all__ = ["WIRE_VERSION", "Channel", "Message", "Request"]
+
+# 2: one tag field (``kind``) for pull and push too, and the shared Ack / Done / MetaReply shapes;
+# a version-1 peer cannot decode these frames, so it is refused at the handshake.
+WIRE_VERSION = 2
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Base of every side-channel message; subclasses set ``tag=`` to their wire name."""
+
+
+class Request(Message, frozen=True, kw_only=True):
+    """Base of every message a client sends (the server answers each with one reply).
+
+    Attributes:
+        auth: Reserved for a per-request token or MAC over the message (empty, never checked
+            today). A deployment that authenticates peers would check the key once at the
+            handshake (`core.messages.admit`) and this field on every later request.
+    """
+
+    auth: bytes = b""
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One side channel's name and its request and reply unions.
+
+    Attributes:
+        name: The channel, carried in every handshake, e.g. ``"kv-mooncake/pull"``.
+        requests: The union of `Request` subclasses a client may send.
+        replies: The union of `Message` subclasses a server may answer with.
+    """
+
+    name: str
+    requests: Any
+    replies: Any
+
+    def handshake(self, *, sender: str, **fields: CompatValue) -> Handshake:
+        """This side's handshake on the channel: its name, `WIRE_VERSION` and the compat fields."""
+        return make_handshake(self.name, WIRE_VERSION, sender=sender, **fields)
+
+    def request_codec(self, max_bytes: int) -> Codec[Any]:
+        """Codec of client -> server messages (strict, frames over ``max_bytes`` refused)."""
+        return Codec(self.requests, max_bytes=max_bytes)
+
+    def reply_codec(self, max_bytes: int) -> Codec[Any]:
+        """Codec of server -> client replies (strict, frames over ``max_bytes`` refused)."""
+        return Codec(self.replies, max_bytes=max_bytes)
