@@ -89,7 +89,7 @@ def test_layers_arrive_while_p_still_computes(make_lw_pair: Callable[..., Any]) 
 
 
 class _SlowEngine:
-    """A `PushBackend` delaying every write of the real engine (the push lags far behind the forward)."""
+    """A `Writer` delaying every write of the real engine (the push lags far behind the forward)."""
 
     def __init__(self, inner: Any, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
@@ -116,8 +116,8 @@ def test_reuse_gate_keeps_freed_blocks_until_their_push_read_them() -> None:
     from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
     from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver, LwInstance
     from ascend_dist.kv_mooncake._demo.synthetic import Model
+    from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
     from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
-    from ascend_dist.kv_mooncake.push.engine import PushEngine
 
     port = free_port_range(1)
     extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
@@ -125,8 +125,8 @@ def test_reuse_gate_keeps_freed_blocks_until_their_push_read_them() -> None:
     ms = CollectingMetaserver()
     d_cfg = LayerwiseConfig.from_kv_transfer_config(engine_id="gD", kv_role="kv_consumer", kv_port=port, extra=extra)
     p_cfg = LayerwiseConfig.from_kv_transfer_config(engine_id="gP", kv_role="kv_producer", kv_port=port, extra=extra)
-    d = LwInstance(d_cfg, Model(**shape, num_blocks=24), engine=PushEngine("127.0.0.1"), metaserver=ms)
-    p = LwInstance(p_cfg, Model(**shape, num_blocks=11), engine=_SlowEngine(PushEngine("127.0.0.1"), 0.1))
+    d = LwInstance(d_cfg, Model(**shape, num_blocks=24), engine=MooncakeEngine("127.0.0.1"), metaserver=ms)
+    p = LwInstance(p_cfg, Model(**shape, num_blocks=11), engine=_SlowEngine(MooncakeEngine("127.0.0.1"), 0.1))
     try:
         d.announce("A", 160)
         d.announce("B", 160)

@@ -9,7 +9,8 @@ import pytest
 
 from ascend_dist.common.errors import ConfigError, DeviceUnavailable, IncompatiblePeer, ProtocolError
 from ascend_dist.common.wire import check_compatible
-from ascend_dist.kv_mooncake.sfa.backend import MemfabricReadBackend, make_backend
+from ascend_dist.kv_mooncake.core.memfabric import MemfabricEngine
+from ascend_dist.kv_mooncake.sfa.backend import make_backend
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import (
     ContactInfo,
@@ -176,10 +177,10 @@ def test_producer_batch_params_resolve_per_child() -> None:
 
 def test_memfabric_without_the_ascend_driver_says_what_is_missing() -> None:
     with pytest.raises(DeviceUnavailable, match="transfer_backend='mooncake'"):
-        MemfabricReadBackend("127.0.0.1", "Decode", 0)
+        MemfabricEngine("127.0.0.1", "Decode", 0)
     with pytest.raises(DeviceUnavailable):
         make_backend("memfabric", "127.0.0.1")
     with pytest.raises(ConfigError, match="role"):
-        MemfabricReadBackend("127.0.0.1", "Both", 0)
+        MemfabricEngine("127.0.0.1", "Both", 0)
     with pytest.raises(ConfigError, match="transfer_backend"):
         make_backend("gloo", "127.0.0.1")

@@ -1,4 +1,4 @@
-"""D's read thread over its real ZMQ server, with a fake engine (our `RemoteReadBackend` Protocol).
+"""D's read thread over its real ZMQ server, with a fake engine (the `Reader` view of our engine interface).
 
 Covers the completion rules precisely: every contributor must send the last layer
 (duplicates do not count), a failed engine read fails the batch's requests, ranks owning nothing
@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from ascend_dist.common.descriptors import Descriptors
+from ascend_dist.common.errors import TransferError
+from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
@@ -43,23 +46,27 @@ LAYER = "model.layers.0.self_attn.attn"
 
 
 class FakeEngine:
-    """Records reads; returns ``rc`` for each."""
+    """Our engine interface's `Reader` view: records reads; a nonzero ``rc`` fails each one."""
 
     def __init__(self) -> None:
         self.rc = 0
         self.reads: list[tuple[str, list[int], list[int], list[int]]] = []
         self.registered: list[tuple[int, int]] = []
 
-    def get_rpc_port(self) -> int:
-        return 1234
+    @property
+    def session(self) -> str:
+        return "127.0.0.1:1234"
 
-    def register_memory(self, ptr: int, size: int) -> int:
-        self.registered.append((ptr, size))
-        return 0
+    def register(self, regions: RegisterRegions) -> None:
+        self.registered.extend(zip(regions.ptrs, regions.lengths, strict=True))
 
-    def batch_transfer_sync_read(self, session: str, local: list[int], peer: list[int], lengths: list[int]) -> int:
-        self.reads.append((session, local, peer, lengths))
-        return self.rc
+    def unregister(self, regions: RegisterRegions) -> None:
+        pass
+
+    def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
+        self.reads.append((session, batch.local.tolist(), batch.remote.tolist(), batch.lengths.tolist()))
+        if self.rc != 0:
+            raise TransferError(f"batch_transfer_sync_read returned {self.rc}", peer=session)
 
 
 def _config(p_tp: int = 2, d_tp: int = 1, model: str = "m") -> SfaConfig:

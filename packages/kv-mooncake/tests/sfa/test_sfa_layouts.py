@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import LayoutError
+from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
@@ -29,14 +31,20 @@ INDEXER = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(2)]
 
 
 class FakeEngine:
-    def get_rpc_port(self) -> int:
-        return 4321
+    """Our engine interface's `Reader` view: accepts every registration and read."""
 
-    def register_memory(self, ptr: int, size: int) -> int:
-        return 0
+    @property
+    def session(self) -> str:
+        return "127.0.0.1:4321"
 
-    def batch_transfer_sync_read(self, session: str, local: list[int], peer: list[int], lengths: list[int]) -> int:
-        return 0
+    def register(self, regions: RegisterRegions) -> None:
+        pass
+
+    def unregister(self, regions: RegisterRegions) -> None:
+        pass
+
+    def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
+        pass
 
 
 def _config(role: Role) -> SfaConfig:

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import LayoutError
+from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.zmq_rpc import RpcServer
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake.pull.config import Role
@@ -25,14 +27,20 @@ from ascend_dist.kv_mooncake.sfa.scheduler import ProducerMetadata, SendReq
 
 
 class FakeEngine:
-    def get_rpc_port(self) -> int:
-        return 4321
+    """Our engine interface's `Reader` view: accepts every registration and read."""
 
-    def register_memory(self, ptr: int, size: int) -> int:
-        return 0
+    @property
+    def session(self) -> str:
+        return "127.0.0.1:4321"
 
-    def batch_transfer_sync_read(self, session: str, local: list[int], peer: list[int], lengths: list[int]) -> int:
-        return 0
+    def register(self, regions: RegisterRegions) -> None:
+        pass
+
+    def unregister(self, regions: RegisterRegions) -> None:
+        pass
+
+    def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
+        pass
 
 
 class RecordingD:

@@ -24,12 +24,12 @@ from ascend_dist.common.errors import ConfigError, DeadlineExceeded, TransferErr
 from ascend_dist.kv_mooncake._demo.synthetic import Model, pattern
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.core.metaserver import Metaserver
 from ascend_dist.kv_mooncake.core.plan import head_range
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
-from ascend_dist.kv_mooncake.push.engine import PushBackend, PushEngine, get_push_engine
 from ascend_dist.kv_mooncake.push.reshard import AllToAll
 from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler, Scheduled
 from ascend_dist.kv_mooncake.push.worker import LayerwiseWorker
@@ -75,7 +75,7 @@ class LwInstance:
     config: LayerwiseConfig
     model: Model
     tp_ranks: Sequence[int] = ()
-    engine: PushBackend | None = None
+    engine: Writer | None = None
     all_to_all: AllToAll | None = None
     metaserver: Metaserver | None = None
     ranks: list[_Rank] = field(default_factory=list)
@@ -83,7 +83,7 @@ class LwInstance:
     def __post_init__(self) -> None:
         m = self.model
         if self.engine is None:
-            self.engine = get_push_engine(self.config.host, self.config.protocol)
+            self.engine = get_engine(self.config.host, self.config.protocol)
         topo = self.config.prefill if self.config.is_producer else self.config.decode
         self.tp = topo.tp_size
         self.scheduler = LayerwiseScheduler(self.config, [m.block_size] * m.groups, metaserver=self.metaserver)
@@ -267,8 +267,8 @@ class LwInstance:
         worker = self.ranks[0].worker
         batches = [b for name in self.ranks[0].caches for b in worker.layer_batches(name)]
         engine = self.engine
-        if not isinstance(engine, PushEngine):
-            raise ConfigError("engine", type(engine).__name__, "a PushEngine (raw_write) for the baseline")
+        if not isinstance(engine, MooncakeEngine):
+            raise ConfigError("engine", type(engine).__name__, "a MooncakeEngine (raw_write) for the baseline")
         start = time.perf_counter()
         for session, batch in batches:
             rc = engine.raw_write(session, batch)

@@ -19,7 +19,6 @@ import torch
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
-from ascend_dist.kv_mooncake.sfa.backend import MooncakeReadBackend
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo
@@ -144,7 +143,7 @@ class SfaPInstance:
                 caches[model.main_name(i)] = tuple(_blocks(model, d) for d in model.main_dims)
                 if model.indexer_dims:
                     caches[model.indexer_name(i)] = tuple(_blocks(model, d) for d in model.indexer_dims)
-            worker = ProducerWorker(config, tp_rank=rank, backend=MooncakeReadBackend(engine))
+            worker = ProducerWorker(config, tp_rank=rank, backend=engine)
             worker.register_kv_caches(caches, block_size=model.block_size)
             self.caches.append(caches)
             self.workers.append(worker)
@@ -258,7 +257,7 @@ class SfaDInstance:
                     tuple(s.block_bytes for s in ispans),
                 )
             regions = pool_regions + [(t.data_ptr(), t.numel() * t.element_size()) for ts in idx.values() for t in ts]
-            worker = ConsumerWorker(config, tp_rank=rank, backend=MooncakeReadBackend(engine))
+            worker = ConsumerWorker(config, tp_rank=rank, backend=engine)
             worker.register(dest, regions)
             self.indexers.append(idx)
             self.workers.append(worker)

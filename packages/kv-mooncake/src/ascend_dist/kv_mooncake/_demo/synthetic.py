@@ -18,7 +18,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
 from ascend_dist.kv_mooncake._demo.synthetic_state import StateShape
-from ascend_dist.kv_mooncake.core.engine import TransferBackend
+from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.core.plan import head_range, pp_layer_ranges
 from ascend_dist.kv_mooncake.pull.config import PullConfig
@@ -119,7 +119,7 @@ class SyntheticInstance:
 
     config: PullConfig
     model: Model
-    engine: TransferBackend | None = None
+    engine: Reader | None = None
     ranks: list[_Rank] = field(default_factory=list)
     p_block_size: int = 0
 

@@ -1,35 +1,50 @@
-"""Parsing shared by the pull, layer-wise and SFA connectors' ``kv_transfer_config``.
+"""The config base of the pull, layer-wise and SFA connectors: parses their ``kv_transfer_config``.
 
-Runs in: scheduler and worker processes. Pure: no I/O. Holds the keys every connector reads the
-same way (``kv_role``, ``kv_port``, the ``prefill`` / ``decode`` topologies, ``host``,
-``mooncake_protocol``) and the typed field parsers; every bad value raises `ConfigError` naming
-the field and the values it accepts.
+Runs in: scheduler and worker processes. Pure: no I/O. `ConnectorConfig` owns the keys every
+connector reads the same way (``kv_role``, ``kv_port``, the ``prefill`` / ``decode`` topologies,
+``host``, ``mooncake_protocol``, ``dp_rank``, ``max_message_bytes``) and the one parser,
+`ConnectorConfig.from_kv_transfer_config`. A transport's config declares only its own keys, each
+as a dataclass field made by `option` (default + parser), so a key's default is written once.
+Every bad value raises `ConfigError` naming the field and the values it accepts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, TypedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self, TypedDict, TypeVar
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.zmq_server import tcp_endpoint
 
 __all__ = [
     "PROTOCOLS",
+    "WHOLE_EXTRA",
     "CommonFields",
     "ConnectorConfig",
+    "FieldParser",
     "Role",
     "Topology",
     "bool_field",
     "check_common",
     "int_field",
+    "ints",
     "opt_str_field",
+    "option",
+    "option_metadata",
     "parse_common",
+    "seconds",
     "seconds_field",
+    "text",
 ]
+
+_T = TypeVar("_T")
+
+FieldParser = Callable[[str, object], Any]
+"""Turns one raw extra-config value into a field value; the ``str`` is the name errors give."""
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
 """Mooncake transport protocols: ``tcp`` on a CPU machine, ``ascend`` on Ascend, ``rdma`` on GPU."""
@@ -95,6 +110,49 @@ def opt_str_field(name: str, value: object) -> str | None:
     if not isinstance(value, str):
         raise ConfigError(name, value, "a file path (str) or null")
     return value
+
+
+def seconds(*, allow_zero: bool = False) -> FieldParser:
+    """A `FieldParser` of `seconds_field`."""
+    return lambda name, value: seconds_field(name, value, allow_zero=allow_zero)
+
+
+def ints(low: int, high: int | None = None) -> FieldParser:
+    """A `FieldParser` of `int_field` in ``[low, high]``."""
+    return lambda name, value: int_field(name, value, low, high)
+
+
+def text(_name: str, value: object) -> str:
+    """A `FieldParser` taking any value as its ``str`` (checked later by ``__post_init__``)."""
+    return str(value)
+
+
+@dataclass(frozen=True)
+class _Option:
+    parse: FieldParser
+    key: str  # the extra-config key; "" = the attribute's name
+    label: str  # the field errors name; "" = the key
+
+
+_OPTION = "ascend_dist.kv_mooncake.option"
+_WHOLE_EXTRA = "ascend_dist.kv_mooncake.whole_extra"
+
+
+def option_metadata(parse: FieldParser, *, key: str = "", label: str = "") -> dict[str, Any]:
+    """The ``field(metadata=...)`` that makes a field an option (for a ``default_factory`` field)."""
+    return {_OPTION: _Option(parse, key, label)}
+
+
+def option(default: _T, parse: FieldParser, *, key: str = "", label: str = "") -> _T:
+    """A config field read from ``kv_connector_extra_config[key]`` (the attribute's name by default).
+
+    A missing key keeps ``default``; a present one goes through ``parse(label or key, value)``.
+    """
+    return field(default=default, metadata=option_metadata(parse, key=key, label=label))
+
+
+WHOLE_EXTRA: Mapping[str, Any] = {_WHOLE_EXTRA: True}
+"""``field(default_factory=dict, metadata=WHOLE_EXTRA)`` holds a copy of the whole extra config."""
 
 
 @dataclass(frozen=True)
@@ -240,14 +298,58 @@ class ConnectorConfig:
     decode: Topology
     host: str = "127.0.0.1"
     protocol: str = "tcp"
-    dp_rank: int = 0
-    max_message_bytes: int = 4 * 1024 * 1024
+    dp_rank: int = option(0, ints(0))
+    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024))
     model: str = ""
     dtype: str = ""
+
+    TOPOLOGY_EXPECTED: ClassVar[str] = "a dict with tp_size (and dp_size)"
+    """What the error says a missing ``prefill`` / ``decode`` should be."""
 
     def __post_init__(self) -> None:
         """Validate the shared fields (see `check_common`)."""
         check_common(self.engine_id, self.protocol, self.host)
+
+    @classmethod
+    def from_kv_transfer_config(
+        cls,
+        *,
+        engine_id: object,
+        kv_role: object,
+        kv_port: object,
+        extra: Mapping[str, Any] | None,
+        model: str = "",
+        dtype: str = "",
+    ) -> Self:
+        """Parse the fields of vLLM's ``KVTransferConfig`` (passed as plain values).
+
+        The shared keys go through `parse_common`; every field made by `option` (this class's
+        and the transport's) is read from ``extra`` under its key, or keeps its default.
+
+        Raises:
+            ConfigError: Any field is missing or invalid; the error names it.
+        """
+        extra = dict(extra or {})
+        values: dict[str, Any] = dict(
+            parse_common(
+                engine_id=engine_id,
+                kv_role=kv_role,
+                kv_port=kv_port,
+                extra=extra,
+                topology_expected=cls.TOPOLOGY_EXPECTED,
+            )
+        )
+        for f in dataclasses.fields(cls):
+            if f.metadata.get(_WHOLE_EXTRA):
+                values[f.name] = extra
+                continue
+            opt: _Option | None = f.metadata.get(_OPTION)
+            if opt is None:
+                continue
+            key = opt.key or f.name
+            if key in extra:  # a missing key keeps the dataclass default (always a valid value)
+                values[f.name] = opt.parse(opt.label or key, extra[key])
+        return cls(**values, model=model, dtype=dtype)
 
     @property
     def is_producer(self) -> bool:

@@ -1,11 +1,16 @@
-"""One Mooncake `TransferEngine` per process (the ``GlobalTE`` role), behind a small Protocol.
+"""The one engine interface of every transport, and its Mooncake adapter (one engine per process).
 
-Runs in: worker processes. The engine is created lazily, once per process and protocol, with
+Runs in: worker processes. `TransferBackend` is what the transports need from an engine: a session
+address, region registration, and batch reads (pull, SFA) or writes (push); each transport types its
+engine with the narrowest view (`Reader`, `Writer`). `MooncakeEngine` implements all of it; the
+SFA connector's MemFabric adapter implements `Reader` (`ascend_dist.kv_mooncake.core.memfabric`).
+
+The Mooncake engine is created lazily, once per process and protocol, with
 ``initialize(host, "P2PHANDSHAKE", protocol, device)``. Registration is keyed by region and
 reference-counted, so several connectors in one process each register what they need (upstream
-silently ignored every registration after the first). Reads are split into batches of at most
-2,048 pieces, and the pieces in flight to one peer are capped at 2,048 across all threads of the
-process: Mooncake's TCP transport fails (-1) once more than that are queued for one peer, even
+silently ignored every registration after the first). Reads and writes are split into batches of
+at most 2,048 pieces, and the pieces in flight to one peer are capped at 2,048 across all threads
+of the process: Mooncake's TCP transport fails (-1) once more than that are queued for one peer, even
 when they come from several concurrent batches (measured: 4 threads x 640 pieces).
 """
 
@@ -21,13 +26,26 @@ from ascend_dist.common.descriptors import MOONCAKE_TCP_MAX_PIECES, Descriptors
 from ascend_dist.common.errors import ConfigError, NativeLibraryError, TransferError, TransferTimeout
 from ascend_dist.common.regions import RegisterRegions, validate_register_region_count
 
-__all__ = ["MooncakeEngine", "TransferBackend", "get_engine", "reset_engines_for_tests"]
+__all__ = [
+    "MooncakeEngine",
+    "Reader",
+    "Regions",
+    "TransferBackend",
+    "WritePieces",
+    "Writer",
+    "get_engine",
+    "reset_engines_for_tests",
+]
 
 logger = logging.getLogger(__name__)
 
 
-class TransferBackend(Protocol):
-    """What the connector needs from a transfer engine."""
+WritePieces = tuple[list[int], list[int], list[int]]
+"""``(local addresses, peer addresses, lengths)`` of one push (the push plan's ``Pieces``)."""
+
+
+class Regions(Protocol):
+    """The part of the engine interface every transport uses: its address and memory registration."""
 
     @property
     def session(self) -> str:
@@ -42,9 +60,25 @@ class TransferBackend(Protocol):
         """Drop one reference to each region; unregister when none is left."""
         ...
 
+
+class Reader(Regions, Protocol):
+    """The engine as the pull and SFA transports use it (D reads P's memory)."""
+
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         """Pull ``batch`` (local <- peer) from ``session``; raise `TransferError` on failure."""
         ...
+
+
+class Writer(Regions, Protocol):
+    """The engine as the layer-wise push uses it (P writes into D's memory)."""
+
+    def write(self, session: str, pieces: WritePieces, *, timeout_s: float = 60.0) -> None:
+        """Push ``pieces`` (local -> peer) to ``session``; raise `TransferError` on failure."""
+        ...
+
+
+class TransferBackend(Reader, Writer, Protocol):
+    """The whole engine interface (`MooncakeEngine` implements it)."""
 
 
 class MooncakeEngine:
@@ -178,13 +212,56 @@ class MooncakeEngine:
                     peer=session,
                 )
 
+    def raw_write(self, session: str, batch: Descriptors) -> int:
+        """One unsplit ``batch_transfer_sync_write`` (the benchmark's baseline); returns its code."""
+        return int(
+            self._te.batch_transfer_sync_write(
+                session, batch.local.tolist(), batch.remote.tolist(), batch.lengths.tolist()
+            )
+        )
 
+    def write(self, session: str, pieces: WritePieces, *, timeout_s: float = 60.0) -> None:
+        """Push ``(local, peer, lengths)`` lists to ``session`` in batches of at most ``max_pieces``.
+
+        Raises:
+            ConfigError: The three lists differ in length.
+            TransferError: The engine returned an error (peer gone, address not registered).
+            TransferTimeout: No piece slots to the peer became free in time.
+        """
+        local, peer, lengths = pieces
+        if not len(local) == len(peer) == len(lengths):
+            raise ConfigError("pieces", (len(local), len(peer), len(lengths)), "three lists of equal length")
+        deadline = time.monotonic() + timeout_s
+        step = self._max_pieces
+        for i, start in enumerate(range(0, len(local), step)):
+            end = start + step
+            count = len(local[start:end])
+            self._acquire(session, count, deadline)
+            try:
+                rc = self._te.batch_transfer_sync_write(session, local[start:end], peer[start:end], lengths[start:end])
+            finally:
+                self._release(session, count)
+            if rc < 0:
+                raise TransferError(
+                    f"batch_transfer_sync_write returned {rc} on sub-batch {i} ({count} pieces, "
+                    f"{sum(lengths[start:end])} bytes)",
+                    peer=session,
+                )
+
+
+# One cache for every transport: a process running several connectors shares one engine per
+# (host, protocol, device), and the region reference counts keep their registrations apart.
 _ENGINES: dict[tuple[str, str, str], MooncakeEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
 def get_engine(host: str, protocol: str = "tcp", device_name: str = "") -> MooncakeEngine:
-    """The process-wide engine for ``(host, protocol, device)``, created on first use."""
+    """The process-wide engine for ``(host, protocol, device)``, created on first use.
+
+    Raises:
+        ConfigError: ``protocol`` is empty.
+        NativeLibraryError: Mooncake is missing or ``initialize`` failed.
+    """
     if not isinstance(protocol, str) or not protocol:
         raise ConfigError("mooncake_protocol", protocol, "tcp, rdma or ascend")
     key = (host, protocol, device_name)

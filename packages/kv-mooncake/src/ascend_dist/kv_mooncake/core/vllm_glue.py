@@ -13,22 +13,26 @@ import importlib.util
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorTransferResults
+from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate, Preview
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.core.messages import prompt_digest
+from ascend_dist.kv_mooncake.core.request import SchedRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
 __all__ = [
+    "StepMetadata",
+    "sched_request",
     "block_load_errors",
     "connector_config",
     "kv_cache_layout_name",
@@ -45,6 +49,29 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ConfigT = TypeVar("ConfigT")
+InnerT = TypeVar("InnerT")
+
+
+class StepMetadata(KVConnectorMetadata, Generic[InnerT]):
+    """vLLM's metadata object carrying one step's metadata of a transport (``inner``)."""
+
+    def __init__(self, inner: InnerT) -> None:
+        """Wrap one step's metadata."""
+        self.inner = inner
+
+
+def sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
+    """The request as the pull and push schedulers see it.
+
+    ``digest``: also hash the prompt (only what hands out or announces params needs it).
+    """
+    return SchedRequest(
+        request_id=request.request_id,
+        prompt_len=request.num_prompt_tokens,
+        kv_transfer_params=request.kv_transfer_params,
+        length_capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+        prompt_digest=request_prompt_digest(request) if digest else None,
+    )
 
 
 def connector_config(vllm_config: VllmConfig, connector: str, parse: Callable[..., ConfigT]) -> ConfigT:

@@ -31,7 +31,7 @@ from typing import Protocol
 from ascend_dist.common.errors import TransferError
 from ascend_dist.common.mappings import context_parallel_parameters_check
 from ascend_dist.common.wire import Handshake
-from ascend_dist.kv_mooncake.core.engine import TransferBackend
+from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
 from ascend_dist.kv_mooncake.core.plan import PullMode, pull_mode, select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig
@@ -73,7 +73,7 @@ class Receiver:
         config: PullConfig,
         tp_rank: int,
         cache: LocalCache,
-        engine: TransferBackend,
+        engine: Reader,
         *,
         handshake: Handshake,
         reformat: Reformat,

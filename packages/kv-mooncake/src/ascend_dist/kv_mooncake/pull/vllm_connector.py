@@ -21,18 +21,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import MambaSpec
-from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.vllm_glue import (
+    StepMetadata,
     admit_bound,
     block_load_errors,
     connector_config,
     parallel_ranks,
     prompt_binding_error,
     read_kv_caches,
-    request_prompt_digest,
+    sched_request,
     transfer_results,
 )
 from ascend_dist.kv_mooncake.pull.config import PullConfig
@@ -54,12 +54,8 @@ __all__ = ["MooncakeConnectorV1", "MooncakeConnectorV1Metadata", "MooncakeHybrid
 logger = logging.getLogger(__name__)
 
 
-class MooncakeConnectorV1Metadata(KVConnectorMetadata):
+class MooncakeConnectorV1Metadata(StepMetadata[PullMetadata]):
     """vLLM's metadata object carrying this package's `PullMetadata`."""
-
-    def __init__(self, inner: PullMetadata) -> None:
-        """Wrap one step's metadata."""
-        self.inner = inner
 
 
 def _state_layout(vllm_config: VllmConfig, spec: MambaSpec | None) -> StateLayout | None:
@@ -108,16 +104,6 @@ def _truncate_prompt(request: Request) -> None:
     request._all_token_ids.pop()
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
-
-
-def _sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
-    return SchedRequest(
-        request_id=request.request_id,
-        prompt_len=request.num_prompt_tokens,
-        kv_transfer_params=request.kv_transfer_params,
-        length_capped=request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
-        prompt_digest=request_prompt_digest(request) if digest else None,
-    )
 
 
 class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
@@ -187,7 +173,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         if self._gate is None:
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         admit_bound(self._gate, request, "do_remote_prefill")
-        return _sched_request(request, digest=digest)
+        return sched_request(request, digest=digest)
 
     def on_new_request(self, request: Request) -> None:
         """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates.
@@ -213,7 +199,7 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
             or prompt_binding_error(request, "do_remote_prefill") is not None
         ):
             return 0, False
-        return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+        return sched.get_num_new_matched_tokens(sched_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Record the pull into the freshly allocated (unhashed) blocks."""

@@ -3,7 +3,7 @@
 Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, `Renew` and
 `Done` on ``kv_port + device_index`` (bound to the configured host only) and tracks lent blocks
 with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected (any
-`TransferBackend`), by default the process-wide Mooncake engine.
+`Reader`), by default the process-wide Mooncake engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ascend_dist.common.ports import PortLayout, RankCoord
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_server import RpcServer
-from ascend_dist.kv_mooncake.core.engine import TransferBackend, get_engine
+from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
@@ -52,7 +52,7 @@ class PullWorker:
         pcp_rank: int = 0,
         num_kv_heads: int,
         use_mla: bool = False,
-        engine: TransferBackend | None = None,
+        engine: Reader | None = None,
     ) -> None:
         """Create the worker (nothing is started until `register_kv_caches`).
 

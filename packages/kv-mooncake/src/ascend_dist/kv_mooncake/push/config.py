@@ -8,18 +8,17 @@ roles); PP is not supported by the push (no PP term in its port layout).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.mappings import ParallelInfo, pd_head_ratio
 from ascend_dist.common.ports import PortLayout, PortScheme, RankCoord
 from ascend_dist.kv_mooncake.core.config import (
     ConnectorConfig,
-    int_field,
-    parse_common,
-    seconds_field,
+    ints,
+    option,
+    option_metadata,
+    seconds,
 )
 from ascend_dist.kv_mooncake.core.metaserver import TlsConfig  # re-exported: the `tls_config` key is push's
 
@@ -31,6 +30,8 @@ class LayerwiseConfig(ConnectorConfig):
     """Everything the layer-wise connector reads from the ``kv_transfer_config``.
 
     The shared fields are `ConnectorConfig`'s; the ones listed here are specific or say more.
+    Built by `ConnectorConfig.from_kv_transfer_config`; the extra-config keys are the names of
+    the attributes below (``tls_config`` for ``tls``), each optional with the default it shows.
 
     Attributes:
         kv_port: Base port: D workers bind ``kv_port + dp·pcp·tp + pcp_rank·tp + tp_rank``.
@@ -48,13 +49,15 @@ class LayerwiseConfig(ConnectorConfig):
         tls: The metaserver client's TLS options.
     """
 
-    first_layer_timeout_s: float = 120.0
-    layer_timeout_s: float = 30.0
-    gate_timeout_s: float = 60.0
-    rpc_timeout_s: float = 1.0
-    rpc_retries: int = 3
-    metaserver_timeout_s: float = 5.0
-    tls: TlsConfig = field(default_factory=TlsConfig)
+    first_layer_timeout_s: float = option(120.0, seconds())
+    layer_timeout_s: float = option(30.0, seconds())
+    gate_timeout_s: float = option(60.0, seconds())
+    rpc_timeout_s: float = option(1.0, seconds())
+    rpc_retries: int = option(3, ints(1, 10))
+    metaserver_timeout_s: float = option(5.0, seconds())
+    tls: TlsConfig = field(
+        default_factory=TlsConfig, metadata=option_metadata(lambda _name, raw: TlsConfig.parse(raw), key="tls_config")
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,49 +93,4 @@ class LayerwiseConfig(ConnectorConfig):
         return (
             ParallelInfo(p.tp_size, p.pcp_size, p.dcp_size, use_mla, ratio),
             ParallelInfo(d.tp_size, d.pcp_size, d.dcp_size, use_mla, 1),
-        )
-
-    @classmethod
-    def from_kv_transfer_config(
-        cls,
-        *,
-        engine_id: object,
-        kv_role: object,
-        kv_port: object,
-        extra: Mapping[str, Any] | None,
-        model: str = "",
-        dtype: str = "",
-    ) -> LayerwiseConfig:
-        """Parse the fields of vLLM's ``KVTransferConfig`` (passed as plain values).
-
-        Extra-config keys: ``prefill``, ``decode`` (required), ``mooncake_protocol`` (``tcp``),
-        ``host`` (``127.0.0.1``), ``dp_rank`` (0), ``first_layer_timeout_s`` (120),
-        ``layer_timeout_s`` (30), ``gate_timeout_s`` (60), ``rpc_timeout_s`` (1.0),
-        ``rpc_retries`` (3), ``metaserver_timeout_s`` (5), ``max_message_bytes`` (4 MiB),
-        ``tls_config`` (see `TlsConfig`).
-
-        Raises:
-            ConfigError: Any field is missing or invalid; the error names it.
-        """
-        extra = dict(extra or {})
-        common = parse_common(
-            engine_id=engine_id,
-            kv_role=kv_role,
-            kv_port=kv_port,
-            extra=extra,
-            topology_expected="a dict with tp_size (and dp_size)",
-        )
-        return cls(
-            **common,
-            dp_rank=int_field("dp_rank", extra.get("dp_rank", 0), 0),
-            first_layer_timeout_s=seconds_field("first_layer_timeout_s", extra.get("first_layer_timeout_s", 120.0)),
-            layer_timeout_s=seconds_field("layer_timeout_s", extra.get("layer_timeout_s", 30.0)),
-            gate_timeout_s=seconds_field("gate_timeout_s", extra.get("gate_timeout_s", 60.0)),
-            rpc_timeout_s=seconds_field("rpc_timeout_s", extra.get("rpc_timeout_s", 1.0)),
-            rpc_retries=int_field("rpc_retries", extra.get("rpc_retries", 3), 1, 10),
-            metaserver_timeout_s=seconds_field("metaserver_timeout_s", extra.get("metaserver_timeout_s", 5.0)),
-            max_message_bytes=int_field("max_message_bytes", extra.get("max_message_bytes", 4 * 1024 * 1024), 1024),
-            tls=TlsConfig.parse(extra.get("tls_config")),
-            model=model,
-            dtype=dtype,
         )

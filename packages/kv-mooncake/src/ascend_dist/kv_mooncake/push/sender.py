@@ -33,8 +33,8 @@ from ascend_dist.common.transfer_mappings import Endpoint
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.core.engine import Writer
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, accept_reply
-from ascend_dist.kv_mooncake.push.engine import PushBackend
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import LayerDone, Reply, Request
 from ascend_dist.kv_mooncake.push.plan import Pieces, block_runs, plain_pieces, resharded_pieces
@@ -131,7 +131,7 @@ class SendThread:
 
     def __init__(
         self,
-        engine: PushBackend,
+        engine: Writer,
         *,
         client: RpcClient,
         requests: Codec[Request],

@@ -28,13 +28,14 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.core.vllm_glue import (
+    StepMetadata,
     admit_bound,
     block_load_errors,
     connector_config,
     parallel_ranks,
     prompt_binding_error,
     read_kv_caches,
-    request_prompt_digest,
+    sched_request,
     transfer_results,
 )
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
@@ -56,12 +57,8 @@ __all__ = ["MooncakeLayerwiseConnector", "MooncakeLayerwiseMetadata"]
 logger = logging.getLogger(__name__)
 
 
-class MooncakeLayerwiseMetadata(KVConnectorMetadata):
+class MooncakeLayerwiseMetadata(StepMetadata[LayerwiseMetadata]):
     """vLLM's metadata object carrying this subpackage's `LayerwiseMetadata`."""
-
-    def __init__(self, inner: LayerwiseMetadata) -> None:
-        """Wrap one step's metadata."""
-        self.inner = inner
 
 
 def _all_to_all(ratio: int) -> AllToAll | None:
@@ -78,15 +75,6 @@ def _all_to_all(ratio: int) -> AllToAll | None:
         if first <= tp.rank_in_group < first + ratio:
             mine = group
     return GlooAllToAll(mine)
-
-
-def _sched_request(request: Request, *, digest: bool = False) -> SchedRequest:
-    return SchedRequest(
-        request_id=request.request_id,
-        prompt_len=request.num_prompt_tokens,
-        kv_transfer_params=request.kv_transfer_params,
-        prompt_digest=request_prompt_digest(request) if digest else None,
-    )
 
 
 def _scheduled(out: SchedulerOutput) -> dict[str, Scheduled]:
@@ -153,7 +141,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         if self._gate is None:
             raise ConfigError("role", "WORKER", "SCHEDULER for this call")
         admit_bound(self._gate, request, "do_remote_decode")
-        return _sched_request(request, digest=digest)
+        return sched_request(request, digest=digest)
 
     def on_new_request(self, request: Request) -> None:
         """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once.
@@ -172,7 +160,7 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
             or prompt_binding_error(request, "do_remote_decode") is not None
         ):
             return 0, False
-        return sched.get_num_new_matched_tokens(_sched_request(request), num_computed_tokens)
+        return sched.get_num_new_matched_tokens(sched_request(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """D: announce ALL the request's blocks to the metaserver; P: start tracking the push."""

@@ -28,12 +28,12 @@ from ascend_dist.common.timeouts import transfer_timeout_ms
 from ascend_dist.common.wire import Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.engine import Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.core.plan import TensorGeom
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
-from ascend_dist.kv_mooncake.push.engine import PushBackend, get_push_engine
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, reply_codec, request_codec
 from ascend_dist.kv_mooncake.push.producer import STAGING_SLOTS, LayerTable, Producer
@@ -62,7 +62,7 @@ class LayerwiseWorker:
         pcp_rank: int = 0,
         num_kv_heads: int,
         use_mla: bool = False,
-        engine: PushBackend | None = None,
+        engine: Writer | None = None,
         all_to_all: AllToAll | None = None,
     ) -> None:
         """Create the worker (nothing starts before `register_kv_caches`).
@@ -185,7 +185,7 @@ class LayerwiseWorker:
             n: [token_rows(t, a) for t, a in zip(ts, layer_axes(layout, n, ts), strict=True)]
             for n, ts in self._tensors.items()
         }
-        engine = self._engine or get_push_engine(self._config.host, self._config.protocol)
+        engine = self._engine or get_engine(self._config.host, self._config.protocol)
         self._engine = engine
         self._register(collect_storage_merged_register_regions(list(self._tensors.values())))
         self._handshake = self.make_handshake(block_size)
@@ -201,7 +201,7 @@ class LayerwiseWorker:
         self._engine.register(regions)
         self._regions.append(regions)
 
-    def _start_consumer(self, engine: PushBackend) -> None:
+    def _start_consumer(self, engine: Writer) -> None:
         c = self._config
         self._agent = AgentMetadata(
             engine_id=c.engine_id,
@@ -219,7 +219,7 @@ class LayerwiseWorker:
         )
         self._server.start()
 
-    def _start_producer(self, engine: PushBackend) -> None:
+    def _start_producer(self, engine: Writer) -> None:
         c = self._config
         assert self._handshake is not None
         self._client = client = RpcClient(

@@ -6,18 +6,19 @@ Runs in: scheduler and worker processes of both roles. Pure: no I/O. Every bad v
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.config import (
+    WHOLE_EXTRA,
     ConnectorConfig,
     Role,
     bool_field,
-    int_field,
-    parse_common,
-    seconds_field,
+    ints,
+    option,
+    seconds,
+    text,
 )
 
 __all__ = ["BACKENDS", "SfaConfig"]
@@ -31,12 +32,15 @@ class SfaConfig(ConnectorConfig):
     """Everything the SFA remote-D2H connector reads from the ``kv_transfer_config``.
 
     The shared fields are `ConnectorConfig`'s; the ones listed here are specific or say more.
+    Built by `ConnectorConfig.from_kv_transfer_config`; the extra-config keys are the names of
+    the attributes below, each optional with the default it shows.
 
     Attributes:
         kv_port: Base of the side channel: D rank r of global DP rank g binds
             ``kv_port + g * decode.tp_size + r``.
         prefill: P's topology (``tp_size`` must be a multiple of ``decode.tp_size``).
-        dp_rank: This instance's GLOBAL data-parallel rank.
+        dp_rank: This instance's GLOBAL data-parallel rank, at most 65535.
+        max_message_bytes: Largest side-channel message accepted (at most 1 GiB).
         host: Interface D binds and advertises (never a wildcard).
         transfer_backend: ``memfabric`` (Ascend driver needed) or ``mooncake``.
         use_layerwise: D reads each layer as soon as P wrote it (the only mode implemented).
@@ -53,18 +57,22 @@ class SfaConfig(ConnectorConfig):
             #4209: the first TCP transfer after an idle gap may fail once).
         endpoint_retry_s: After a D endpoint missed a deadline, P fails new reads to it at once for
             this long instead of stalling every layer (then it sends a fresh hello).
+        extra: The whole ``kv_connector_extra_config`` as given (kept for inspection).
     """
 
-    transfer_backend: str = "memfabric"
-    use_layerwise: bool = True
-    hello_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    recv_timeout_s: float = 300.0
-    dest_wait_s: float = 2.0
-    quarantine_s: float = 1.0
-    endpoint_retry_s: float = 5.0
-    read_retries: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Redeclared with tighter bounds than the base's (they keep their place in the field order).
+    dp_rank: int = option(0, ints(0, 65535))
+    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024, 1 << 30))
+    transfer_backend: str = option("memfabric", text)
+    use_layerwise: bool = option(True, bool_field, label="kv_connector_extra_config.use_layerwise")
+    hello_timeout_s: float = option(10.0, seconds())
+    read_timeout_s: float = option(60.0, seconds())
+    recv_timeout_s: float = option(300.0, seconds())
+    dest_wait_s: float = option(2.0, seconds(allow_zero=True))
+    quarantine_s: float = option(1.0, seconds(allow_zero=True))
+    endpoint_retry_s: float = option(5.0, seconds(allow_zero=True))
+    read_retries: int = option(1, ints(0, 3))
+    extra: dict[str, Any] = field(default_factory=dict, metadata=WHOLE_EXTRA)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,53 +103,3 @@ class SfaConfig(ConnectorConfig):
     def d_base_port(self) -> int:
         """D's side-channel base for this instance's global DP rank."""
         return self.kv_port + self.dp_rank * self.decode.tp_size
-
-    @classmethod
-    def from_kv_transfer_config(
-        cls,
-        *,
-        engine_id: object,
-        kv_role: object,
-        kv_port: object,
-        extra: Mapping[str, Any] | None,
-        model: str = "",
-        dtype: str = "",
-    ) -> SfaConfig:
-        """Parse the fields of vLLM's ``KVTransferConfig`` (passed as plain values).
-
-        Extra-config keys: ``prefill``, ``decode`` (required on both roles), ``transfer_backend``
-        (``memfabric``), ``mooncake_protocol`` (``tcp``), ``host`` (``127.0.0.1``), ``dp_rank``
-        (0, global), ``use_layerwise`` (true), ``hello_timeout_s`` (10), ``read_timeout_s``
-        (60), ``recv_timeout_s`` (300), ``dest_wait_s`` (2), ``quarantine_s`` (1),
-        ``endpoint_retry_s`` (5), ``read_retries`` (1), ``max_message_bytes`` (4 MiB).
-
-        Raises:
-            ConfigError: Any field is missing or invalid; the error names it.
-        """
-        extra = dict(extra or {})
-        common = parse_common(
-            engine_id=engine_id,
-            kv_role=kv_role,
-            kv_port=kv_port,
-            extra=extra,
-            topology_expected="a dict with tp_size (and dp_size)",
-        )
-        return cls(
-            **common,
-            dp_rank=int_field("dp_rank", extra.get("dp_rank", 0), 0, 65535),
-            transfer_backend=str(extra.get("transfer_backend", "memfabric")),
-            use_layerwise=bool_field("kv_connector_extra_config.use_layerwise", extra.get("use_layerwise", True)),
-            hello_timeout_s=seconds_field("hello_timeout_s", extra.get("hello_timeout_s", 10.0)),
-            read_timeout_s=seconds_field("read_timeout_s", extra.get("read_timeout_s", 60.0)),
-            recv_timeout_s=seconds_field("recv_timeout_s", extra.get("recv_timeout_s", 300.0)),
-            dest_wait_s=seconds_field("dest_wait_s", extra.get("dest_wait_s", 2.0), allow_zero=True),
-            quarantine_s=seconds_field("quarantine_s", extra.get("quarantine_s", 1.0), allow_zero=True),
-            endpoint_retry_s=seconds_field("endpoint_retry_s", extra.get("endpoint_retry_s", 5.0), allow_zero=True),
-            read_retries=int_field("read_retries", extra.get("read_retries", 1), 0, 3),
-            max_message_bytes=int_field(
-                "max_message_bytes", extra.get("max_message_bytes", 4 * 1024 * 1024), 1024, 1 << 30
-            ),
-            model=model,
-            dtype=dtype,
-            extra=extra,
-        )

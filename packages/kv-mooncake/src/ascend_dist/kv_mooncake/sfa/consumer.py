@@ -31,8 +31,8 @@ from ascend_dist.common.errors import AscendDistError, ConfigError, Incompatible
 from ascend_dist.common.regions import RegisterRegions, validate_register_region_count
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import Refused, admit
-from ascend_dist.kv_mooncake.sfa.backend import RemoteReadBackend, read_or_raise, register_all
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import (
     Hello,
@@ -81,7 +81,7 @@ class ConsumerWorker:
         config: SfaConfig,
         *,
         tp_rank: int,
-        backend: RemoteReadBackend,
+        backend: Reader,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create the worker (the read thread starts in `register`).
@@ -94,6 +94,7 @@ class ConsumerWorker:
         self._config = config
         self._tp_rank = tp_rank
         self._backend = backend
+        self._registered: RegisterRegions | None = None  # unregistered by shutdown
         self._clock = clock
         self._requests: Codec[Request] = request_codec(config.max_message_bytes)
         self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
@@ -134,8 +135,10 @@ class ConsumerWorker:
             ConfigError: The port is in use or the host is not local.
         """
         self._dest = dict(dest)
-        validate_register_region_count(RegisterRegions(tuple(p for p, _ in regions), tuple(n for _, n in regions)))
-        register_all(self._backend, regions)
+        mine = RegisterRegions(tuple(p for p, _ in regions), tuple(n for _, n in regions))
+        validate_register_region_count(mine)
+        self._backend.register(mine)
+        self._registered = mine
         self._handshake = make_sfa_handshake(
             self._config, f"{self._config.engine_id}/d{self._tp_rank}", len(dest), layout
         )
@@ -270,7 +273,8 @@ class ConsumerWorker:
         error = ""
         for attempt in range(self._config.read_retries + 1):
             try:
-                read_or_raise(self._backend, session, batch)
+                if len(batch):
+                    self._backend.read(session, batch)
                 return None
             except AscendDistError as exc:
                 error = str(exc)
@@ -354,6 +358,6 @@ class ConsumerWorker:
         if self._server is not None:
             self._server.stop()
             self._server = None
-        release = getattr(self._backend, "release", None)
-        if callable(release):
-            release()
+        if self._registered is not None:
+            self._backend.unregister(self._registered)
+            self._registered = None

@@ -22,11 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from ascend_dist.common.errors import BlockIdError, ConfigError, DeadlineExceeded, LayoutError, TransferError
-from ascend_dist.common.regions import collect_storage_merged_register_regions, validate_register_region_count
+from ascend_dist.common.regions import (
+    RegisterRegions,
+    collect_storage_merged_register_regions,
+    validate_register_region_count,
+)
 from ascend_dist.common.wire import Handshake
+from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import tensor_geometry
-from ascend_dist.kv_mooncake.sfa.backend import RemoteReadBackend, register_all
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.links import Dispatcher, Part, Slot
 from ascend_dist.kv_mooncake.sfa.messages import (
@@ -109,7 +113,7 @@ class _Layer:
 class ProducerWorker:
     """P's worker: registration, layer dispatch, reuse gates."""
 
-    def __init__(self, config: SfaConfig, *, tp_rank: int, backend: RemoteReadBackend) -> None:
+    def __init__(self, config: SfaConfig, *, tp_rank: int, backend: Reader) -> None:
         """Create the worker (nothing starts before `register_kv_caches`).
 
         Raises:
@@ -119,6 +123,7 @@ class ProducerWorker:
         self._config = config
         self._tp_rank = tp_rank
         self._backend = backend
+        self._registered: RegisterRegions | None = None  # unregistered by shutdown
         self._sender = f"{config.engine_id}/tp{tp_rank}"
         self._layers: dict[str, _Layer] = {}
         self._gates: dict[str, tuple[Slot, ...]] = {}
@@ -191,8 +196,9 @@ class ProducerWorker:
         self._block_sizes = (block_size, indexer_block_size or block_size)
         regions = collect_storage_merged_register_regions([_tensors(v) for v in kv_caches.values()])
         validate_register_region_count(regions)  # <= 256 regions per process (HCCL, MemFabric)
-        register_all(self._backend, list(zip(regions.ptrs, regions.lengths, strict=True)))
-        session = f"{self._config.host}:{self._backend.get_rpc_port()}"
+        self._backend.register(regions)
+        self._registered = regions
+        session = self._backend.session
         label = span_label(layout, [(n, t) for n, v in kv_caches.items() for t in _tensors(v)])
         self._hello = Hello(
             handshake=make_sfa_handshake(self._config, self._sender, len(mains), label),
@@ -313,9 +319,9 @@ class ProducerWorker:
     def shutdown(self) -> None:
         """Stop the links (every closed gate opens), then drop the registration."""
         self._dispatcher.shutdown()
-        release = getattr(self._backend, "release", None)
-        if callable(release):
-            release()
+        if self._registered is not None:
+            self._backend.unregister(self._registered)
+            self._registered = None
 
 
 def _empty(layer: _Layer) -> ReadReady:

@@ -32,6 +32,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.core.vllm_glue import (
+    StepMetadata,
     block_load_errors,
     connector_config,
     parallel_ranks,
@@ -73,12 +74,8 @@ def external_id(request_id: str) -> str:
     return _SUFFIX.sub("", request_id)
 
 
-class SfaRemoteD2HMetadata(KVConnectorMetadata):
+class SfaRemoteD2HMetadata(StepMetadata[ConsumerMetadata | ProducerMetadata]):
     """vLLM's metadata object carrying one step's `ConsumerMetadata` or `ProducerMetadata`."""
-
-    def __init__(self, inner: ConsumerMetadata | ProducerMetadata) -> None:
-        """Wrap one step's metadata."""
-        self.inner = inner
 
 
 def _request(request: Request) -> SfaRequest:
