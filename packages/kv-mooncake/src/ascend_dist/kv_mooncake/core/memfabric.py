@@ -1,7 +1,7 @@
 """MemFabric (``memfabric_hybrid``) behind the engine interface's `Reader` view; Ascend only.
 
-Runs in: SFA P and D worker processes. Upstream wraps MemFabric's engine (``GlobalMemfabricTE``,
-spec kv-p2p §10.6) and calls three of its methods: ``get_rpc_port``, ``register_memory`` and
+Runs in: SFA P and D worker processes. Upstream wraps MemFabric's engine (``GlobalMemfabricTE``)
+and calls three of its methods: ``get_rpc_port``, ``register_memory`` and
 ``batch_transfer_sync_read``. `MemfabricEngine` turns them into `Reader`'s session address,
 region registration and typed-error reads, so the SFA transport sees the same interface as with
 Mooncake. Without the package or the Ascend driver, construction raises `DeviceUnavailable`
@@ -30,7 +30,7 @@ class MemfabricEngine:
     """A `Reader` over MemFabric's transfer engine."""
 
     def __init__(self, hostname: str, role: str, device_id: int) -> None:
-        """Create and initialise MemFabric's engine (spec §10.6).
+        """Create and initialise MemFabric's engine.
 
         Raises:
             ConfigError: ``role`` is not ``Prefill``/``Decode`` or ``device_id`` is negative.
@@ -105,7 +105,7 @@ _LOCK = threading.Lock()
 
 
 def get_memfabric(host: str, role: str, device_id: int) -> MemfabricEngine:
-    """The process's one MemFabric engine (spec §10.6); asking again with other settings is an error.
+    """The process's one MemFabric engine; asking again with other settings is an error.
 
     Raises:
         ConfigError: The process's engine was made with other settings (or bad ones, see `MemfabricEngine`).
