@@ -8,18 +8,14 @@ import numpy as np
 import pytest
 
 from ascend_dist.common.errors import ConfigError, LayoutError, ProtocolError
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata, TensorMeta
-from ascend_dist.kv_mooncake.core.plan import TensorGeom, select_sources
+from ascend_dist.kv_mooncake.core.ranks import select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig
-from ascend_dist.kv_mooncake.pull.plan_groups import (
-    StateLayout,
-    pull_source_ranks,
-    source_fan_in,
-    state_source_ranks,
-    tp_num_need_pulls,
-)
-from ascend_dist.kv_mooncake.pull.pull_batch import LocalCache, check_peer_rank, task_batch
 from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, ReqMeta, SchedRequest
+from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, source_fan_in, state_source_ranks, tp_num_need_pulls
+from ascend_dist.kv_mooncake.pull.state_bytes import StateLayout
+from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, check_peer_rank, task_batch
 
 
 def _config(role: str, **extra: Any) -> PullConfig:
@@ -66,12 +62,12 @@ def test_d_loads_prompt_minus_one_and_pairs_swa_tails_on_it() -> None:
     d.update_state_after_alloc(req, [[10, 11, 12, 13], [0, 21, 22, 23], [30]], 64)
     meta = d.build_connector_meta().requests["d"]
     assert meta.prompt_len == 64 and meta.state_groups == [2]  # what P computed, not D's 65
-    from ascend_dist.kv_mooncake.pull.plan_groups import pair_group_blocks
+    from ascend_dist.kv_mooncake.pull.block_pairs import pair_group_blocks
 
     assert pair_group_blocks(meta, 0, 16) == ([10, 11, 12, 13], [1, 2, 3, 4])
     assert pair_group_blocks(meta, 1, 16) == ([21, 22, 23], [2, 3, 4])
     assert pair_group_blocks(meta, 2, 16) == ([30], [9])  # P's last state block into D's first
-    from ascend_dist.kv_mooncake.pull.plan_groups import state_block_pair
+    from ascend_dist.kv_mooncake.pull.block_pairs import state_block_pair
 
     assert state_block_pair([0, 0, 7], [0, 0, 9]) == (7, 9)  # vLLM's null padding is skipped
 
@@ -212,7 +208,7 @@ def test_group_pairs_in_kernel_blocks_spec_example() -> None:
         num_computed_tokens=8,
         remote_block_size=16,
     )
-    from ascend_dist.kv_mooncake.pull.pull_batch import group_pairs
+    from ascend_dist.kv_mooncake.pull.task_batch import group_pairs
 
     assert group_pairs(cache, meta, 0) == ([2, 3, 4], [7, 8, 9])
     # P's logical block is 32 tokens (4 kernels), D's 16 (2 kernels): D's 16-token hit skips 2 P kernels.
@@ -231,7 +227,7 @@ def test_group_pairs_in_kernel_blocks_spec_example() -> None:
 @pytest.mark.parametrize("ratio", [2, 3])
 def test_state_split_with_mamba2_segments_is_byte_exact(ratio: int) -> None:
     """Mamba2's conv row ``[x | B | C]`` (sizes 8, 2, 2 per P rank): D's row holds each part of its P ranks."""
-    from ascend_dist.kv_mooncake.pull.plan_groups import StateGeom, state_descriptors
+    from ascend_dist.kv_mooncake.pull.state_bytes import StateGeom, state_descriptors
 
     rows, seg, elt = 3, (8, 2, 2), 2
     w_p = sum(seg)

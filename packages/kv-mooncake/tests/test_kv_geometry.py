@@ -13,10 +13,11 @@ import torch
 
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import build_attention_caches, layout_strides
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, block_geometry, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches, tensor_geometry, token_rows
-from ascend_dist.kv_mooncake.core.plan import HeadSlice, TensorGeom, select_sources
-from ascend_dist.kv_mooncake.pull.pull_descriptors import build_pull_descriptors
+from ascend_dist.kv_mooncake.core.ranks import HeadSlice, select_sources
+from ascend_dist.kv_mooncake.pull.slice_bytes import build_pull_descriptors
 
 B, H, N, D = 6, 4, 8, 16  # blocks, heads, tokens, elements per head (K and V: 2 * D in vLLM's views)
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]

@@ -7,21 +7,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import ConfigError, LayoutError
-from ascend_dist.kv_mooncake.core.plan import (
-    HeadSlice,
-    PullMode,
+from ascend_dist.kv_mooncake.core.blocks import (
     TensorGeom,
-    check_coverage,
-    head_range,
     layer_index,
-    p_rank_fan_in,
     plan_block_pairs,
     pp_layer_ranges,
-    pull_mode,
-    select_sources,
     trim_block_ids,
 )
-from ascend_dist.kv_mooncake.pull.pull_descriptors import build_pull_descriptors
+from ascend_dist.kv_mooncake.core.ranks import (
+    HeadSlice,
+    PullMode,
+    check_coverage,
+    head_range,
+    p_rank_fan_in,
+    pull_mode,
+    select_sources,
+)
+from ascend_dist.kv_mooncake.pull.slice_bytes import build_pull_descriptors
 
 
 def test_head_range_with_and_without_replication() -> None:

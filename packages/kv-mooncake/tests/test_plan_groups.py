@@ -7,8 +7,9 @@ import pytest
 
 from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError
-from ascend_dist.kv_mooncake.core.plan import plan_block_pairs, trim_block_ids
-from ascend_dist.kv_mooncake.pull.plan_groups import StateGeom, pair_swa_blocks, state_block_pair, state_descriptors
+from ascend_dist.kv_mooncake.core.blocks import plan_block_pairs, trim_block_ids
+from ascend_dist.kv_mooncake.pull.block_pairs import pair_swa_blocks, state_block_pair
+from ascend_dist.kv_mooncake.pull.state_bytes import StateGeom, state_descriptors
 
 
 def _swa(

@@ -27,7 +27,7 @@ from ascend_dist.kv_mooncake._demo.synthetic_layouts import NATIVE_LAYOUTS, buil
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.core.metaserver import Metaserver
-from ascend_dist.kv_mooncake.core.plan import head_range
+from ascend_dist.kv_mooncake.core.ranks import head_range
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.reshard import AllToAll

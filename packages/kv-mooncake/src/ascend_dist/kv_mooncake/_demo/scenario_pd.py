@@ -21,12 +21,13 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
 from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, free_port_range
 from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom, plan_block_pairs
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
-from ascend_dist.kv_mooncake.core.plan import TensorGeom, plan_block_pairs, select_sources
+from ascend_dist.kv_mooncake.core.ranks import select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig
-from ascend_dist.kv_mooncake.pull.pull_batch import task_batch
-from ascend_dist.kv_mooncake.pull.pull_descriptors import build_pull_descriptors
 from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
+from ascend_dist.kv_mooncake.pull.slice_bytes import build_pull_descriptors
+from ascend_dist.kv_mooncake.pull.task_batch import task_batch
 
 __all__ = ["PdHybridScenario", "PdScenario", "make_hybrid_scenario", "make_scenario"]
 

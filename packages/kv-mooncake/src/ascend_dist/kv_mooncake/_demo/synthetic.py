@@ -18,9 +18,10 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
 from ascend_dist.kv_mooncake._demo.synthetic_state import StateShape
+from ascend_dist.kv_mooncake.core.blocks import pp_layer_ranges
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
-from ascend_dist.kv_mooncake.core.plan import head_range, pp_layer_ranges
+from ascend_dist.kv_mooncake.core.ranks import head_range
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.pull.worker import PullWorker

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_mooncake.pull.plan_groups import StateLayout
+from ascend_dist.kv_mooncake.pull.state_bytes import StateLayout
 
 __all__ = ["StateShape"]
 

@@ -4,10 +4,10 @@ Modules by role: `config` (the config base: shared keys, field parsers, topology
 (bounds on a client's ``kv_transfer_params``), `wire` (the message base, tag, version and codec
 factory of every side channel), `messages` (the messages the transports share, the handshake
 rule, tensor metadata, prompt digest), `metaserver` (the one client of the proxy's metaserver),
-`engine` (the transfer-engine Protocol and the Mooncake adapter), `plan` / `kv_geometry` (pure
-block and tensor math) and `kv_views` (labelled views of vLLM's KV tensors), `request` (the
-request as the scheduler side sees it), `vllm_glue` (the vLLM glue all three adapters use: the
-only module here that touches vLLM objects).
+`engine` (the transfer-engine Protocol and the Mooncake adapter), `ranks` (rank and head-slice
+selection), `blocks` / `kv_geometry` (pure block and tensor math) and `kv_views` (labelled views
+of vLLM's KV tensors), `request` (the request as the scheduler side sees it), `vllm_glue` (the
+vLLM glue all three adapters use: the only module here that touches vLLM objects).
 """
 
 __all__: list[str] = []

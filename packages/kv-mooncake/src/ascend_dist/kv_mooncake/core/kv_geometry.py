@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ascend_dist.common.errors import LayoutError
-from ascend_dist.kv_mooncake.core.plan import TensorGeom
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom
 
 __all__ = ["AXES", "CacheLayout", "block_geometry", "layout_label"]
 

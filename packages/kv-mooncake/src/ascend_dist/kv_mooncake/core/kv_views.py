@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ascend_dist.common.errors import LayoutError
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, block_geometry
-from ascend_dist.kv_mooncake.core.plan import TensorGeom
 
 __all__ = ["label_kv_caches", "layer_axes", "state_geometry", "tensor_geometry", "token_rows"]
 

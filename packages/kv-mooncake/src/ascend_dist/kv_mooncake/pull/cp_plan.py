@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.mappings import ParallelInfo, context_parallel_parameters_check, get_cp_group
-from ascend_dist.kv_mooncake.core.plan import HeadSlice, head_range
+from ascend_dist.kv_mooncake.core.ranks import HeadSlice, head_range
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 
 __all__ = ["CpShard", "cp_block_counts", "cp_layouts", "cp_p_fan_in", "cp_sources", "plan_cp_pull"]

@@ -24,7 +24,7 @@ from typing import Final
 
 from ascend_dist.common.errors import InvalidTransition
 from ascend_dist.common.states import StateMachine, validate_table
-from ascend_dist.kv_mooncake.core.plan import HeadSlice
+from ascend_dist.kv_mooncake.core.ranks import HeadSlice
 from ascend_dist.kv_mooncake.pull.cp_plan import CpShard
 from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
 

@@ -3,7 +3,7 @@
 Runs in: D worker processes. `Receiver.submit` plans one task per P rank (and PP stage) and hands
 them to a bounded `ThreadPoolExecutor`. A task fetches (and caches) the P worker's metadata after a
 compatibility handshake (`ascend_dist.kv_mooncake.pull.peers`), builds the descriptors of every KV group
-(attention and state, `ascend_dist.kv_mooncake.pull.pull_batch`), pulls them with
+(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), pulls them with
 ``batch_transfer_sync_read`` and always sends DONE to that P rank, even on failure, so P frees its
 blocks (after the request is reported, so DONE's round trip is not on D's critical path). A
 failed task records the logical block ids it was to fill, in every KV group, *before* its request
@@ -33,14 +33,14 @@ from ascend_dist.common.mappings import context_parallel_parameters_check
 from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
-from ascend_dist.kv_mooncake.core.plan import PullMode, pull_mode, select_sources
+from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode, select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
-from ascend_dist.kv_mooncake.pull.plan_groups import pull_source_ranks, state_source_ranks
-from ascend_dist.kv_mooncake.pull.pull_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
+from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
+from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 
 __all__ = ["LocalCache", "Receiver", "ShardKind"]
 

@@ -37,8 +37,8 @@ from ascend_dist.kv_mooncake.core.vllm_glue import (
 )
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.messages import TransferParams
-from ascend_dist.kv_mooncake.pull.plan_groups import StateLayout
 from ascend_dist.kv_mooncake.pull.scheduler import PullMetadata, PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.pull.state_bytes import StateLayout
 from ascend_dist.kv_mooncake.pull.worker import PullWorker
 
 if TYPE_CHECKING:

@@ -21,13 +21,14 @@ from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
-from ascend_dist.kv_mooncake.core.plan import PLAN_VERSION
+from ascend_dist.kv_mooncake.core.ranks import PLAN_VERSION
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_p_fan_in
 from ascend_dist.kv_mooncake.pull.messages import CHANNEL, Renew, Reply, Request, reply_codec, request_codec
-from ascend_dist.kv_mooncake.pull.plan_groups import StateLayout, source_fan_in, state_source_ranks
-from ascend_dist.kv_mooncake.pull.pull_batch import LocalCache
 from ascend_dist.kv_mooncake.pull.scheduler import PullMetadata
+from ascend_dist.kv_mooncake.pull.sources import source_fan_in, state_source_ranks
+from ascend_dist.kv_mooncake.pull.state_bytes import StateLayout
+from ascend_dist.kv_mooncake.pull.task_batch import LocalCache
 from ascend_dist.kv_mooncake.pull.threads import Receiver
 from ascend_dist.kv_mooncake.pull.tracker import SendTracker
 

@@ -28,11 +28,11 @@ from ascend_dist.common.timeouts import transfer_timeout_ms
 from ascend_dist.common.wire import Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom
 from ascend_dist.kv_mooncake.core.engine import Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
-from ascend_dist.kv_mooncake.core.plan import TensorGeom
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, reply_codec, request_codec

@@ -5,11 +5,11 @@ Runs in: D worker processes (the receiver's pool threads). Pure: no I/O, no thre
 A task reads from one P worker (one tp rank of one PP stage, or one P CP rank with CP). Per
 KV-cache group of D's cache:
 
-* **attention** groups (full or sliding window): the head slices of `ascend_dist.kv_mooncake.core.plan`
-  for the paired blocks (`plan_groups.pair_group_blocks`, or the CP shard's ids);
+* **attention** groups (full or sliding window): the head slices of `ascend_dist.kv_mooncake.core.ranks`
+  for the paired blocks (`block_pairs.pair_group_blocks`, or the CP shard's ids);
 * **state** groups (Mamba/GDN/linear attention): one state block per layer, read
-  from the P ranks of `plan_groups.state_source_ranks`; whole tensors when ``P_tp == D_tp``, the
-  conv Q/K/V interleave and the stacked ssm slice (`plan_groups.state_descriptors`) when
+  from the P ranks of `sources.state_source_ranks`; whole tensors when ``P_tp == D_tp``, the
+  conv Q/K/V interleave and the stacked ssm slice (`state_bytes.state_descriptors`) when
   ``P_tp > D_tp``.
 
 Only the layers P's metadata lists are read (a PP stage serves its own layers).
@@ -24,18 +24,15 @@ import numpy as np
 
 from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError, ProtocolError
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata, TensorMeta
-from ascend_dist.kv_mooncake.core.plan import HeadSlice, TensorGeom
+from ascend_dist.kv_mooncake.core.ranks import HeadSlice
+from ascend_dist.kv_mooncake.pull.block_pairs import pair_group_blocks
 from ascend_dist.kv_mooncake.pull.cp_plan import CpShard
-from ascend_dist.kv_mooncake.pull.plan_groups import (
-    StateGeom,
-    StateLayout,
-    pair_group_blocks,
-    state_descriptors,
-    state_source_ranks,
-)
-from ascend_dist.kv_mooncake.pull.pull_descriptors import build_pull_descriptors
 from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
+from ascend_dist.kv_mooncake.pull.slice_bytes import build_pull_descriptors
+from ascend_dist.kv_mooncake.pull.sources import state_source_ranks
+from ascend_dist.kv_mooncake.pull.state_bytes import StateGeom, StateLayout, state_descriptors
 
 __all__ = ["LocalCache", "TaskBatch", "check_peer_rank", "group_pairs", "task_batch"]
 
@@ -150,7 +147,7 @@ def group_pairs(cache: LocalCache, meta: ReqMeta, group: int) -> tuple[list[int]
     """D's and P's ids of one group in **kernel-block** units (rows of the registered tensors).
 
     Without kernel scaling and with equal block sizes these are the logical ids of
-    `plan_groups.pair_group_blocks`. Otherwise a full-attention group expands logical block
+    `block_pairs.pair_group_blocks`. Otherwise a full-attention group expands logical block
     ``b`` into kernels ``b*s .. b*s+s-1`` on each side (its own ``s``), skips the
     ``num_computed_tokens // kernel`` kernels D already has and truncates to the shorter list; a
     sliding-window group (equal block sizes) pairs logical tails, then expands. A state group

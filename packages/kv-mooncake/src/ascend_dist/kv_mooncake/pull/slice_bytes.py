@@ -1,7 +1,7 @@
 """Descriptors of a P -> D pull: the bytes of each head slice, for token-major and head-major blocks.
 
 Runs in: D worker processes (the receiver's pool threads) and the ``pd`` bench. Pure numpy: no
-I/O, no threads, no torch. The rank and head-slice choice is `ascend_dist.kv_mooncake.core.plan`'s;
+I/O, no threads, no torch. The rank and head-slice choice is `ascend_dist.kv_mooncake.core.ranks`'s;
 this module turns one P rank's slices into ``(local, remote, length)`` pieces over every tensor of
 a task, per `PullMode`:
 
@@ -22,7 +22,8 @@ import numpy.typing as npt
 
 from ascend_dist.common.descriptors import Descriptors, build_layer_descriptors
 from ascend_dist.common.errors import LayoutError
-from ascend_dist.kv_mooncake.core.plan import HeadSlice, PullMode, TensorGeom, pull_mode
+from ascend_dist.kv_mooncake.core.blocks import TensorGeom
+from ascend_dist.kv_mooncake.core.ranks import HeadSlice, PullMode, pull_mode
 
 __all__ = ["build_pull_descriptors"]
 
