@@ -6,7 +6,7 @@ import pytest
 
 from ascend_dist.common.errors import InvalidTransition
 from ascend_dist.kv_mooncake.pull.d_requests import D_TRANSITIONS, DRequest, DRequests, DState
-from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 
 TIMEOUT = 10.0
 

@@ -25,8 +25,8 @@ from ascend_dist.kv_mooncake.core.blocks import TensorGeom, plan_block_pairs
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.core.ranks import select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig
-from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
 from ascend_dist.kv_mooncake.pull.slice_bytes import build_pull_descriptors
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 from ascend_dist.kv_mooncake.pull.task_batch import task_batch
 
 __all__ = ["PdHybridScenario", "PdScenario", "make_hybrid_scenario", "make_scenario"]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.blocks import plan_block_pairs
-from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 
 __all__ = ["pair_group_blocks", "pair_swa_blocks", "state_block_pair"]
 

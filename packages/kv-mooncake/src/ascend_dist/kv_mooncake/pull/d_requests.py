@@ -26,7 +26,7 @@ from ascend_dist.common.errors import InvalidTransition
 from ascend_dist.common.states import StateMachine, validate_table
 from ascend_dist.kv_mooncake.core.ranks import HeadSlice
 from ascend_dist.kv_mooncake.pull.cp_plan import CpShard
-from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 
 __all__ = ["D_TRANSITIONS", "DRequest", "DRequests", "DState"]
 

@@ -15,8 +15,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
-
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.ports import MAX_PORT, PortLayout
 from ascend_dist.kv_mooncake.core.admission import check_block_ids
@@ -24,41 +22,11 @@ from ascend_dist.kv_mooncake.core.blocks import trim_block_ids
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.messages import TransferParams, parse_transfer_params
+from ascend_dist.kv_mooncake.pull.step_metadata import PullMetadata, ReqMeta
 
 __all__ = ["PullMetadata", "PullScheduler", "ReqMeta", "SchedRequest"]
 
 logger = logging.getLogger(__name__)
-
-
-class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
-    """One pull for the D workers (or an empty receive, when ``local_block_ids`` are all empty)."""
-
-    request_id: str
-    local_block_ids: list[list[int]]
-    remote_block_ids: list[list[int]]
-    num_computed_tokens: int
-    remote_request_id: str
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_ptp_size: int
-    do_virtual: bool = False
-    prompt_len: int = 0
-    window_blocks: list[int] = []
-    state_groups: list[int] = []
-    num_speculative_tokens: int = 0
-    remote_block_size: int = 0
-    # Only tells P to free (the request is not waiting on D): never reported in finished_recving, since
-    # vLLM asserts that a finished receive belongs to a request it still holds.
-    notify_only: bool = False
-
-
-class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):
-    """One step's work for the workers: D's pulls, P's delayed frees, the batch's ids."""
-
-    requests: dict[str, ReqMeta] = {}
-    to_send: list[str] = []
-    in_batch: list[str] = []
 
 
 class PullScheduler:

@@ -29,10 +29,10 @@ from ascend_dist.kv_mooncake.core.messages import AgentMetadata, TensorMeta
 from ascend_dist.kv_mooncake.core.ranks import HeadSlice
 from ascend_dist.kv_mooncake.pull.block_pairs import pair_group_blocks
 from ascend_dist.kv_mooncake.pull.cp_plan import CpShard
-from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
 from ascend_dist.kv_mooncake.pull.slice_bytes import build_pull_descriptors
 from ascend_dist.kv_mooncake.pull.sources import state_source_ranks
 from ascend_dist.kv_mooncake.pull.state_bytes import StateGeom, StateLayout, state_descriptors
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 
 __all__ = ["LocalCache", "TaskBatch", "check_peer_rank", "group_pairs", "task_batch"]
 

@@ -38,8 +38,8 @@ from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
-from ascend_dist.kv_mooncake.pull.scheduler import ReqMeta
 from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 
 __all__ = ["LocalCache", "Receiver", "ShardKind"]

@@ -25,9 +25,9 @@ from ascend_dist.kv_mooncake.core.ranks import PLAN_VERSION
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_p_fan_in
 from ascend_dist.kv_mooncake.pull.messages import CHANNEL, Renew, Reply, Request, reply_codec, request_codec
-from ascend_dist.kv_mooncake.pull.scheduler import PullMetadata
 from ascend_dist.kv_mooncake.pull.sources import source_fan_in, state_source_ranks
 from ascend_dist.kv_mooncake.pull.state_bytes import StateLayout
+from ascend_dist.kv_mooncake.pull.step_metadata import PullMetadata
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache
 from ascend_dist.kv_mooncake.pull.threads import Receiver
 from ascend_dist.kv_mooncake.pull.tracker import SendTracker

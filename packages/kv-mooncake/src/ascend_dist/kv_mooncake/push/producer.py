@@ -36,8 +36,8 @@ from ascend_dist.kv_mooncake.push.plan import (
     rearranged_positions,
 )
 from ascend_dist.kv_mooncake.push.reshard import AllToAll, chunk_major, rearrange_output
-from ascend_dist.kv_mooncake.push.scheduler import SendReqMeta
 from ascend_dist.kv_mooncake.push.sender import MetaCache, SendTask, SendThread, WriteItem
+from ascend_dist.kv_mooncake.push.step_metadata import SendReqMeta
 
 __all__ = ["LayerTable", "Producer"]
 

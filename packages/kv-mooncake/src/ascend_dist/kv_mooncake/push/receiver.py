@@ -28,7 +28,7 @@ from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.common.states import StateTable
 from ascend_dist.kv_mooncake.core.messages import Done
 from ascend_dist.kv_mooncake.push.messages import LayerDone
-from ascend_dist.kv_mooncake.push.scheduler import RecvReqMeta
+from ascend_dist.kv_mooncake.push.step_metadata import RecvReqMeta
 
 __all__ = ["LayerReceiver", "RecvState"]
 

@@ -34,38 +34,11 @@ from ascend_dist.kv_mooncake.core.metaserver import AsyncAnnouncer, HttpMetaserv
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.messages import PushParams, external_request_id, parse_push_params
+from ascend_dist.kv_mooncake.push.step_metadata import LayerwiseMetadata, RecvReqMeta, SendReqMeta
 
 __all__ = ["LayerwiseMetadata", "LayerwiseScheduler", "RecvReqMeta", "Scheduled", "SendReqMeta"]
 
 logger = logging.getLogger(__name__)
-
-
-class RecvReqMeta(msgspec.Struct, frozen=True, kw_only=True):
-    """D: wait for a request's layers (or fail it now, when ``failed`` says why)."""
-
-    request_id: str
-    transfer_id: str
-    block_ids: list[list[int]]
-    failed: str = ""
-
-
-class SendReqMeta(msgspec.Struct, frozen=True, kw_only=True):
-    """P: push this step's computed blocks of a request into D's blocks."""
-
-    request_id: str
-    params: PushParams
-    local_block_ids: list[list[int]]
-    prompt_len: int
-    transed_tokens: int
-    computed_tokens: int
-    chunk_finished: bool
-
-
-class LayerwiseMetadata(msgspec.Struct, frozen=True, kw_only=True):
-    """One step's work for the workers."""
-
-    recv: list[RecvReqMeta] = []
-    send: list[SendReqMeta] = []
 
 
 @dataclass(frozen=True)

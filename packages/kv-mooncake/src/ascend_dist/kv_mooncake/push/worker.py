@@ -39,8 +39,8 @@ from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, reply_code
 from ascend_dist.kv_mooncake.push.producer import STAGING_SLOTS, LayerTable, Producer
 from ascend_dist.kv_mooncake.push.receiver import LayerReceiver
 from ascend_dist.kv_mooncake.push.reshard import AllToAll
-from ascend_dist.kv_mooncake.push.scheduler import LayerwiseMetadata
 from ascend_dist.kv_mooncake.push.sender import MetaCache, SendThread
+from ascend_dist.kv_mooncake.push.step_metadata import LayerwiseMetadata
 
 __all__ = ["LayerwiseWorker"]
 

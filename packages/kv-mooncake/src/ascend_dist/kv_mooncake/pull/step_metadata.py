@@ -1,0 +1,43 @@
+"""What the pull scheduler hands its workers each step (the scheduler-to-worker half of the metadata).
+
+Runs in: built by `pull.scheduler` in the scheduler process, carried to the workers inside vLLM's
+connector metadata, read by `pull.worker`, `pull.threads`, `pull.d_requests` and the planning
+modules. Kept apart from the scheduler so that worker-side and planning code need not import it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["PullMetadata", "ReqMeta"]
+
+
+class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """One pull for the D workers (or an empty receive, when ``local_block_ids`` are all empty)."""
+
+    request_id: str
+    local_block_ids: list[list[int]]
+    remote_block_ids: list[list[int]]
+    num_computed_tokens: int
+    remote_request_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_ptp_size: int
+    do_virtual: bool = False
+    prompt_len: int = 0
+    window_blocks: list[int] = []
+    state_groups: list[int] = []
+    num_speculative_tokens: int = 0
+    remote_block_size: int = 0
+    # Only tells P to free (the request is not waiting on D): never reported in finished_recving, since
+    # vLLM asserts that a finished receive belongs to a request it still holds.
+    notify_only: bool = False
+
+
+class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """One step's work for the workers: D's pulls, P's delayed frees, the batch's ids."""
+
+    requests: dict[str, ReqMeta] = {}
+    to_send: list[str] = []
+    in_batch: list[str] = []
