@@ -262,7 +262,7 @@ class MooncakeAdapterBase(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
-        """Check vLLM passed its `KVCacheConfig` (the subclass reads its groups next).
+        """Read the KV-cache groups' block sizes and layer names from vLLM's `KVCacheConfig`.
 
         Raises:
             ConfigError: ``kv_cache_config`` is missing (vLLM before 0.11).
@@ -270,7 +270,11 @@ class MooncakeAdapterBase(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         if kv_cache_config is None:
             raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
-        self._num_groups = len(kv_cache_config.kv_cache_groups)
+        groups = kv_cache_config.kv_cache_groups
+        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self._groups = [list(g.layer_names) for g in groups]  # layer names of each KV-cache group
+        self._num_blocks = kv_cache_config.num_blocks
+        self._num_groups = len(groups)
         self._gate: ParamsGate | None = None  # set by the scheduler role
 
     def _failed_recving(self, recving: set[str] | None) -> set[str]:

@@ -113,9 +113,6 @@ class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
         assert kv_cache_config is not None  # the base refused None
         self._pull_config = connector_config(vllm_config, type(self).__name__, PullConfig.from_kv_transfer_config)
         groups = kv_cache_config.kv_cache_groups
-        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
-        self._groups = [list(g.layer_names) for g in groups]
-        self._num_blocks = kv_cache_config.num_blocks
         self._state_groups = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
         attn = [i for i in range(len(groups)) if i not in self._state_groups]
         self._block_size = self._block_sizes[attn[0]] if attn else self._block_sizes[0]

@@ -98,12 +98,7 @@ class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, Layerwi
             ConfigError: The kv_transfer_config is invalid; the error names the field.
         """
         super().__init__(vllm_config, role, kv_cache_config)
-        assert kv_cache_config is not None  # the base refused None
         self._lw_config = connector_config(vllm_config, type(self).__name__, LayerwiseConfig.from_kv_transfer_config)
-        groups = kv_cache_config.kv_cache_groups
-        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
-        self._groups = [list(g.layer_names) for g in groups]
-        self._num_blocks = kv_cache_config.num_blocks
         self._started: KVConnectorMetadata | None = None  # the bound metadata whose step was started
         model = vllm_config.model_config
         self._heads = model.get_total_num_kv_heads()

@@ -94,11 +94,8 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
             DeviceUnavailable: ``transfer_backend="memfabric"`` without the Ascend driver (worker role).
         """
         super().__init__(vllm_config, role, kv_cache_config)
-        assert kv_cache_config is not None  # the base refused None
         self._sfa = connector_config(vllm_config, type(self).__name__, SfaConfig.from_kv_transfer_config)
-        groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
-        self._group_ids = infer_groups(groups)
-        self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        self._group_ids = infer_groups(self._groups)
         self._producer_sched: ProducerScheduler | None = None
         self._consumer_sched: ConsumerScheduler | None = None
         self._metaserver: RetryingAnnouncer | None = None
