@@ -13,10 +13,16 @@ import importlib.util
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
@@ -28,9 +34,12 @@ from ascend_dist.kv_mooncake.core.request import SchedRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 __all__ = [
+    "MooncakeAdapterBase",
+    "SchedRequestAdapter",
     "StepMetadata",
     "sched_request",
     "block_load_errors",
@@ -50,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 ConfigT = TypeVar("ConfigT")
 InnerT = TypeVar("InnerT")
+SchedT = TypeVar("SchedT", bound="_Scheduler")
+WorkT = TypeVar("WorkT", bound="_Worker")
 
 
 class StepMetadata(KVConnectorMetadata, Generic[InnerT]):
@@ -221,3 +232,129 @@ def admit_bound(gate: ParamsGate, request: Request, flag: str) -> bool:
         return True
     gate.drop(request, error)
     return False
+
+
+# The adapters' shared skeleton. Each adapter keeps vLLM's hooks that differ (planning, cache
+# registration, step start); what is the same in all of them (the constructor's opening, the role
+# guards, how a worker's results become vLLM's report) lives here once.
+
+
+class _Scheduler(Protocol):
+    def get_num_new_matched_tokens(self, request: SchedRequest, num_computed_tokens: int) -> tuple[int, bool]: ...
+
+
+class _Worker(Protocol):
+    def get_finished(self) -> tuple[set[str], set[str]]: ...
+
+    def get_block_ids_with_load_errors(self) -> set[int]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class MooncakeAdapterBase(KVConnectorBase_V1, SupportsHMA):
+    """What every kv-mooncake adapter shares: the `KVCacheConfig` check, the gate slot, the result report.
+
+    Subclasses say where D's failed requests and failed blocks come from (`_failed_recving`,
+    `_load_error_blocks`); `get_transfer_results` and `get_block_ids_with_load_errors` then apply
+    `transfer_results` / `block_load_errors` with this model's number of KV-cache groups.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        """Read the KV-cache groups' block sizes and layer names from vLLM's `KVCacheConfig`.
+
+        Raises:
+            ConfigError: ``kv_cache_config`` is missing (vLLM before 0.11).
+        """
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        groups = kv_cache_config.kv_cache_groups
+        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self._groups = [list(g.layer_names) for g in groups]  # layer names of each KV-cache group
+        self._num_blocks = kv_cache_config.num_blocks
+        self._num_groups = len(groups)
+        self._gate: ParamsGate | None = None  # set by the scheduler role
+
+    def _failed_recving(self, recving: set[str] | None) -> set[str]:
+        """D's requests among ``recving`` whose load failed (taken: reported once)."""
+        return set()
+
+    def _load_error_blocks(self) -> set[int]:
+        """Block ids whose load failed since the last call."""
+        return set()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus D's failed loads by request (see `core.vllm_glue.transfer_results`)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return transfer_results(sending, recving, self._failed_recving(recving), self._num_groups)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Block ids whose load failed (see `core.vllm_glue.block_load_errors`)."""
+        return block_load_errors(self._load_error_blocks(), self._num_groups)
+
+
+class SchedRequestAdapter(MooncakeAdapterBase, Generic[SchedT, WorkT]):
+    """The pull and push adapters: one scheduler and one worker, requests seen as `SchedRequest`.
+
+    ``_bind_flag`` names the params flag whose prompt binding the scheduler checks (`admit_bound`).
+    """
+
+    _bind_flag: ClassVar[str]
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        """Empty role slots; the subclass fills the one its role needs."""
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._scheduler: SchedT | None = None
+        self._worker: WorkT | None = None
+
+    def _sched(self) -> SchedT:
+        if self._scheduler is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        return self._scheduler
+
+    def _work(self) -> WorkT:
+        if self._worker is None:
+            raise ConfigError("role", "SCHEDULER", "WORKER for this call")
+        return self._worker
+
+    def _admitted(self, request: Request, *, digest: bool = False) -> SchedRequest:
+        """The request as the scheduler sees it; params failing the gate or the binding are dropped (one warning).
+
+        ``digest``: also hash the prompt (only what hands out or announces params needs it).
+        """
+        if self._gate is None:
+            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
+        admit_bound(self._gate, request, self._bind_flag)
+        return sched_request(request, digest=digest)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens loaded from the peer (async); a pure query, as vLLM requires (it may ask again next step).
+
+        Params that fail the gate or the prompt binding give ``(0, False)``: nothing is logged or
+        changed here; the next hook that may change the request drops them.
+        """
+        sched = self._sched()
+        assert self._gate is not None
+        if (
+            not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+            or prompt_binding_error(request, self._bind_flag) is not None
+        ):
+            return 0, False
+        return sched.get_num_new_matched_tokens(sched_request(request), num_computed_tokens)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` of this worker."""
+        sending, recving = self._work().get_finished()
+        return sending or None, recving or None
+
+    def _load_error_blocks(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Stop threads, sockets and registrations."""
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,7 +1,7 @@
 """``MooncakeConnectorV1`` for vLLM: a thin `KVConnectorBase_V1` that delegates to this package.
 
-Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
-module of the package that imports vLLM. It translates vLLM objects (``Request``,
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). With `core.vllm_glue`,
+the only code of the package that imports vLLM. It translates vLLM objects (``Request``,
 ``KVCacheBlocks``, ``KVCacheConfig``, the layer -> tensor dict) into plain values and calls
 `PullScheduler` / `PullWorker`.
 """
@@ -13,32 +13,23 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.vllm_glue import (
+    SchedRequestAdapter,
     StepMetadata,
-    admit_bound,
-    block_load_errors,
     connector_config,
     parallel_ranks,
-    prompt_binding_error,
     read_kv_caches,
-    sched_request,
-    transfer_results,
 )
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.messages import TransferParams
-from ascend_dist.kv_mooncake.pull.scheduler import PullMetadata, PullScheduler, SchedRequest
+from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler
 from ascend_dist.kv_mooncake.pull.state_bytes import StateLayout
+from ascend_dist.kv_mooncake.pull.step_metadata import PullMetadata
 from ascend_dist.kv_mooncake.pull.worker import PullWorker
 
 if TYPE_CHECKING:
@@ -106,8 +97,10 @@ def _truncate_prompt(request: Request) -> None:
     request.max_tokens = 1
 
 
-class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
+class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
     """P/D disaggregation: D pulls the prompt's KV cache from P over Mooncake (vllm-ascend's name)."""
+
+    _bind_flag = "do_remote_prefill"  # P binds the params it hands out to its prompt
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -117,22 +110,15 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         Raises:
             ConfigError: The kv_transfer_config is invalid; the error names the field.
         """
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
-        if kv_cache_config is None:
-            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        super().__init__(vllm_config, role, kv_cache_config)
+        assert kv_cache_config is not None  # the base refused None
         self._pull_config = connector_config(vllm_config, type(self).__name__, PullConfig.from_kv_transfer_config)
         groups = kv_cache_config.kv_cache_groups
-        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
-        self._groups = [list(g.layer_names) for g in groups]
-        self._num_blocks = kv_cache_config.num_blocks
         self._state_groups = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
         attn = [i for i in range(len(groups)) if i not in self._state_groups]
         self._block_size = self._block_sizes[attn[0]] if attn else self._block_sizes[0]
         mamba = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
         self._state_layout = _state_layout(vllm_config, mamba[0] if mamba else None)
-        self._scheduler: PullScheduler | None = None
-        self._gate: ParamsGate | None = None
-        self._worker: PullWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             windows = [
                 math.ceil(w / bs) + 1 if (w := getattr(g.kv_cache_spec, "sliding_window", None)) else 0
@@ -160,21 +146,6 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side -------------------------------------------------------------------------
 
-    def _sched(self) -> PullScheduler:
-        if self._scheduler is None:
-            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
-        return self._scheduler
-
-    def _admitted(self, request: Request, *, digest: bool = False) -> SchedRequest:
-        """The request as `PullScheduler` sees it; params failing `check_params` are dropped (one warning).
-
-        ``digest``: also hash the prompt (only P's `request_finished` hands it out).
-        """
-        if self._gate is None:
-            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
-        admit_bound(self._gate, request, "do_remote_prefill")
-        return sched_request(request, digest=digest)
-
     def on_new_request(self, request: Request) -> None:
         """Admit the request's kv_transfer_params (see `ParamsGate`); P with state groups truncates.
 
@@ -185,21 +156,8 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None and self._scheduler.truncate_for_state(self._admitted(request)):
             _truncate_prompt(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens D loads from P (async); a pure query, as vLLM requires (it may ask again next step).
-
-        A request whose params fail the check gets ``(0, False)``: nothing is logged or changed here;
-        the next hook that may change it drops them. P's truncation happened in `on_new_request`;
-        D's pull is recorded by `update_state_after_alloc`.
-        """
-        sched = self._sched()
-        assert self._gate is not None
-        if (
-            not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
-            or prompt_binding_error(request, "do_remote_prefill") is not None
-        ):
-            return 0, False
-        return sched.get_num_new_matched_tokens(sched_request(request), num_computed_tokens)
+    # get_num_new_matched_tokens (the base's pure query): P's truncation happened in `on_new_request`;
+    # D's pull is recorded by `update_state_after_alloc`.
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Record the pull into the freshly allocated (unhashed) blocks."""
@@ -229,11 +187,6 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
         logger.debug("handshake metadata of %d workers (pp, tp): %s", len(metadata), sorted(metadata))
 
     # ---- worker side ----------------------------------------------------------------------------
-
-    def _work(self) -> PullWorker:
-        if self._worker is None:
-            raise ConfigError("role", "SCHEDULER", "WORKER for this call")
-        return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register vLLM's caches: ``[B, H, N, C]`` views (vLLM >= 0.32), split K/V, or MLA tensors.
@@ -269,25 +222,10 @@ class MooncakeConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         """Nothing is saved synchronously."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """``(finished_sending, finished_recving)`` of this worker."""
-        sending, recving = self._work().get_finished()
-        return sending or None, recving or None
+    # get_finished / get_transfer_results / get_block_ids_with_load_errors / shutdown: the base's.
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished` plus D's failed loads by request (see `vllm_common.transfer_results`)."""
-        sending, recving = self.get_finished(finished_req_ids)
-        failed = self._work().take_failed(recving) if recving else set()
-        return transfer_results(sending, recving, failed, len(self._groups))
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Logical block ids whose pull failed (see `vllm_common.block_load_errors`)."""
-        return block_load_errors(self._work().get_block_ids_with_load_errors(), len(self._groups))
-
-    def shutdown(self) -> None:
-        """Stop threads, sockets and registrations."""
-        if self._worker is not None:
-            self._worker.shutdown()
+    def _failed_recving(self, recving: set[str] | None) -> set[str]:
+        return self._work().take_failed(recving) if recving else set()
 
 
 class MooncakeHybridConnector(MooncakeConnectorV1):

@@ -1,7 +1,7 @@
 """``MooncakeLayerwiseConnector`` for vLLM: a thin `KVConnectorBase_V1` delegating to this subpackage.
 
-Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
-module of the subpackage that imports vLLM. It translates vLLM objects (``Request``,
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). With `core.vllm_glue`,
+the only code of the subpackage that imports vLLM. It translates vLLM objects (``Request``,
 ``KVCacheBlocks``, ``SchedulerOutput``, ``KVCacheConfig``, the layer -> tensor dict) into plain values
 and calls `LayerwiseScheduler` / `LayerwiseWorker`.
 
@@ -16,32 +16,23 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
-from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.core.vllm_glue import (
+    SchedRequestAdapter,
     StepMetadata,
     admit_bound,
-    block_load_errors,
     connector_config,
     parallel_ranks,
-    prompt_binding_error,
     read_kv_caches,
-    sched_request,
-    transfer_results,
 )
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.messages import PushParams
 from ascend_dist.kv_mooncake.push.reshard import AllToAll, GlooAllToAll
-from ascend_dist.kv_mooncake.push.scheduler import LayerwiseMetadata, LayerwiseScheduler, Scheduled
+from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler, Scheduled
+from ascend_dist.kv_mooncake.push.step_metadata import LayerwiseMetadata
 from ascend_dist.kv_mooncake.push.worker import LayerwiseWorker
 
 if TYPE_CHECKING:
@@ -89,8 +80,10 @@ def _scheduled(out: SchedulerOutput) -> dict[str, Scheduled]:
     return steps
 
 
-class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
+class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, LayerwiseWorker]):
     """P/D disaggregation: P pushes each layer into D's blocks as soon as it is computed (vllm-ascend's name)."""
+
+    _bind_flag = "do_remote_decode"  # D binds the blocks it announces to its prompt
 
     # The multi-connector gives this connector the real blocks and token count even when another
     # child loads, and treats it as a layer-wise reuse provider (its P workers have a reuse gate).
@@ -105,17 +98,8 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
         Raises:
             ConfigError: The kv_transfer_config is invalid; the error names the field.
         """
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
-        if kv_cache_config is None:
-            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        super().__init__(vllm_config, role, kv_cache_config)
         self._lw_config = connector_config(vllm_config, type(self).__name__, LayerwiseConfig.from_kv_transfer_config)
-        groups = kv_cache_config.kv_cache_groups
-        self._block_sizes = [g.kv_cache_spec.block_size for g in groups]
-        self._groups = [list(g.layer_names) for g in groups]
-        self._num_blocks = kv_cache_config.num_blocks
-        self._scheduler: LayerwiseScheduler | None = None
-        self._gate: ParamsGate | None = None
-        self._worker: LayerwiseWorker | None = None
         self._started: KVConnectorMetadata | None = None  # the bound metadata whose step was started
         model = vllm_config.model_config
         self._heads = model.get_total_num_kv_heads()
@@ -128,39 +112,15 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side -------------------------------------------------------------------------
 
-    def _sched(self) -> LayerwiseScheduler:
-        if self._scheduler is None:
-            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
-        return self._scheduler
-
-    def _admitted(self, request: Request, *, digest: bool = False) -> SchedRequest:
-        """The request as `LayerwiseScheduler` sees it; params failing `check_params` are dropped (one warning).
-
-        ``digest``: also hash the prompt (only D's announcement in `update_state_after_alloc` carries it).
-        """
-        if self._gate is None:
-            raise ConfigError("role", "WORKER", "SCHEDULER for this call")
-        admit_bound(self._gate, request, "do_remote_decode")
-        return sched_request(request, digest=digest)
-
     def on_new_request(self, request: Request) -> None:
         """Admit the request's kv_transfer_params (see `ParamsGate`): hostile ones are dropped here, once.
 
-        P also requires them bound to its prompt (D's announced digest): see `vllm_common.admit_bound`.
+        P also requires them bound to its prompt (D's announced digest): see `core.vllm_glue.admit_bound`.
         """
         if self._gate is not None:
-            admit_bound(self._gate, request, "do_remote_decode")
+            admit_bound(self._gate, request, self._bind_flag)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """D: tokens P pushes (async); P: none. Params failing the check: ``(0, False)``, no side effect."""
-        sched = self._sched()
-        assert self._gate is not None
-        if (
-            not self._gate.accepts(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
-            or prompt_binding_error(request, "do_remote_decode") is not None
-        ):
-            return 0, False
-        return sched.get_num_new_matched_tokens(sched_request(request), num_computed_tokens)
+    # get_num_new_matched_tokens (the base's pure query): D gets the tokens P pushes (async), P none.
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """D: announce ALL the request's blocks to the metaserver; P: start tracking the push."""
@@ -253,23 +213,14 @@ class MooncakeLayerwiseConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         """Pushes are asynchronous; storage reuse is ordered by the reuse gate."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """D: received (or failed) requests; P frees at once, so nothing is sending."""
-        sending, recving = self._work().get_finished()
-        return sending or None, recving or None
+    # get_finished / get_transfer_results / get_block_ids_with_load_errors: the base's (D: received or
+    # failed requests and their blocks; P frees at once, so nothing is sending).
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished` plus D's failed requests (see `vllm_common.transfer_results`)."""
-        sending, recving = self.get_finished(finished_req_ids)
-        return transfer_results(sending, recving, self._work().take_failed(), len(self._groups))
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Block ids of the requests `get_finished` reported failed (see `vllm_common.block_load_errors`)."""
-        return block_load_errors(self._work().get_block_ids_with_load_errors(), len(self._groups))
+    def _failed_recving(self, recving: set[str] | None) -> set[str]:
+        return self._work().take_failed()
 
     def shutdown(self) -> None:
-        """Stop threads, sockets and registrations."""
-        if self._worker is not None:
-            self._worker.shutdown()
+        """Stop threads, sockets and registrations (the scheduler's metaserver client too)."""
+        super().shutdown()
         if self._scheduler is not None:
             self._scheduler.close()

@@ -1,7 +1,7 @@
 """``SfaRemoteD2HConnector`` for vLLM: a thin `KVConnectorBase_V1` over the SFA halves.
 
-Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). The only
-module of `ascend_dist.kv_mooncake.sfa` that imports vLLM: it translates vLLM objects (``Request``,
+Runs in: vLLM's scheduler process (role SCHEDULER) and each worker process (role WORKER). With `core.vllm_glue`,
+the only code of `ascend_dist.kv_mooncake.sfa` that imports vLLM: it translates vLLM objects (``Request``,
 ``KVCacheBlocks``, ``SchedulerOutput``, the layer -> tensor dict) into plain values and calls
 `ConsumerScheduler` / `ProducerScheduler` / `ConsumerWorker` / `ProducerWorker`.
 
@@ -20,24 +20,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.core.vllm_glue import (
+    MooncakeAdapterBase,
     StepMetadata,
-    block_load_errors,
     connector_config,
     parallel_ranks,
     read_kv_caches,
-    transfer_results,
 )
 from ascend_dist.kv_mooncake.sfa.backend import make_backend
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
@@ -88,7 +81,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
-class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
+class SfaRemoteD2HConnector(MooncakeAdapterBase):
     """SFA P/D: D reads each layer from P's memory into its host pool while P prefills (vllm-ascend's name)."""
 
     def __init__(
@@ -100,18 +93,12 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             ConfigError: The kv_transfer_config is invalid; the error names the field.
             DeviceUnavailable: ``transfer_backend="memfabric"`` without the Ascend driver (worker role).
         """
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
-        if kv_cache_config is None:
-            raise ConfigError("kv_cache_config", None, "vLLM's KVCacheConfig (vLLM >= 0.11 passes it)")
+        super().__init__(vllm_config, role, kv_cache_config)
         self._sfa = connector_config(vllm_config, type(self).__name__, SfaConfig.from_kv_transfer_config)
-        groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
-        self._group_ids = infer_groups(groups)
-        self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
-        self._num_groups = len(groups)
+        self._group_ids = infer_groups(self._groups)
         self._producer_sched: ProducerScheduler | None = None
         self._consumer_sched: ConsumerScheduler | None = None
         self._metaserver: RetryingAnnouncer | None = None
-        self._gate: ParamsGate | None = None
         self._producer: ProducerWorker | None = None
         self._consumer: ConsumerWorker | None = None
         self._started: object | None = None  # the bound metadata whose step was started
@@ -318,16 +305,13 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         _, recving = self._consumer.get_finished(finished_req_ids)
         return None, recving or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """`get_finished` plus D's failed receives by request (see `vllm_common.transfer_results`)."""
-        sending, recving = self.get_finished(finished_req_ids)
-        failed = self._consumer.take_failed_recving() if self._consumer else set()
-        return transfer_results(sending, recving, failed, self._num_groups)
+    # get_transfer_results / get_block_ids_with_load_errors: the base's, over D's failures below.
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """D: block ids of failed requests (see `vllm_common.block_load_errors`)."""
-        errors = self._consumer.get_block_ids_with_load_errors() if self._consumer else set()
-        return block_load_errors(errors, self._num_groups)
+    def _failed_recving(self, recving: set[str] | None) -> set[str]:
+        return self._consumer.take_failed_recving() if self._consumer else set()
+
+    def _load_error_blocks(self) -> set[int]:
+        return self._consumer.get_block_ids_with_load_errors() if self._consumer else set()
 
     def shutdown(self) -> None:
         """Stop threads, sockets and registrations."""
