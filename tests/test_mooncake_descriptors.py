@@ -13,7 +13,7 @@ import torch
 from kv_cache import SplitKVCache
 from peers import JsonPeer
 
-from ascend_dist.common.descriptors import build_layer_descriptors, split_descriptors_by_limit
+from ascend_dist.kv_mooncake.core.descriptors import build_layer_descriptors, split_descriptors_by_limit
 
 pytestmark = pytest.mark.mooncake
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.mappings import ParallelInfo
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
 from ascend_dist.kv_mooncake.core.ranks import check_coverage, head_range
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_block_counts, cp_p_fan_in, cp_sources, plan_cp_pull
 

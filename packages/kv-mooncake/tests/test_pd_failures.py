@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import DeadlineExceeded, ProtocolError
 from ascend_dist.common.wire import make_handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Refused
 from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION

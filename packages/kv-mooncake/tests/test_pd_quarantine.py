@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import TransferError
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 
 

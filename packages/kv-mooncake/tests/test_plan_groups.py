@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError
 from ascend_dist.kv_mooncake.core.blocks import plan_block_pairs, trim_block_ids
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.pull.block_pairs import pair_swa_blocks, state_block_pair
 from ascend_dist.kv_mooncake.pull.state_bytes import StateGeom, state_descriptors
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, LayoutError, ProtocolError, TransferError
-from ascend_dist.common.mappings import ParallelInfo
-from ascend_dist.common.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
 from ascend_dist.kv_mooncake.core.messages import Done, TensorMeta
 from ascend_dist.kv_mooncake.core.request import SchedRequest
+from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import LayerDone, parse_push_params, request_codec

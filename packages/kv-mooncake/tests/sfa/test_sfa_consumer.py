@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import TransferError
 from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.messages import Refused
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import build_attention_caches
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.core.messages import Refused
 from ascend_dist.kv_mooncake.pull.config import Role

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.zmq_rpc import RpcServer
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import Hello, HelloAck, ReadDone, ReadReady, reply_codec, request_codec

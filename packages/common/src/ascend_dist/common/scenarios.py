@@ -5,7 +5,7 @@ Runs in: the `ascend-dist` command's process (scenarios may start their own chil
 A member contributes a scenario by naming a zero-argument factory in its pyproject::
 
     [project.entry-points."ascend_dist.scenarios"]
-    pd = "ascend_dist.kv_mooncake.scenario:make_scenario"
+    pd = "ascend_dist.kv_mooncake._demo.scenario_pd:make_scenario"
 
 The command discovers every installed scenario through that entry-point group, so adding one never
 edits the command. A scenario checks what it moved byte for byte (`Check`) and, in bench mode,

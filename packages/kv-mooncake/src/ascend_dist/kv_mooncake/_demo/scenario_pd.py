@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
 from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, free_port_range
 from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
 from ascend_dist.kv_mooncake.core.blocks import TensorGeom, plan_block_pairs
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.core.ranks import select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig

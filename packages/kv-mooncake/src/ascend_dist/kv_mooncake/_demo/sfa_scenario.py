@@ -17,11 +17,11 @@ import os
 import time
 from typing import Any
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake._demo.sfa_peer_process import SfaP, SfaPeer
 from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance, SfaModel
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig

@@ -22,9 +22,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ascend_dist.common.descriptors import MOONCAKE_TCP_MAX_PIECES, Descriptors
 from ascend_dist.common.errors import ConfigError, NativeLibraryError, TransferError, TransferTimeout
 from ascend_dist.common.regions import RegisterRegions, validate_register_region_count
+from ascend_dist.kv_mooncake.core.descriptors import MOONCAKE_TCP_MAX_PIECES, Descriptors
 
 __all__ = [
     "MooncakeEngine",

@@ -16,9 +16,9 @@ import os
 import threading
 from typing import Any
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, DeviceUnavailable, NativeLibraryError, TransferError
 from ascend_dist.common.regions import RegisterRegions
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 
 __all__ = ["ASCEND_DRIVER_VERSION_FILE", "MemfabricEngine", "get_memfabric"]
 

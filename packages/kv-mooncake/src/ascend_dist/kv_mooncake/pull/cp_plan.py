@@ -9,7 +9,7 @@ With CP a prompt's blocks are interleaved over the CP ranks of each side: P glob
 ranks hold which of its blocks**: one `CpShard` per P CP rank it reads, each with the P world
 ranks (one per P head group feeding D's heads) and the paired (D, P) block ids.
 
-Head groups and replicas come from `ascend_dist.common.mappings.get_cp_group` (a CP group there is
+Head groups and replicas come from `ascend_dist.kv_mooncake.core.mappings.get_cp_group` (a CP group there is
 one replica of all heads, listed as head-group ranks ``tp_rank // dcp``); the layouts are checked
 by `context_parallel_parameters_check`. Replica pairing is deterministic (D replica ``i`` reads P
 replica ``i mod #P replicas``), not the PRNG of the non-CP path, so P can compute its fan-in.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.mappings import ParallelInfo, context_parallel_parameters_check, get_cp_group
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo, context_parallel_parameters_check, get_cp_group
 from ascend_dist.kv_mooncake.core.ranks import HeadSlice, head_range
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.ports import MAX_PORT, PortLayout
 from ascend_dist.kv_mooncake.core.admission import check_block_ids
 from ascend_dist.kv_mooncake.core.blocks import trim_block_ids
+from ascend_dist.kv_mooncake.core.ports import MAX_PORT, PortLayout
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.messages import TransferParams, parse_transfer_params

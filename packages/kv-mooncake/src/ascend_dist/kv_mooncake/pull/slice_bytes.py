@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ascend_dist.common.descriptors import Descriptors, build_layer_descriptors
 from ascend_dist.common.errors import LayoutError
 from ascend_dist.kv_mooncake.core.blocks import TensorGeom
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors, build_layer_descriptors
 from ascend_dist.kv_mooncake.core.ranks import HeadSlice, PullMode, pull_mode
 
 __all__ = ["build_pull_descriptors"]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 
 __all__ = ["StateGeom", "StateLayout", "state_descriptors"]
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError, ProtocolError
 from ascend_dist.kv_mooncake.core.blocks import TensorGeom
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata, TensorMeta
 from ascend_dist.kv_mooncake.core.ranks import HeadSlice
 from ascend_dist.kv_mooncake.pull.block_pairs import pair_group_blocks

@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from ascend_dist.common.errors import TransferError
-from ascend_dist.common.mappings import context_parallel_parameters_check
 from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.engine import Reader
+from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
 from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode, select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ascend_dist.common.errors import ConfigError, LayoutError
-from ascend_dist.common.ports import PortLayout, RankCoord
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_server import RpcServer
@@ -21,6 +20,7 @@ from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
+from ascend_dist.kv_mooncake.core.ports import PortLayout, RankCoord
 from ascend_dist.kv_mooncake.core.ranks import PLAN_VERSION
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_p_fan_in

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.mappings import ParallelInfo, pd_head_ratio
-from ascend_dist.common.ports import PortLayout, PortScheme, RankCoord
 from ascend_dist.kv_mooncake.core.config import (
     ConnectorConfig,
     ints,
@@ -20,7 +18,9 @@ from ascend_dist.kv_mooncake.core.config import (
     option_metadata,
     seconds,
 )
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo, pd_head_ratio
 from ascend_dist.kv_mooncake.core.metaserver import TlsConfig  # re-exported: the `tls_config` key is push's
+from ascend_dist.kv_mooncake.core.ports import PortLayout, PortScheme, RankCoord
 
 __all__ = ["LayerwiseConfig", "TlsConfig"]
 

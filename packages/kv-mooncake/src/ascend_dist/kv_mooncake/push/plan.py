@@ -3,7 +3,7 @@
 Runs in: P worker processes (once per request per step, in ``start_load_kv``) and the send thread
 (descriptors per layer). Pure: numpy and `ascend_dist.common` only.
 
-The block/port mapping is common's (`ascend_dist.common.transfer_mappings`): CP groups
+The block/port mapping is common's (`ascend_dist.kv_mooncake.core.transfer_mappings`): CP groups
 (`get_cp_group`), the P/D group pair of a request (`select_group_pair`), the window of logical blocks
 computed since the last step (`transfer_window`), their D endpoint and D block
 (`get_local_remote_block_port_mappings`) and this rank's tasks (`get_transfer_mappings`). This module
@@ -23,16 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import BlockIdError, ConfigError, LayoutError
-from ascend_dist.common.mappings import ParallelInfo, get_cp_group, select_group_pair
-from ascend_dist.common.transfer_mappings import (
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo, get_cp_group, select_group_pair
+from ascend_dist.kv_mooncake.core.messages import TensorMeta
+from ascend_dist.kv_mooncake.core.transfer_mappings import (
     Endpoint,
     get_local_remote_block_port_mappings,
     get_transfer_mappings,
     transfer_window,
 )
-from ascend_dist.kv_mooncake.core.messages import TensorMeta
 
 __all__ = [
     "PushTask",

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import AscendDistError, BlockIdError, ConfigError, DeadlineExceeded, LayoutError
-from ascend_dist.common.mappings import ParallelInfo
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
 from ascend_dist.kv_mooncake.core.messages import TensorMeta
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate

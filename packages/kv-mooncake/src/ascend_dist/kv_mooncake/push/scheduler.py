@@ -28,9 +28,9 @@ from typing import Any
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.ports import MAX_PORT
 from ascend_dist.kv_mooncake.core.admission import Preview, check_block_ids, check_flags, check_url
 from ascend_dist.kv_mooncake.core.metaserver import AsyncAnnouncer, HttpMetaserver, Metaserver
+from ascend_dist.kv_mooncake.core.ports import MAX_PORT
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.messages import PushParams, external_request_id, parse_push_params

@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ascend_dist.common.errors import AscendDistError, IncompatiblePeer, TransferError
-from ascend_dist.common.transfer_mappings import Endpoint
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.core.engine import Writer
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, accept_reply
+from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import LayerDone, Reply, Request
 from ascend_dist.kv_mooncake.push.plan import Pieces, block_runs, plain_pieces, resharded_pieces

@@ -21,7 +21,6 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import ConfigError, LayoutError
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.timeouts import transfer_timeout_ms
@@ -29,6 +28,7 @@ from ascend_dist.common.wire import Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import RpcServer
 from ascend_dist.kv_mooncake.core.blocks import TensorGeom
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, token_rows

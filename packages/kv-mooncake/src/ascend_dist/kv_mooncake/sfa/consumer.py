@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import AscendDistError, ConfigError, IncompatiblePeer
 from ascend_dist.common.regions import RegisterRegions, validate_register_region_count
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import Refused, admit
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ascend_dist.common.descriptors import Descriptors
 from ascend_dist.common.errors import BlockIdError, ConfigError, LayoutError
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 
 __all__ = [
     "DestLayer",

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.ports import MAX_PORT
 from ascend_dist.kv_mooncake.core.admission import Preview, check_flags, check_url
+from ascend_dist.kv_mooncake.core.ports import MAX_PORT
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
 from ascend_dist.kv_mooncake.sfa.plan import GroupIds

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import BlockIdError, ConfigError
-from ascend_dist.common.mappings import (
+from ascend_dist.kv_mooncake.core.mappings import (
     ParallelInfo,
     context_parallel_parameters_check,
     get_cp_group,
@@ -18,8 +18,8 @@ from ascend_dist.common.mappings import (
     select_group_pair,
     select_group_window,
 )
-from ascend_dist.common.ports import PortLayout, PortScheme, RankCoord
-from ascend_dist.common.transfer_mappings import (
+from ascend_dist.kv_mooncake.core.ports import PortLayout, PortScheme, RankCoord
+from ascend_dist.kv_mooncake.core.transfer_mappings import (
     BlockPortMappings,
     Endpoint,
     completion_counts,

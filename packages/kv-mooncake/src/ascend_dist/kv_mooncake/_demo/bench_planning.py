@@ -18,8 +18,8 @@ from typing import TypeVar
 import numpy as np
 
 from ascend_dist.common.blocks import contiguous_runs
-from ascend_dist.common.descriptors import build_layer_descriptors
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
+from ascend_dist.kv_mooncake.core.descriptors import build_layer_descriptors
 
 __all__ = ["PlanningBenchmark", "make_scenario"]
 

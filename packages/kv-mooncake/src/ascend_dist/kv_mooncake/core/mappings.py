@@ -14,9 +14,9 @@ Vocabulary (vLLM's layout, which every function here assumes):
 
 `get_cp_group` partitions head-group ranks into *CP groups*: sets of head groups that together hold
 one full copy of all heads. The layer-wise push pairs a P CP group with a D CP group per request
-(`select_group_pair`); `ascend_dist.common.transfer_mappings` then plans the blocks.
+(`select_group_pair`); `ascend_dist.kv_mooncake.core.transfer_mappings` then plans the blocks.
 
-The side-channel port helpers (`PortLayout`, defined in `ascend_dist.common.ports` and re-exported
+The side-channel port helpers (`PortLayout`, defined in `ascend_dist.kv_mooncake.core.ports` and re-exported
 here) implement the deterministic port-offset scheme that lets a peer compute a worker's ZMQ port
 without discovery.
 
@@ -31,7 +31,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.ports import MAX_PORT, PortLayout, PortScheme, RankCoord
+from ascend_dist.kv_mooncake.core.ports import MAX_PORT, PortLayout, PortScheme, RankCoord
 
 __all__ = [
     "MAX_PORT",

@@ -17,8 +17,8 @@ Order of use for one request on one P rank::
 Logical block ``l`` is a prompt block index (in block-size units, from token 0). On either side it
 lives on CP index ``l mod (pcp * dcp)`` at position ``l // (pcp * dcp)`` of that rank's block list.
 
-The records live in `ascend_dist.common.transfer_records` and the D-side placement
-(`d_block_location`, `completion_counts`) in `ascend_dist.common.transfer_placement`; both are
+The records live in `ascend_dist.kv_mooncake.core.transfer_records` and the D-side placement
+(`d_block_location`, `completion_counts`) in `ascend_dist.kv_mooncake.core.transfer_placement`; both are
 re-exported here, so this module stays the one import path.
 
 Upstream reference: vllm-ascend ``distributed/kv_transfer/utils/utils.py``
@@ -36,9 +36,9 @@ from types import MappingProxyType
 
 from ascend_dist.common.errors import BlockIdError, ConfigError
 from ascend_dist.common.log import log_once
-from ascend_dist.common.mappings import ParallelInfo, get_head_group_mapping, round_robin_count
-from ascend_dist.common.transfer_placement import completion_counts, d_block_location
-from ascend_dist.common.transfer_records import (
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo, get_head_group_mapping, round_robin_count
+from ascend_dist.kv_mooncake.core.transfer_placement import completion_counts, d_block_location
+from ascend_dist.kv_mooncake.core.transfer_records import (
     BlockPortMappings,
     DBlockLocation,
     Endpoint,

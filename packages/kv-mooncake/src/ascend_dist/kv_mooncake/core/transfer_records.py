@@ -1,7 +1,7 @@
 """Records of the layer-wise push plan: D endpoints, D block locations, placements, tasks, windows.
 
-Runs in: prefill worker processes. Pure: stdlib only. Built by `ascend_dist.common.transfer_mappings`
-(which re-exports them) and `ascend_dist.common.transfer_placement`.
+Runs in: prefill worker processes. Pure: stdlib only. Built by `ascend_dist.kv_mooncake.core.transfer_mappings`
+(which re-exports them) and `ascend_dist.kv_mooncake.core.transfer_placement`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.mappings import PortLayout as ReexportedLayout
-from ascend_dist.common.ports import PortLayout, PortScheme, RankCoord
+from ascend_dist.kv_mooncake.core.mappings import PortLayout as ReexportedLayout
+from ascend_dist.kv_mooncake.core.ports import PortLayout, PortScheme, RankCoord
 
 
 def test_spec_example_tp8_dp2() -> None:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.mappings import (
+from ascend_dist.kv_mooncake.core.mappings import (
     ParallelInfo,
     context_parallel_parameters_check,
     get_cp_group,

@@ -1,7 +1,7 @@
 """D-side placement for the layer-wise push: which D rank and block hold a logical block, and DONE counts.
 
 Runs in: prefill worker processes (once per request per step). Pure: stdlib only. Used by
-`ascend_dist.common.transfer_mappings`, which re-exports both functions.
+`ascend_dist.kv_mooncake.core.transfer_mappings`, which re-exports both functions.
 
 Upstream reference: vllm-ascend ``distributed/kv_transfer/utils/utils.py`` (v0.11). Both functions
 deliberately differ from upstream; each docstring says where and why.
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ascend_dist.common.errors import BlockIdError, ConfigError
-from ascend_dist.common.mappings import ParallelInfo
-from ascend_dist.common.transfer_records import DBlockLocation, Endpoint
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
+from ascend_dist.kv_mooncake.core.transfer_records import DBlockLocation, Endpoint
 
 __all__ = ["completion_counts", "d_block_location"]
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ascend_dist.common.blocks import group_concurrent_contiguous
-from ascend_dist.common.descriptors import (
+from ascend_dist.common.errors import BlockIdError, ConfigError
+from ascend_dist.kv_mooncake.core.descriptors import (
     MOONCAKE_TCP_MAX_PIECES,
     Descriptors,
     build_block_descriptors,
@@ -16,7 +17,6 @@ from ascend_dist.common.descriptors import (
     descriptors_from_runs,
     split_descriptors_by_limit,
 )
-from ascend_dist.common.errors import BlockIdError, ConfigError
 
 
 def _rows(d: Descriptors) -> list[tuple[int, int, int]]:

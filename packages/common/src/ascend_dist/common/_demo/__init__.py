@@ -1,5 +1,0 @@
-"""The `planning` benchmark of common's block and descriptor planning.
-
-Reached only through the `ascend_dist.scenarios` entry point and the `ascend-dist demo`/`bench`
-commands (and tests); library modules never import from here.
-"""
