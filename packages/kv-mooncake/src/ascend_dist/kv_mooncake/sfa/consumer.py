@@ -48,7 +48,7 @@ from ascend_dist.kv_mooncake.sfa.messages import (
 )
 from ascend_dist.kv_mooncake.sfa.plan import DestLayer, coalesce, plan_request_reads
 from ascend_dist.kv_mooncake.sfa.producer import make_sfa_handshake
-from ascend_dist.kv_mooncake.sfa.scheduler import ConsumerMetadata, RecvReq
+from ascend_dist.kv_mooncake.sfa.step_metadata import ConsumerMetadata, RecvReq
 
 __all__ = ["ConsumerWorker"]
 

@@ -42,7 +42,7 @@ from ascend_dist.kv_mooncake.sfa.messages import (
     TensorSpan,
 )
 from ascend_dist.kv_mooncake.sfa.plan import chunk_block_range, contributor_of, d_endpoint_port, layer_index
-from ascend_dist.kv_mooncake.sfa.scheduler import ProducerMetadata, SendReq
+from ascend_dist.kv_mooncake.sfa.step_metadata import ProducerMetadata, SendReq
 
 __all__ = ["KVCaches", "ProducerWorker", "make_sfa_handshake", "span_label", "tensor_span"]
 

@@ -27,6 +27,7 @@ from ascend_dist.kv_mooncake.core.ports import MAX_PORT
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
 from ascend_dist.kv_mooncake.sfa.plan import GroupIds
+from ascend_dist.kv_mooncake.sfa.step_metadata import ConsumerMetadata, ProducerMetadata, RecvReq, SendReq
 
 __all__ = [
     "ConsumerMetadata",
@@ -79,23 +80,6 @@ class SfaRequest:
     ext_id: str
     prompt_len: int
     kv_transfer_params: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class RecvReq:
-    """D: where a request's blocks go (destinations, looked up by ``ext_id`` when P's reads arrive)."""
-
-    request_id: str
-    ext_id: str
-    main_block_ids: tuple[int, ...]
-    indexer_block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ConsumerMetadata:
-    """D's per-step metadata: newly allocated requests."""
-
-    requests: tuple[RecvReq, ...] = ()
 
 
 class ConsumerScheduler:
@@ -202,42 +186,6 @@ class ConsumerScheduler:
         self._queued = [r for r in self._queued if r.request_id != request.request_id]
         self._sink.cancel(request.ext_id)
         return False, None
-
-
-@dataclass(frozen=True)
-class SendReq:
-    """P: one request's chunk this step.
-
-    Attributes:
-        ext_id: D's id of the request.
-        main_block_ids: P's main block ids of the whole request so far.
-        indexer_block_ids: P's indexer block ids so far (empty: the indexer shares main's group).
-        d_host: D's host.
-        d_base_port: D's side-channel base (P adds its D rank).
-        d_tp: D's TP size.
-        cached_tokens: Tokens D already held.
-        transferred_tokens: Tokens made readable by earlier chunks (block aligned).
-        computed_tokens: Tokens computed once this step's forward finished.
-        chunk_finish: This step completes the prompt.
-    """
-
-    ext_id: str
-    main_block_ids: tuple[int, ...]
-    indexer_block_ids: tuple[int, ...]
-    d_host: str
-    d_base_port: int
-    d_tp: int
-    cached_tokens: int
-    transferred_tokens: int
-    computed_tokens: int
-    chunk_finish: bool
-
-
-@dataclass(frozen=True)
-class ProducerMetadata:
-    """P's per-step metadata: the chunks D may read once each layer is written."""
-
-    requests: tuple[SendReq, ...] = ()
 
 
 @dataclass(frozen=True)
