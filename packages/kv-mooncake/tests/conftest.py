@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("GLOG_minloglevel", "2")
+
+# --import-mode=importlib does not put this folder on sys.path; the vLLM tests import pull_vllm_support
+# from it (push/ and sfa/ add their own folders: helper names differ so they cannot shadow each other).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, free_port_range
 from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance

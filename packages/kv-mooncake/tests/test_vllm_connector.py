@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,57 +19,19 @@ vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
+import pull_vllm_support as support  # noqa: E402
 import torch  # noqa: E402
-from vllm.config import VllmConfig  # noqa: E402
+from pull_vllm_support import BLOCK, LAYERS, NUM_BLOCKS, Side, blocks, kv_cache_config, make_config, request  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1, MooncakeConnectorV1Metadata  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
-MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-NUM_BLOCKS = vb.NUM_BLOCKS
-BLOCK = vb.BLOCK
-blocks = vb.blocks
-request = vb.request
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
-    return vb.make_vllm_config(
-        model_dir,
-        connector="MooncakeConnectorV1",
-        module=MODULE,
-        role=role,
-        engine_id=engine_id,
-        kv_port=kv_port,
-        extra=extra,
-    )
-
-
-def kv_cache_config() -> KVCacheConfig:
-    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))])
-
-
-class Side(vb.Side):
-    """One instance: scheduler-role and worker-role connectors from vLLM's factory, CPU caches."""
-
-    def __init__(self, config: VllmConfig, seed: int) -> None:
-        super().__init__(config, seed, LAYERS, kv_cache_config(), MooncakeConnectorV1Metadata)
-
-    def step(self) -> None:
-        self.run_step(SchedulerOutput.make_empty())
-        self.worker.clear_connector_metadata()
+model_dir = support.model_dir  # the tiny-llama config directory fixture
 
 
 def test_p_to_d_pull_through_the_vllm_connector(model_dir: Path) -> None:

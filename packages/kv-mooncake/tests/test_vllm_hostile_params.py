@@ -13,10 +13,8 @@ with a hostile request naming a port where nothing listens: it fails fast and vL
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,17 +22,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 pytest.importorskip("vllm")
 
+# First import after the skip: it sets HF_HUB_OFFLINE before torch and vLLM load.
+import pull_vllm_support as _h  # noqa: E402  (configs, the P side, requests)
 
-def _load(name: str) -> ModuleType:
-    """A sibling helper module, by path (the tests folder is not a package under importlib mode)."""
-    spec = importlib.util.spec_from_file_location(f"kvm_{name}", Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_h = _load("test_vllm_connector")  # configs, the P side, requests
 model_dir = _h.model_dir  # the tiny-llama config directory fixture
 
 import torch  # noqa: E402

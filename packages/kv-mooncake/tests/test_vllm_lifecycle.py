@@ -1,9 +1,9 @@
 """MooncakeConnectorV1 on D driven by vLLM 0.33.0's real v1 ``Scheduler``: load failure and abort.
 
 D is vLLM's real ``Scheduler`` (its own scheduler-role connector, built by vLLM) plus a worker-role
-connector from ``KVConnectorFactory``; P is a scheduler+worker pair from ``test_vllm_connector``
+connector from ``KVConnectorFactory``; P is a scheduler+worker pair (``pull_vllm_support.Side``)
 over the same real Mooncake engine (TCP, loopback). The helpers (configs, P side, requests) are
-loaded from ``test_vllm_connector.py`` so both files build vLLM the same way.
+shared with ``test_vllm_connector`` so both files build vLLM the same way.
 
 1. Load failure with ``kv_load_failure_policy="recompute"``: P's worker is shut down (side channel
    closed, memory unregistered) before D pulls; D's worker reports exactly the blocks it allocated
@@ -21,10 +21,8 @@ loaded from ``test_vllm_connector.py`` so both files build vLLM the same way.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -32,18 +30,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 pytest.importorskip("vllm")
 
+# First import after the skip: it sets HF_HUB_OFFLINE before torch and vLLM load.
+import pull_vllm_support as _h  # noqa: E402  (configs, the P side, requests)
 
-def _load_helpers() -> ModuleType:
-    """``test_vllm_connector`` as a module (the tests folder is not a package under importlib mode)."""
-    path = Path(__file__).with_name("test_vllm_connector.py")
-    spec = importlib.util.spec_from_file_location("kv_mooncake_vllm_helpers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_h = _load_helpers()
 model_dir = _h.model_dir  # the tiny-llama config directory fixture
 
 import torch  # noqa: E402
@@ -58,7 +47,8 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
-from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
+from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1, MooncakeConnectorV1Metadata  # noqa: E402
+from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
 PROMPT = 40  # tokens: blocks of 16, 16 and 8 on both sides
 FAST_RPC = {"rpc_timeout_s": 0.3, "rpc_retries": 1}
@@ -85,7 +75,7 @@ class D:
             raise
         self.free_at_start = self.free_blocks()
         # vLLM's EngineCore gives every request this block hasher when a KV connector is configured.
-        self._hasher = _h.vb.block_hasher(config, kcc)
+        self._hasher = vb.block_hasher(config, kcc)
 
     def request(self, rid: str, tokens: int, params: dict[str, Any] | None = None) -> Request:
         """A request as EngineCore builds it: prompt ``100..``, one output token, P's params if given."""
@@ -310,7 +300,7 @@ def test_matched_tokens_query_is_pure_and_the_pull_is_recorded_after_allocation(
         out = d.sched.schedule()
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_computed_tokens == PROMPT
         meta = out.kv_connector_metadata
-        assert isinstance(meta, _h.MooncakeConnectorV1Metadata)
+        assert isinstance(meta, MooncakeConnectorV1Metadata)
         pull = meta.inner.requests["d-req"]
         assert pull.num_computed_tokens == hit and not pull.notify_only
         assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False

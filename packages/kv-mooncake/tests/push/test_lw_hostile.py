@@ -9,9 +9,7 @@ computed locally with exactly one warning naming the key, the good ones are anno
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -19,16 +17,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 pytest.importorskip("vllm")
 
+# First import after the skip: it sets HF_HUB_OFFLINE before torch and vLLM load.
+import push_vllm_support as _h  # noqa: E402  (configs, KV-cache config)
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_h = _load("kvm_lw_vllm_helpers", Path(__file__).with_name("test_lw_vllm.py"))  # configs, KV-cache config
 model_dir = _h.model_dir  # the tiny-llama config directory fixture
 
 from vllm.v1.request import RequestStatus  # noqa: E402

@@ -24,12 +24,13 @@ vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
+import push_vllm_support as support  # noqa: E402
 import torch  # noqa: E402
+from push_vllm_support import BLOCK, LAYERS, NUM_BLOCKS, kv_cache_config, make_config  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
@@ -39,33 +40,9 @@ from ascend_dist.kv_mooncake.push.vllm_connector import (  # noqa: E402
 )
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
-MODULE = "ascend_dist.kv_mooncake.push.vllm_connector"
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-NUM_BLOCKS = vb.NUM_BLOCKS
-BLOCK = vb.BLOCK
 blocks = vb.blocks
 request = vb.request
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama-lw"))
-
-
-def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
-    return vb.make_vllm_config(
-        model_dir,
-        connector="MooncakeLayerwiseConnector",
-        module=MODULE,
-        role=role,
-        engine_id=engine_id,
-        kv_port=kv_port,
-        extra=extra,
-    )
-
-
-def kv_cache_config() -> KVCacheConfig:
-    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))])
+model_dir = support.model_dir  # the tiny-llama config directory fixture
 
 
 class Side(vb.Side):

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("GLOG_minloglevel", "2")
+
+# --import-mode=importlib does not put this folder on sys.path; the vLLM tests import sfa_vllm_support from it.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake._demo.sfa_peer_process import SfaP, SfaPeer

@@ -10,9 +10,7 @@ alone (no model, no worker).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -20,16 +18,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 pytest.importorskip("vllm")
 
+# First import after the skip: it sets HF_HUB_OFFLINE before torch and vLLM load.
+import sfa_vllm_support as _h  # noqa: E402  (configs, KV-cache config)
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_h = _load("kvm_sfa_vllm_helpers", Path(__file__).with_name("test_sfa_vllm.py"))  # configs, KV-cache config
 model_dir = _h.model_dir  # the tiny MLA-like config directory fixture
 
 from vllm.v1.request import RequestStatus  # noqa: E402

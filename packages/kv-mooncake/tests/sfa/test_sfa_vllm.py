@@ -22,7 +22,9 @@ vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
+import sfa_vllm_support as support  # noqa: E402
 import torch  # noqa: E402
+from sfa_vllm_support import BLOCK, INDEXER, MAIN, NUM_BLOCKS, kv_cache_config, make_config  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
@@ -37,16 +39,7 @@ from ascend_dist.kv_mooncake.sfa.vllm_connector import SfaRemoteD2HConnector, Sf
 from ascend_dist.testing import hostile as hr  # noqa: E402
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
 
-MODULE = "ascend_dist.kv_mooncake.sfa.vllm_connector"
-MAIN = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-INDEXER = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(2)]
-NUM_BLOCKS = vb.NUM_BLOCKS
-BLOCK = vb.BLOCK
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"), num_key_value_heads=1)
+model_dir = support.model_dir  # the tiny MLA-like config directory fixture
 
 
 @pytest.fixture
@@ -54,22 +47,6 @@ def metaserver() -> Iterator[hr.Metaserver]:
     m = hr.Metaserver()
     yield m
     m.close()
-
-
-def make_config(model_dir: Path, role: str, engine_id: str, kv_port: int, **extra: Any) -> VllmConfig:
-    return vb.make_vllm_config(
-        model_dir,
-        connector="SfaRemoteD2HConnector",
-        module=MODULE,
-        role=role,
-        engine_id=engine_id,
-        kv_port=kv_port,
-        extra={"transfer_backend": "mooncake", **extra},
-    )
-
-
-def kv_cache_config() -> KVCacheConfig:
-    return vb.kv_cache_config([(MAIN, vb.attention_spec(1, 64)), (INDEXER, vb.attention_spec(1, 16))])
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
