@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import msgspec
@@ -65,8 +65,12 @@ class EngineClient:
         self.pool = ThreadPoolExecutor(max_workers=len(engines))
 
     def _each(self, fn: Callable[[Any], object]) -> None:
-        for future in [self.pool.submit(fn, e) for e in self.engines]:
-            future.result(timeout=60)
+        # Every worker's call ends before the first error is raised (a collective RPC answers for all): raising
+        # at the first failure left the other worker mid-call, so the next round could find it still active.
+        futures = [self.pool.submit(fn, e) for e in self.engines]
+        wait(futures, timeout=60)
+        for future in futures:
+            future.result(timeout=0)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._each(lambda e: e.init_transfer_engine(e.parse_init_info(init_info)))
