@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from ascend_dist.common.device import CpuSimRuntime
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+# --import-mode=importlib does not put this folder on sys.path; the vLLM tests import the
+# `offload_vllm_loop` helper module from it by name.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ascend_dist.common.device import CpuSimRuntime
-from ascend_dist.common.errors import BlockIdError, ConfigError
+from ascend_dist.common.errors import BlockIdError, ConfigError, DeviceError
 from ascend_dist.kv_offload.block_views import canonical_block_views
 from ascend_dist.kv_offload.host_pool import HostChunkPool
 from ascend_dist.kv_offload.offload_worker import GroupRef, OffloadWorker
@@ -72,11 +72,11 @@ def test_copy_failure_at_descriptor_k_fails_exactly_that_job(rt: CpuSimRuntime) 
     worker = worker_for(rt, k, v, coalesce=False)
     rt.inject_copy_fault(3)
     worker.submit_store(1, [1, 2, 3], [0, 1, 2])  # descriptors: K1 K2 K3 V1 V2 V3 -> fails at V1
-    worker.submit_store(2, [7], [5])
-    results = drain(worker, [1, 2])
-    bad, good = results[1], results[2]
+    results = drain(worker, [1])
+    bad = results[1]
     assert not bad.success and bad.failed_block_ids == (1, 2, 3) and bad.failed_descriptor == 3  # type: ignore[attr-defined]
-    assert good.success  # type: ignore[attr-defined]
+    worker.submit_store(2, [7], [5])  # after the failed job was reported: unaffected
+    assert drain(worker, [2])[2].success  # type: ignore[attr-defined]
     assert torch.equal(worker.mirror.tensors[0][5], k0[7])
     # the sticky error was consumed: a later, separate failure is reported afresh
     rt.inject_copy_fault(0)
@@ -126,3 +126,83 @@ def test_host_pool_exhaustion_returns_none_and_takes_nothing() -> None:
         pool.free([0, 0])
     with pytest.raises(ConfigError, match="num_chunks"):
         HostChunkPool(0)
+
+
+@pytest.mark.parametrize("direction", ["load", "store"])
+def test_host_chunk_id_past_the_host_allocation_is_refused_and_nothing_moves(rt: CpuSimRuntime, direction: str) -> None:
+    """Issue 21 item 10: a host id at or past ``num_chunks`` addresses memory outside the mirror."""
+    k, v = split_kv()
+    k0, v0 = k.clone(), v.clone()
+    worker = worker_for(rt, k, v, num_chunks=16)
+    host_before = [t.clone() for t in worker.mirror.tensors]
+    submit = worker.submit_load if direction == "load" else worker.submit_store
+    with pytest.raises(BlockIdError, match=r"host_chunk_ids\[1\]"):
+        if direction == "load":
+            submit(1, [3, 16], [4, 5])  # host chunk 16 of 0..15
+        else:
+            submit(1, [4, 5], [3, 16])
+    assert worker.load.pending() == [] and worker.store.pending() == []
+    assert worker.get_finished() == []
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert all(torch.equal(a, b) for a, b in zip(worker.mirror.tensors, host_before, strict=True))
+    # control: the last valid chunk is accepted and moves bytes
+    worker.submit_store(2, [4], [15])
+    assert drain(worker, [2])[2].success  # type: ignore[attr-defined]
+    assert torch.equal(worker.mirror.tensors[0][15], k0[4])
+    worker.shutdown()
+
+
+def test_device_block_id_past_the_device_cache_is_refused(rt: CpuSimRuntime) -> None:
+    k, v = split_kv(num_blocks=32)
+    worker = worker_for(rt, k, v, num_chunks=16)
+    with pytest.raises(BlockIdError, match=r"device_block_ids\[0\]"):
+        worker.submit_load(1, [0], [32])
+    assert worker.load.pending() == []
+    worker.shutdown()
+
+
+class _RefusingRuntime(CpuSimRuntime):
+    """The CPU simulation whose next ``refuse`` batched copies raise at the call (a driver refusing it)."""
+
+    refuse = 0
+
+    def batch_copy(self, *args: object, **kwargs: object) -> None:
+        if self.refuse:
+            self.refuse -= 1
+            raise DeviceError("injected: copy call refused")
+        super().batch_copy(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_refused_copy_call_fails_its_job_in_turn_instead_of_raising() -> None:
+    with _RefusingRuntime(wait_timeout_s=10.0) as rt:
+        k, v = split_kv()
+        k0 = k.clone()
+        worker = worker_for(rt, k, v)
+        rt.refuse = 1
+        assert worker.submit_store(1, [1, 2], [0, 1])  # refused: reported below, not raised
+        worker.submit_store(2, [3], [2])
+        results = drain(worker, [1, 2])
+        bad, good = results[1], results[2]
+        assert not bad.success and bad.failed_block_ids == (1, 2) and "refused" in (bad.error or "")  # type: ignore[attr-defined]
+        assert good.success and torch.equal(worker.mirror.tensors[0][2], k0[3])  # type: ignore[attr-defined]
+        assert worker.store.pending() == []
+        worker.shutdown()
+
+
+def test_a_second_failure_while_the_stream_holds_the_first_is_never_reported_as_success(rt: CpuSimRuntime) -> None:
+    """Found by the soak: the stream keeps only its first sticky error, so a later job's own failure is hidden."""
+    k, v = split_kv()
+    worker = worker_for(rt, k, v)
+    host0 = worker.mirror.tensors[0][6].clone()
+    rt.inject_copy_fault(0)
+    worker.submit_store(1, [1], [5])
+    rt.inject_copy_fault(0)
+    worker.submit_store(2, [2], [6])  # fails too; its copy never ran
+    results = drain(worker, [1, 2])
+    assert not results[1].success  # type: ignore[attr-defined]
+    assert torch.equal(worker.mirror.tensors[0][6], host0)  # nothing stored for job 2 ...
+    assert not results[2].success  # type: ignore[attr-defined]  # ... so it must not report success
+    # once the stream's error is consumed (queue drained), jobs succeed again
+    worker.submit_store(3, [3], [7])
+    assert drain(worker, [3])[3].success  # type: ignore[attr-defined]
+    worker.shutdown()

@@ -246,6 +246,8 @@ def build_chunk_descriptors(
     group_sizes: Sequence[int] | None = None,
     block_indices: Sequence[int] | None = None,
     coalesce: bool = False,
+    num_host_chunks: int | None = None,
+    num_device_blocks: int | None = None,
 ) -> CopyDescriptors:
     """Build the copies of one offload job.
 
@@ -264,19 +266,22 @@ def build_chunk_descriptors(
         block_indices: request-relative index of each group's first block; default 0s.
         coalesce: merge runs whose source and destination both advance by one copy (see
             `coalesce_descriptors`).
+        num_host_chunks: rows of the host allocation; when given, every host id must be below it.
+        num_device_blocks: blocks of the device cache; when given, every device id must be below it.
 
     Returns:
         The copies, group-major, then ref-major, then block order (before coalescing).
 
     Raises:
-        BlockIdError: invalid ids, too few ids for a group, or ids left over after the last group.
+        BlockIdError: invalid ids (negative, or past the given allocation: an address outside it would
+            be read or written), too few ids for a group, or ids left over after the last group.
         ConfigError: bad direction, group lists of different lengths, or bad geometry.
     """
     if direction not in _DIRECTIONS:
         raise ConfigError("direction", direction, format_allowed(_DIRECTIONS))
     k = _check_int("blocks_per_chunk", blocks_per_chunk, 1)
-    device = validate_block_ids(device_block_ids, field="device_block_ids")
-    host = validate_block_ids(host_chunk_ids, field="host_chunk_ids")
+    device = validate_block_ids(device_block_ids, field="device_block_ids", num_blocks=num_device_blocks)
+    host = validate_block_ids(host_chunk_ids, field="host_chunk_ids", num_blocks=num_host_chunks)
     sizes, starts = _groups(group_sizes, block_indices, device.size, len(refs_per_group))
     parts: list[CopyDescriptors] = []
     d_pos = h_pos = 0

@@ -76,11 +76,16 @@ class OffloadWorker:
         self.mirror: HostMirror = allocate_host_mirrors(runtime, views, num_chunks, blocks_per_chunk)
         refs_per_group = [[self._chunk_ref(views, r) for r in group] for group in group_refs]
         self.blocks_per_chunk = blocks_per_chunk
+        # Ids are checked against both allocations: an id past either addresses someone else's memory.
+        bounds = {
+            "num_host_chunks": self.mirror.num_chunks,
+            "num_device_blocks": min((int(v.tensor.shape[0]) for v in views), default=None),
+        }
         self.store = DirectionHandler(
-            runtime, refs_per_group, direction="store", blocks_per_chunk=blocks_per_chunk, coalesce=coalesce
+            runtime, refs_per_group, direction="store", blocks_per_chunk=blocks_per_chunk, coalesce=coalesce, **bounds
         )
         self.load = DirectionHandler(
-            runtime, refs_per_group, direction="load", blocks_per_chunk=blocks_per_chunk, coalesce=coalesce
+            runtime, refs_per_group, direction="load", blocks_per_chunk=blocks_per_chunk, coalesce=coalesce, **bounds
         )
 
     def _chunk_ref(self, views: Sequence[BlockView], ref: GroupRef) -> ChunkRef:

@@ -36,6 +36,7 @@ class RecomputeWorker:
         capacity: HostCapacity,
         *,
         timeout_s: float = DEFAULT_WAIT_S,
+        block_level_errors: bool = True,
     ) -> None:
         """Allocate the host blocks (the scheduler's count) and the two handlers.
 
@@ -44,6 +45,9 @@ class RecomputeWorker:
             views: the unique canonical views of every KV-cache tensor.
             capacity: the host capacity computed once by the scheduler-side formula.
             timeout_s: deadline of the synchronous store.
+            block_level_errors: report a failed restore's device blocks (one KV-cache group, where
+                block ids name requests); False: report its requests (`take_failed_recving`), as
+                vLLM requires with several groups.
         """
         self.transfers = OffloadWorker(runtime, views, num_chunks=capacity.num_cpu_blocks + 1)
         check_worker_capacity(self.transfers.mirror.num_chunks - 1, capacity)
@@ -54,6 +58,8 @@ class RecomputeWorker:
         self._completed_stores: dict[int, int] = {}
         self._failed_stores: list[int] = []
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        self._block_level_errors = block_level_errors
 
     def bind_connector_metadata(self, meta: RecomputeMetadata) -> None:
         """Take this step's plan."""
@@ -111,7 +117,10 @@ class RecomputeWorker:
             reqs = self._submitted_loads.pop(result.job_id, ())
             if not result.success:
                 logger.warning("recompute load %d failed for %s: recompute them", result.job_id, list(reqs))
-                self._load_errors.update(result.failed_block_ids)
+                if self._block_level_errors:
+                    self._load_errors.update(result.failed_block_ids)
+                else:
+                    self._failed_recving.update(reqs)
             done.update(reqs)
         return done or None
 
@@ -119,6 +128,11 @@ class RecomputeWorker:
         """Device blocks whose restore failed since the last call (the scheduler recomputes them)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose restore failed since the last call (several KV-cache groups); also in `get_finished`."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def build_connector_worker_meta(self) -> RecomputeWorkerMeta | None:
         """Stores finished (or failed) since the last call, or None."""

@@ -11,6 +11,13 @@ The host block count comes from the one capacity formula (`capacity.HostCapacity
 Copies run on a background copy thread (descriptor building stays off the step's critical path);
 loads are submitted in ``start_load_kv``, stores in ``wait_for_save`` behind a compute-done event
 recorded on the current stream, so a store never reads a block the step is still writing.
+
+Every store and load ends and is reported, failed or not (vLLM's scheduler side pins a store's
+blocks until every worker acknowledges it, and holds a loading request until its load finishes):
+a submission that raises on the copy thread fails its job like a copy fault does. A failed store
+is acknowledged *and* listed by `take_failed_stores` (the adapter drops its host blocks before
+vLLM would make them discoverable); a failed load finishes its requests and is reported as device
+block ids (one KV-cache group) or as the requests (`take_failed_recving`, several groups).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from ascend_dist.common.device import DeviceRuntime, Event
+from ascend_dist.common.device import DeviceRuntime, Event, get_runtime
 from ascend_dist.common.errors import DeadlineExceeded, LayoutError
 from ascend_dist.kv_offload.block_views import BlockView, dedup_views, generic_block_view, logical_block_bytes
 from ascend_dist.kv_offload.capacity import HostCapacity
@@ -103,20 +110,24 @@ def simple_block_views(kv_caches: Mapping[str, object], num_blocks: int) -> list
 
 
 class _CopyThread:
-    """One non-daemon thread running submissions in FIFO order; joined by `close`."""
+    """One non-daemon thread running submissions in FIFO order; joined by `close`.
+
+    A submission that raises hands its exception to its ``on_error`` (the job then fails); it never
+    kills the thread.
+    """
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Callable[[], object], Callable[[BaseException], None]] | None] = queue.Queue()
         self._cv = threading.Condition()
         self._queued = 0
         self._done = 0
         self._thread = threading.Thread(target=self._run, name="ascend-dist-simple-copy")
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object]) -> None:
+    def submit(self, fn: Callable[[], object], on_error: Callable[[BaseException], None]) -> None:
         with self._cv:
             self._queued += 1
-        self._queue.put(fn)
+        self._queue.put((fn, on_error))
 
     def drain(self, timeout: float) -> None:
         """Wait until everything submitted so far has been handed to the streams."""
@@ -136,11 +147,13 @@ class _CopyThread:
             logger.warning("simple offload copy thread did not stop within %g s", timeout)
 
     def _run(self) -> None:
-        while (fn := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            fn, on_error = item
             try:
                 fn()
-            except Exception:  # a bad submission must not kill the thread; the job is never reported
+            except Exception as exc:  # a bad submission must not kill the thread: its job fails instead
                 logger.exception("simple offload copy submission failed")
+                on_error(exc)
             with self._cv:
                 self._done += 1
                 self._cv.notify_all()
@@ -149,9 +162,25 @@ class _CopyThread:
 class SimpleOffloadWorker:
     """vLLM's simple-offload worker contract over our handlers and the device runtime."""
 
-    def __init__(self, runtime: DeviceRuntime, capacity: HostCapacity, *, timeout_s: float = DEFAULT_WAIT_S) -> None:
-        """Remember the runtime and the host capacity (from the scheduler formula)."""
-        self._runtime = runtime
+    def __init__(
+        self,
+        runtime: DeviceRuntime | None,
+        capacity: HostCapacity,
+        *,
+        timeout_s: float = DEFAULT_WAIT_S,
+        block_level_errors: bool = True,
+    ) -> None:
+        """Remember the runtime and the host capacity (from the scheduler formula).
+
+        Args:
+            runtime: the device runtime (may be replaced until ``register_kv_caches``); None: the
+                process-wide one, taken at registration (so a worker given its own never starts it).
+            capacity: host blocks per rank.
+            timeout_s: deadline of the flush on preemption and of shutdown.
+            block_level_errors: report a failed load's device blocks (one KV-cache group, where
+                block ids name requests); False: its requests (`take_failed_recving`).
+        """
+        self.runtime: DeviceRuntime | None = runtime  # may be replaced until register_kv_caches
         self.capacity = capacity
         self.num_cpu_blocks = capacity.num_cpu_blocks
         self._timeout_s = timeout_s
@@ -161,15 +190,23 @@ class SimpleOffloadWorker:
         self._compute_done: Event | None = None
         self._load_reqs: dict[int, tuple[str, ...]] = {}
         self._completed_stores: dict[int, int] = {}
-        self.failed_store_events: list[int] = []
+        self._failed_stores: dict[int, int] = {}  # also acknowledged; taken by `take_failed_stores`
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        self._block_level_errors = block_level_errors
+        # Jobs whose submission raised on the copy thread: (event, device block ids, error text).
+        self._lock = threading.Lock()
+        self._refused_loads: list[tuple[int, tuple[int, ...], str]] = []
+        self._refused_stores: list[tuple[int, str]] = []
 
     def register_kv_caches(
         self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], num_blocks: int
     ) -> None:
         """Build the views, allocate ``num_cpu_blocks`` host rows per view, start the copy thread."""
         views = simple_block_views(kv_caches, num_blocks)
-        self.transfers = OffloadWorker(self._runtime, views, num_chunks=self.num_cpu_blocks)
+        if self.runtime is None:
+            self.runtime = get_runtime()
+        self.transfers = OffloadWorker(self.runtime, views, num_chunks=self.num_cpu_blocks)
         self._copier = _CopyThread()
 
     def _handlers(self) -> tuple[OffloadWorker, _CopyThread]:
@@ -194,7 +231,12 @@ class SimpleOffloadWorker:
             return
         workers, copier = self._handlers()
         event, src, dst = plan.load_event, list(plan.load_cpu_blocks), list(plan.load_gpu_blocks)
-        copier.submit(lambda: workers.load.transfer_async(event, dst, src))
+
+        def refused(exc: BaseException) -> None:
+            with self._lock:
+                self._refused_loads.append((event, tuple(dst), str(exc)))
+
+        copier.submit(lambda: workers.load.transfer_async(event, dst, src), refused)
 
     def wait_for_save(self) -> None:
         """Record compute-done on the current stream, then hand the store to the copy thread."""
@@ -202,36 +244,74 @@ class SimpleOffloadWorker:
         if plan is None or not plan.store_gpu_blocks:
             return
         workers, copier = self._handlers()
-        done = self._runtime.new_event()
-        done.record(self._runtime.current_stream())
+        runtime = workers.store.runtime
+        done = runtime.new_event()
+        done.record(runtime.current_stream())
         event, src, dst = plan.store_event, list(plan.store_gpu_blocks), list(plan.store_cpu_blocks)
-        copier.submit(lambda: workers.store.transfer_async(event, src, dst, after=done))
+
+        def refused(exc: BaseException) -> None:
+            with self._lock:
+                self._refused_stores.append((event, str(exc)))
+
+        copier.submit(lambda: workers.store.transfer_async(event, src, dst, after=done), refused)
 
     def get_finished(self, finished_req_ids: set[str] | None = None) -> tuple[None, set[str] | None]:
-        """``(None, requests whose load finished)``; finished stores go to the worker metadata."""
+        """``(None, requests whose load ended)``, failed loads included; ended stores go to the worker metadata."""
         del finished_req_ids  # stores are protected by device ref counts, not delayed frees
         if self.transfers is None:
             return None, None
+        with self._lock:
+            refused_loads, self._refused_loads = self._refused_loads, []
+            refused_stores, self._refused_stores = self._refused_stores, []
         recving: set[str] = set()
         for result in self.transfers.load.get_finished():
-            recving.update(self._load_reqs.pop(result.job_id, ()))
+            reqs = self._load_reqs.pop(result.job_id, ())
+            recving.update(reqs)
             if not result.success:
-                self._load_errors.update(result.failed_block_ids)
+                self._fail_load(result.job_id, reqs, result.failed_block_ids, result.error)
+        for event, blocks, error in refused_loads:
+            reqs = self._load_reqs.pop(event, ())
+            recving.update(reqs)
+            self._fail_load(event, reqs, blocks, error)
         for result in self.transfers.store.get_finished():
             if result.success:
                 self._completed_stores[result.job_id] = 1
-            else:  # never acknowledged: the scheduler keeps the host block undiscoverable
-                logger.error("simple offload store %d failed: %s", result.job_id, result.error)
-                self.failed_store_events.append(result.job_id)
+            else:
+                self._fail_store(result.job_id, result.error)
+        for event, error in refused_stores:
+            self._fail_store(event, error)
         return None, recving or None
 
+    def _fail_load(self, event: int, reqs: tuple[str, ...], blocks: tuple[int, ...], error: str | None) -> None:
+        logger.warning("simple offload load %d failed for %s (recomputed): %s", event, list(reqs), error)
+        if self._block_level_errors:
+            self._load_errors.update(blocks)
+        else:
+            self._failed_recving.update(reqs)
+
+    def _fail_store(self, event: int, error: str | None) -> None:
+        """Acknowledge the store (so vLLM unpins its blocks) and list it failed (so they are dropped)."""
+        logger.error("simple offload store %d failed; its host blocks are dropped: %s", event, error)
+        self._failed_stores[event] = 1
+        self._completed_stores[event] = 1
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Device blocks whose load failed since the last call."""
+        """Device blocks whose load failed since the last call (one KV-cache group)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed since the last call (several KV-cache groups); also finished."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
+
+    def take_failed_stores(self) -> dict[int, int]:
+        """``{store_event: 1}`` for stores failed since the last call (also in the completed ones)."""
+        failed, self._failed_stores = self._failed_stores, {}
+        return failed
+
     def build_connector_worker_meta(self) -> dict[int, int] | None:
-        """``{store_event: 1}`` for stores finished since the last call, or None."""
+        """``{store_event: 1}`` for stores ended (failed ones too) since the last call, or None."""
         if not self._completed_stores:
             return None
         done, self._completed_stores = self._completed_stores, {}

@@ -10,8 +10,12 @@ One stream per direction means jobs complete in submission order, so `get_finish
 head while the head's end event has fired.
 
 Failures: a copy that fails at descriptor k marks that job failed, with its device block ids
-and k; the stream's sticky error is then attributed to that job only, and jobs behind it (whose
-copies ran) are reported as they completed. Nothing else is touched.
+and k. The stream keeps only its first sticky error until it is consumed (when the handler has
+nothing in flight), so a job completing while that error is pending cannot show a failure of its
+own: it is reported failed too (its copies are unproven), never as a success. Nothing else is
+touched. A copy call the runtime
+refuses (raises) is not raised to the submitter: the job is enqueued anyway (its end event after
+whatever part of the batch was accepted) and reported failed in its turn.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class DirectionHandler:
         direction: Direction,
         blocks_per_chunk: int = 1,
         coalesce: bool = True,
+        num_host_chunks: int | None = None,
+        num_device_blocks: int | None = None,
     ) -> None:
         """Create the handler and its stream.
 
@@ -89,6 +95,9 @@ class DirectionHandler:
             direction: ``"store"`` (device -> host) or ``"load"`` (host -> device).
             blocks_per_chunk: device blocks per host chunk.
             coalesce: merge adjacent runs into one descriptor.
+            num_host_chunks: rows of the host allocation: a job naming a host id at or past it
+                is refused (`BlockIdError`), never copied; None: unchecked.
+            num_device_blocks: blocks of the device cache, checked the same way.
 
         Raises:
             ConfigError: bad direction, no group, a group without refs, or a bad factor.
@@ -104,6 +113,8 @@ class DirectionHandler:
         self._refs = [list(g) for g in refs_per_group]  # own copy: shutting one handler down keeps the other's
         self._k = blocks_per_chunk
         self._coalesce = coalesce
+        self._num_host_chunks = num_host_chunks
+        self._num_device_blocks = num_device_blocks
         self._copy_direction = CopyDirection.D2H if direction == "store" else CopyDirection.H2D
         self.stream: Stream = runtime.new_stream(priority=-1)
         self._lock = threading.Lock()
@@ -113,6 +124,11 @@ class DirectionHandler:
         self._closed = False
         self.descriptors_submitted = 0
         self.blocks_submitted = 0
+
+    @property
+    def runtime(self) -> DeviceRuntime:
+        """The device runtime this handler copies on."""
+        return self._runtime
 
     def transfer_async(
         self,
@@ -130,11 +146,12 @@ class DirectionHandler:
         given (an event the caller recorded on the compute stream, e.g. from another thread).
 
         Raises:
-            ConfigError: a duplicate job id, bad ids or geometry (nothing enqueued), or a closed handler.
+            BlockIdError: a host or device id outside its allocation, or malformed ids (nothing enqueued).
+            ConfigError: a duplicate job id, bad geometry (nothing enqueued), or a closed handler.
         """
         if self._closed:
             raise ConfigError("handler", self.direction, "an open handler (it was shut down)")
-        device = validate_block_ids(device_block_ids, field="device_block_ids")
+        device = validate_block_ids(device_block_ids, field="device_block_ids", num_blocks=self._num_device_blocks)
         desc = build_chunk_descriptors(
             self._refs,
             device,
@@ -144,6 +161,8 @@ class DirectionHandler:
             group_sizes=group_sizes,
             block_indices=block_indices,
             coalesce=self._coalesce,
+            num_host_chunks=self._num_host_chunks,
+            num_device_blocks=self._num_device_blocks,
         )
         with self._lock:
             if self._closed:
@@ -158,10 +177,14 @@ class DirectionHandler:
             elif self.direction == "store" and compute is not self.stream:
                 self.stream.wait_stream(compute)  # KV writes of the model finish before D2H reads them
             start.record(self.stream)
+            refused: AscendDistError | None = None
             if len(desc):
-                self._runtime.batch_copy(desc.src, desc.dst, desc.sizes, self._copy_direction, stream=self.stream)
+                try:
+                    self._runtime.batch_copy(desc.src, desc.dst, desc.sizes, self._copy_direction, stream=self.stream)
+                except AscendDistError as exc:  # part of the batch may be enqueued: the job fails after it ran
+                    refused = exc
             end.record(self.stream)
-            job = _Job(job_id, tuple(device.tolist()), desc.total_bytes, len(desc), start, end)
+            job = _Job(job_id, tuple(device.tolist()), desc.total_bytes, len(desc), start, end, refused)
             self._jobs.append(job)
             self._by_id[job_id] = job
             self.descriptors_submitted += len(desc)
@@ -187,6 +210,9 @@ class DirectionHandler:
 
     def _result(self, job: _Job) -> TransferResult:
         """Turn a completed job into its result, charging a new sticky error to this job only."""
+        if job.error is not None:  # the copy call itself was refused
+            logger.warning("%s job %s failed at submission: %s", self.direction, job.job_id, job.error)
+            return TransferResult(job.job_id, False, job.num_bytes, None, job.device_block_ids, None, str(job.error))
         try:
             job.end.synchronize(timeout=0.0)
         except DeadlineExceeded:
@@ -200,6 +226,15 @@ class DirectionHandler:
                     job.job_id, False, job.num_bytes, None, job.device_block_ids,
                     None if index is None else int(index), str(exc),
                 )  # fmt: skip
+            # The stream keeps only its first sticky error: a failure of this job's own copies
+            # would be hidden behind it, so its bytes are unproven and it is not reported a success.
+            logger.warning(
+                "%s job %s completed behind an earlier copy error: reported failed", self.direction, job.job_id
+            )
+            return TransferResult(
+                job.job_id, False, job.num_bytes, None, job.device_block_ids, None,
+                f"completed while the stream still held an earlier copy error ({exc}): its copies are unproven",
+            )  # fmt: skip
         seconds = job.start.elapsed_ms(job.end) / 1000.0
         return TransferResult(job.job_id, True, job.num_bytes, seconds)
 

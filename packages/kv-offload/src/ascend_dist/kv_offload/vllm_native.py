@@ -293,7 +293,8 @@ class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
         Raises:
             ConfigError: called before ``register_kv_caches``.
             TransferError: a synchronous load failed with several KV-cache groups, where vLLM
-                cannot map block ids back to requests and no request-level report exists.
+                has no report for it; `AscendOffloadingConnectorScheduler` plans no synchronous
+                load there, so this is reached only with another scheduler side.
         """
         del finished_req_ids
         if self.worker is None:
@@ -329,7 +330,7 @@ class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
         else:
             raise TransferError(
                 f"synchronous offload load job {job_id} failed with several KV-cache groups, where vLLM "
-                "cannot map block ids to requests; disable sync loads (sync_load_budget_bytes: 0)"
+                "has no report for it; use AscendOffloadingConnector's scheduler side (it plans none there)"
             )
 
     def take_load_errors(self) -> set[int]:

@@ -8,6 +8,13 @@ vLLM's ``OffloadingConnectorWorker`` asserts that every copy succeeded. Our work
 `AscendOffloadingWorkerMetadata.failed_jobs`; `AscendOffloadingConnectorScheduler` then completes
 that store with ``success=False`` once every worker reported it, so the manager drops the chunks
 (a later lookup misses) instead of marking them stored.
+
+With several KV-cache groups, vLLM 0.33 can hear of a failed load only as a failed *request*
+(``failed_recving``), and only while that request waits for an asynchronous load: a synchronous
+load's request already runs in the step that would discover the failure, and its block ids cannot
+be mapped back (the scheduler raises). So with several groups every load is planned asynchronous,
+whatever ``sync_load_budget_bytes`` says (one warning at start): a failed load then fails or
+recomputes its request alone.
 """
 
 from __future__ import annotations
@@ -81,6 +88,21 @@ class AscendOffloadingConnectorScheduler(OffloadingConnectorScheduler):
         """Build vLLM's scheduler state plus the failed stores still awaiting other workers' reports."""
         super().__init__(spec, vllm_config, kv_cache_config)
         self._failed_store_jobs: set[int] = set()
+        # vLLM maps load errors back to requests by block id only with one KV-cache group.
+        self._async_loads_only = len(kv_cache_config.kv_cache_groups) > 1
+        budget = getattr(getattr(self, "config", None), "sync_load_budget_bytes", 0)
+        if self._async_loads_only and budget:
+            logger.warning(
+                "sync_load_budget_bytes=%d ignored: with %d KV-cache groups vLLM cannot be told of a failed "
+                "synchronous load (only of a failed asynchronous one), so every offload load is asynchronous",
+                budget, len(kv_cache_config.kv_cache_groups),
+            )  # fmt: skip
+
+    def _reserve_sync_load(self, req_status: Any, num_computed_tokens: int, num_hit_tokens: int | None) -> bool:
+        """The sync-load reservation of vLLM 0.33, refused with several KV-cache groups (see the module doc)."""
+        if self._async_loads_only:
+            return False
+        return super()._reserve_sync_load(req_status, num_computed_tokens, num_hit_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Run vLLM's update; on vLLM 0.32 the failed stores are completed here first."""

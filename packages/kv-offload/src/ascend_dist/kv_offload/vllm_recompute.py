@@ -22,12 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-from ascend_dist.common.device import get_runtime
+from ascend_dist.common.device import DeviceRuntime, get_runtime
 from ascend_dist.kv_offload.block_views import BlockView, canonical_block_views, dedup_views
 from ascend_dist.kv_offload.capacity import HostCapacity, per_rank_capacity
 from ascend_dist.kv_offload.layouts import layer_parts
@@ -96,6 +97,9 @@ def host_capacity(vllm_config: Any, kv_cache_config: Any) -> HostCapacity:
 
 class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Save a preempted request's KV to host memory; restore it when the request resumes."""
+
+    runtime: DeviceRuntime | None = None
+    """Device runtime of the worker side (set before ``register_kv_caches``); None: the process-wide one."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         """Build the scheduler manager or, on a worker, remember the capacity until registration."""
@@ -219,7 +223,11 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         views: list[BlockView] = []
         for name, value in kv_caches.items():
             views += canonical_block_views(layer_parts(value), num_blocks, pages[name])
-        self.worker = RecomputeWorker(get_runtime(), dedup_views(views), self.capacity)
+        # vLLM maps block-level load errors back to requests only with one KV-cache group.
+        single_group = len(self._kv_cache_config.kv_cache_groups) == 1
+        self.worker = RecomputeWorker(
+            self.runtime or get_runtime(), dedup_views(views), self.capacity, block_level_errors=single_group
+        )
 
     def _wrk(self) -> RecomputeWorker:
         assert self.worker is not None, "worker-side call before register_kv_caches"
@@ -262,8 +270,14 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         del finished_req_ids
         return None, self._wrk().get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished restores, and (several KV-cache groups) the requests whose restore failed among them."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = set() if self.worker is None else self.worker.take_failed_recving()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Device blocks whose restore failed: vLLM recomputes them."""
+        """Device blocks whose restore failed (one KV-cache group): vLLM recomputes them."""
         return set() if self.worker is None else self.worker.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
