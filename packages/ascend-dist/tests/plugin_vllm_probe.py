@@ -1,6 +1,9 @@
 """Run in a fresh process of the vLLM venv: load vLLM's general plugins as vLLM does, report registries.
 
-`python plugin_vllm_probe.py [--preregister NAME]` prints one JSON line.
+`python plugin_vllm_probe.py [--preregister NAME] [--third-party NAME] [--resolve NAME ...]` prints one
+JSON line. ``--third-party NAME`` stands for another plugin that already replaced vLLM's own entry for
+NAME; ``--resolve`` names are looked up through vLLM's factory after plugin loading (``resolved``:
+name -> ``module:class``, and ``by_module_path``: each name selected with vLLM's own module path).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import json
 import logging
 import sys
 
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 from vllm.plugins import load_general_plugins
@@ -30,6 +34,10 @@ def main() -> None:
     if "--preregister" in sys.argv:
         name = sys.argv[sys.argv.index("--preregister") + 1]
         KVConnectorFactory.register_connector(name, "someone.else", "TheirConnector")
+    if "--third-party" in sys.argv:  # another plugin that replaced vLLM's entry before us (vllm-ascend did)
+        name = sys.argv[sys.argv.index("--third-party") + 1]
+        del KVConnectorFactory._registry[name]
+        KVConnectorFactory.register_connector(name, "someone.else", "TheirConnector")
     load_general_plugins()
     load_general_plugins()
     from ascend_dist.plugin import register, registered_names
@@ -42,7 +50,21 @@ def main() -> None:
         "weight_engines": sorted(WeightTransferEngineFactory._registry),
         "trainer_engines": sorted(WeightTransferTrainerFactory._registry),
         "logs": capture.messages,
+        "resolved": {},
+        "by_module_path": {},
     }
+    names = sys.argv[sys.argv.index("--resolve") + 1 :] if "--resolve" in sys.argv else []
+    stock = {
+        "OffloadingConnector": "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+        "SimpleCPUOffloadConnector": "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+    }
+    for name in names:
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector=name, kv_role="kv_both"))
+        seen["resolved"][name] = f"{cls.__module__}:{cls.__qualname__}"
+        if name in stock:  # the escape hatch to vLLM's own class
+            config = KVTransferConfig(kv_connector=name, kv_role="kv_both", kv_connector_module_path=stock[name])
+            cls = KVConnectorFactory.get_connector_class(config)
+            seen["by_module_path"][name] = f"{cls.__module__}:{cls.__qualname__}"
     print(json.dumps(seen))
 
 

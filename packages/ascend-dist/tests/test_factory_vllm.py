@@ -128,13 +128,18 @@ CASES: dict[str, Case] = {
     "UCMConnector": Case(("kv_both",), lambda _: {}, unavailable="ascend_dist.kv_offload.vllm_ucm:UcmUnavailable"),
     "AscendOffloadingConnector": Case(("kv_both",), _native_extra, prefix_caching=True),
     "AscendSimpleCPUOffloadConnector": Case(("kv_both",), lambda _: {"cpu_bytes_to_use": 4096}, prefix_caching=True),
+    # vllm-ascend's names for the same two (vLLM's own names, pointed at ours by the plugin)
+    "OffloadingConnector": Case(("kv_both",), _native_extra, prefix_caching=True),
+    "SimpleCPUOffloadConnector": Case(("kv_both",), lambda _: {"cpu_bytes_to_use": 4096}, prefix_caching=True),
     "AscendMultiConnector": Case(("kv_both",), _multi_extra, required="connectors"),
 }
 
 
 def _registered() -> dict[str, plugin.Component]:
     return {
-        c.name: c for c in plugin.COMPONENTS if c.factory == "kv_connector" and plugin._installed(c.module)
+        c.name: c
+        for c in plugin.COMPONENTS + plugin.VLLM_NAME_OVERRIDES
+        if c.factory == "kv_connector" and plugin._installed(c.module)
     }  # fmt: skip
 
 

@@ -25,7 +25,7 @@ def _probe(*args):
 
 def test_vllm_plugin_loading_registers_every_installed_connector_once():
     seen = _probe()
-    installed = [c for c in plugin.COMPONENTS if plugin._installed(c.module)]
+    installed = [c for c in plugin.COMPONENTS + plugin.VLLM_NAME_OVERRIDES if plugin._installed(c.module)]
     assert set(seen["ours"]) == {f"{c.factory}:{c.name}" for c in installed}
     assert {c.name for c in installed if c.factory == "kv_connector"} <= set(seen["in_vllm"])
     assert {"hccl", "npu_ipc"} <= set(seen["weight_engines"]) and {"hccl", "npu_ipc"} <= set(seen["trainer_engines"])
@@ -36,4 +36,31 @@ def test_a_name_registered_first_by_someone_else_is_kept_with_one_warning():
     seen = _probe("--preregister", "MooncakeConnectorV1")
     assert "kv_connector:MooncakeConnectorV1" not in seen["ours"]
     warnings = [m for m in seen["logs"] if "MooncakeConnectorV1" in m and "already registered" in m]
+    assert len(warnings) == 1
+
+
+def test_vllm_ascend_offload_names_select_our_connectors_and_vllms_stay_reachable_by_module_path():
+    """Issue 21 item 13: a vllm-ascend config naming `OffloadingConnector` must not get vLLM's stock class."""
+    seen = _probe("--resolve", "OffloadingConnector", "SimpleCPUOffloadConnector", "MooncakeConnectorV1")
+    assert seen["resolved"] == {
+        "OffloadingConnector": "ascend_dist.kv_offload.vllm_native:AscendOffloadingConnector",
+        "SimpleCPUOffloadConnector": "ascend_dist.kv_offload.vllm_simple:AscendSimpleCPUOffloadConnector",
+        "MooncakeConnectorV1": "ascend_dist.kv_mooncake.pull.vllm_connector:MooncakeConnectorV1",
+    }
+    assert seen["by_module_path"] == {
+        "OffloadingConnector": "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:OffloadingConnector",
+        "SimpleCPUOffloadConnector": (
+            "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector:SimpleCPUOffloadConnector"
+        ),
+    }
+    assert {"kv_connector:OffloadingConnector", "kv_connector:SimpleCPUOffloadConnector"} <= set(seen["ours"])
+    said = [m for m in seen["logs"] if "(vllm-ascend's name) selects" in m]
+    assert len(said) == 2, seen["logs"]  # one line per replaced vLLM name, saying what it selects now
+
+
+def test_an_offload_name_another_plugin_replaced_first_is_kept_with_one_warning():
+    seen = _probe("--third-party", "OffloadingConnector")
+    assert "OffloadingConnector" in seen["in_vllm"]
+    assert "kv_connector:OffloadingConnector" not in seen["ours"]
+    warnings = [m for m in seen["logs"] if "OffloadingConnector" in m and "already registered" in m]
     assert len(warnings) == 1

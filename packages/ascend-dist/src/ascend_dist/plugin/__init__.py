@@ -2,8 +2,15 @@
 
 Runs in: every vLLM process (entry-point group `vllm.general_plugins`), possibly more than once.
 `register()` is re-entrant, imports no component module and nothing heavy, skips components that
-are not installed, keeps a name someone else registered first (with one warning), never edits
-vLLM's private registries, and never raises: an exception here would abort vLLM's start-up.
+are not installed, keeps a name someone else registered first (with one warning), and never raises:
+an exception here would abort vLLM's start-up.
+
+vLLM's public registration refuses a name it already holds. vllm-ascend's offload configs name two
+of vLLM's own connectors (`OffloadingConnector`, `SimpleCPUOffloadConnector`: vllm-ascend replaced
+them with its Ascend subclasses), so those two names, and only while vLLM's own entry is still the
+one registered, are pointed at ours (`VLLM_NAME_OVERRIDES`, one INFO line each); this is the only
+write to a vLLM registry outside its public API. vLLM's stock classes stay reachable with
+``kv_connector_module_path``.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COMPONENTS", "FACTORIES", "Component", "register", "registered_names"]
+__all__ = ["COMPONENTS", "FACTORIES", "VLLM_NAME_OVERRIDES", "Component", "register", "registered_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +105,19 @@ COMPONENTS: tuple[Component, ...] = (
     ),
 )
 
+# vllm-ascend's configs name these vLLM-owned connectors and mean the Ascend subclasses: a vllm-ascend
+# config must select ours (as the kv-mooncake names do), not vLLM's stock classes, which cannot copy
+# on an NPU. Replaced only while the entry is vLLM's own (module under `vllm.`); another plugin's is kept.
+VLLM_NAME_OVERRIDES: tuple[Component, ...] = (
+    Component("kv_connector", "OffloadingConnector", "ascend_dist.kv_offload.vllm_native", "AscendOffloadingConnector"),
+    Component(
+        "kv_connector",
+        "SimpleCPUOffloadConnector",
+        "ascend_dist.kv_offload.vllm_simple",
+        "AscendSimpleCPUOffloadConnector",
+    ),
+)
+
 _lock = threading.Lock()
 _registered: set[str] = set()
 _done = threading.Event()
@@ -137,6 +157,40 @@ def _register_one(component: Component) -> None:
     _registered.add(f"{component.factory}:{component.name}")
 
 
+def _registered_module(loader: object) -> str | None:
+    """The module path a vLLM factory loader closes over (vLLM's `register_connector` closure), if readable."""
+    code = getattr(loader, "__code__", None)
+    cells = getattr(loader, "__closure__", None) or ()
+    names = getattr(code, "co_freevars", ())
+    for name, cell in zip(names, cells, strict=False):
+        if name == "module_path" and isinstance(cell.cell_contents, str):
+            return cell.cell_contents
+    return None
+
+
+def _override_vllm_name(component: Component) -> None:
+    """Point one of vLLM's own connector names at ours, unless someone else replaced vLLM's entry first."""
+    module, cls, method = FACTORIES[component.factory]
+    factory = getattr(importlib.import_module(module), cls)
+    registry = getattr(factory, "_registry", None)
+    current = registry.get(component.name) if isinstance(registry, dict) else None
+    if current is not None:
+        owner = _registered_module(current)
+        if owner is None or not owner.startswith("vllm."):
+            logger.warning(
+                "%s %s is already registered by someone else (%s); keeping theirs",
+                component.factory, component.name, owner or "unknown module",
+            )  # fmt: skip
+            return
+        del registry[component.name]  # type: ignore[union-attr]  # vLLM's public API refuses a held name
+    getattr(factory, method)(component.name, component.module, component.class_name)
+    _registered.add(f"{component.factory}:{component.name}")
+    logger.info(
+        "%s %s (vllm-ascend's name) selects %s:%s; vLLM's own class stays reachable with kv_connector_module_path",
+        component.factory, component.name, component.module, component.class_name,
+    )  # fmt: skip
+
+
 def register() -> None:
     """Register every installed component with vLLM; safe to call any number of times."""
     with _lock:
@@ -153,6 +207,13 @@ def register() -> None:
                 _register_one(component)
             except Exception:  # never abort vLLM's start-up because of us
                 logger.exception("registering %s %s failed; it is unavailable", component.factory, component.name)
+        for component in VLLM_NAME_OVERRIDES:
+            if not _installed(component.module):
+                continue
+            try:
+                _override_vllm_name(component)
+            except Exception:  # never abort vLLM's start-up because of us
+                logger.exception("pointing %s %s at ours failed; vLLM's is kept", component.factory, component.name)
 
 
 def registered_names() -> frozenset[str]:
