@@ -7,6 +7,8 @@ builds a synthetic MoE model whose layers carry `AscendEplbLayerState`, and driv
 `rearrange_expert_weights_inplace` with our communicator, then vLLM's in-place map commit.
 """
 
+import os
+
 import torch
 from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
 from vllm.config.parallel import EPLBConfig
@@ -84,6 +86,10 @@ def run(cfg):
     parallel = config.parallel_config
     parallel.enable_eplb = True
     parallel.eplb_config = EPLBConfig(window_size=2, step_interval=4, use_async=False, communicator="torch_gloo")
+    # vLLM's CPU worker names the ranks' shared-memory group before creating its groups; its CPU
+    # communicator needs the name whenever vLLM's C ops are loaded (a forked rank inherits them when
+    # an earlier test in the parent loaded them), so set it as the CPU worker does: the init port
+    os.environ["VLLM_DIST_IDENT"] = str(cfg["port"])
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{cfg['port']}")  # fmt: skip
