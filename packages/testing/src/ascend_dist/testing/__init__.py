@@ -4,7 +4,8 @@
 - `vllm_builders`: a tiny model directory, ``VllmConfig``/``KVCacheConfig`` builders, vLLM's block hasher,
   requests and a connector pair (vLLM imported inside the functions);
 - `hostile`: hostile ``kv_transfer_params`` tables, a driver of vLLM's real Scheduler, a loopback metaserver;
-- `engines`: the engine tier's prompts, output comparisons and pool checks.
+- `engines`: the engine tier's prompts, output comparisons and pool checks;
+- `pool_checks`: `LoadVerifier`, which proves a pool load wrote every destination with the right bytes.
 
 Nothing is imported here, so ``import ascend_dist.testing`` needs neither vLLM nor torch.
 """
