@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# --import-mode=importlib does not put this folder on sys.path; the soak imports pool_soak_support from it.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from ascend_dist.common.errors import StoreError
 from ascend_dist.kv_store.master_process import MasterProcess
 from ascend_dist.testing.ports import free_port, wait_port
@@ -36,13 +40,27 @@ class MooncakeMaster(MasterProcess):
         }
 
 
-def _started(log: Path) -> MooncakeMaster:
-    master = MooncakeMaster(lease_ttl_ms=200, log_path=log)
+def _started(log: Path, lease_ttl_ms: int = 200) -> MooncakeMaster:
+    master = MooncakeMaster(lease_ttl_ms=lease_ttl_ms, log_path=log)
     try:
         master.start()
     except StoreError as exc:
         pytest.skip(f"mooncake_master unavailable: {exc}")
     return master
+
+
+@pytest.fixture(scope="session")
+def long_lease_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A real master whose leases (10 s) outlast big gets on a loaded machine.
+
+    The shared master's 200 ms leases let eviction tests remove objects soon after a read, but a
+    get of thousands of pieces can outlast them under load (LEASE_EXPIRED, a failed load).
+    """
+    master = _started(tmp_path_factory.mktemp("mooncake-long-lease") / "master.log", lease_ttl_ms=10_000)
+    try:
+        yield master
+    finally:
+        master.stop()
 
 
 @pytest.fixture(scope="session")

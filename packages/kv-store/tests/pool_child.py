@@ -14,7 +14,7 @@ import torch
 
 from ascend_dist.kv_store import NewRequest, PoolConfig, PoolSpec, StepInput, build_scheduler, build_worker
 from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
-from ascend_dist.kv_store.config import MooncakeStoreConfig
+from ascend_dist.kv_store.config.config import MooncakeStoreConfig
 
 SPEC = PoolSpec(model="tiny", block_sizes=(16,), num_kv_heads=2)
 

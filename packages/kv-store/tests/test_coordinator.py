@@ -15,7 +15,7 @@ from ascend_dist.kv_store import (
     build_scheduler,
     build_worker,
 )
-from ascend_dist.kv_store.coordinator import GroupRule, HybridCoordinator
+from ascend_dist.kv_store.keys.coordinator import GroupRule, HybridCoordinator
 
 FULL = GroupRule("full", 128)
 SWA = GroupRule("sliding_window", 128, window=256)

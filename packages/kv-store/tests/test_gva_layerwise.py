@@ -18,10 +18,11 @@ from ascend_dist.kv_store import NewRequest, PoolConfig, PoolSpec, StepInput, bu
 from ascend_dist.kv_store.backends.gva import G2L, L2G, UNMATCHED_STATE, GvaBackend
 from ascend_dist.kv_store.backends.host_gva import HostGvaStore
 from ascend_dist.kv_store.backends.memcache import MemcacheBackend
-from ascend_dist.kv_store.gate import current_gate
-from ascend_dist.kv_store.gva_layerwise import GvaLayerwiseTransfers
-from ascend_dist.kv_store.keys import gva_block_key
-from ascend_dist.kv_store.scheduler import RunningRequest
+from ascend_dist.kv_store.keys.keys import gva_block_key
+from ascend_dist.kv_store.scheduler.scheduler import RunningRequest
+from ascend_dist.kv_store.transfer.gate import current_gate
+from ascend_dist.kv_store.transfer.gva_layerwise import GvaLayerwiseTransfers
+from ascend_dist.kv_store.transfer.strategy import LayerwiseStrategy
 
 SPEC = PoolSpec(model="tiny-gva", block_sizes=(16,), num_kv_heads=2)
 GVA = {"use_layerwise": True, "backend": "memcache"}
@@ -94,7 +95,7 @@ def test_save_then_load_layer_by_layer_is_byte_exact(kvtools) -> None:
     store = HostGvaStore(4 << 20)
     cfg, (a, b) = _pair(store, {"layerwise_max_transfer_blocks": 1, "layerwise_max_transfer_bytes": 200})
     try:
-        assert isinstance(a._layers, GvaLayerwiseTransfers)
+        assert isinstance(a.transfers, LayerwiseStrategy) and isinstance(a.transfers.layers, GvaLayerwiseTransfers)
         src = kvtools.make(num_layers=3, num_blocks=8, seed=1)
         dst = kvtools.make(num_layers=3, num_blocks=8, seed=2)
         a.register_kv_caches(src, 8)
@@ -257,3 +258,39 @@ def test_shared_buffers_need_a_rank_that_saves(kvtools) -> None:
             worker.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
     finally:
         worker.close()
+
+
+class RaisingLoadCopies(HostGvaStore):
+    """Our reference store whose load copies raise once ``raise_loads`` is set (an unexpected device error)."""
+
+    def __init__(self) -> None:
+        super().__init__(4 << 20)
+        self.raise_loads = False
+
+    def batch_copy(self, gvas: list[int], addrs: list[int], sizes: list[int], direction: int) -> int:
+        if direction == G2L and self.raise_loads:
+            raise RuntimeError("device copy error")
+        return super().batch_copy(gvas, addrs, sizes, direction)
+
+
+@pytest.mark.parametrize("raising", [True, False])
+def test_read_leases_are_released_when_a_load_copy_raises(kvtools, raising: bool) -> None:
+    store = RaisingLoadCopies()
+    cfg, (a, b) = _pair(store)
+    try:
+        a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
+        b.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8, seed=9), 8)
+        prompt = list(range(40))
+        _save(cfg, a, prompt, [1, 2, 3])
+        keys = [
+            gva_block_key("tiny-gva", h, 0) for h in build_scheduler(SPEC, cfg, a.safe_lookup).hashes_for(prompt)[1]
+        ]
+        store.raise_loads = raising  # control (False): the same load copies and releases normally
+        need, meta = _load(cfg, b, prompt, [4, 5, 6])
+        assert need == 32 and len(keys) == 2
+        _run_layers(b, meta, save=False)
+        b.drain(10)
+        assert store.evict(keys) == keys  # no read lease left behind, whatever the copies did
+    finally:
+        a.close()
+        b.close()

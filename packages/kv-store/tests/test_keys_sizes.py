@@ -7,16 +7,18 @@ import json
 import pytest
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_store.config import MooncakeStoreConfig, PoolConfig, YuanrongConfig
-from ascend_dist.kv_store.keys import (
+from ascend_dist.kv_store.assembly import PoolSpec
+from ascend_dist.kv_store.config.config import MooncakeStoreConfig, PoolConfig, YuanrongConfig
+from ascend_dist.kv_store.config.sizes import DerivedSizes, cache_family, pp_layer_partition
+from ascend_dist.kv_store.keys.keys import (
     KeyMetadata,
     RankLayout,
     gva_block_key,
     gva_partial_key,
     normalize_model_name,
     put_step_and_head,
+    rank_position,
 )
-from ascend_dist.kv_store.sizes import DerivedSizes, cache_family, pp_layer_partition
 
 H = "3f9a" + "0" * 58 + "c2"
 
@@ -139,7 +141,7 @@ def test_several_kv_groups_load_asynchronously(caplog: pytest.LogCaptureFixture)
     """vLLM takes a multi-group model's load failures only per request, from async loads."""
     cfg = PoolConfig.from_extra({})
     assert cfg.for_groups(1) is cfg and not cfg.async_loads  # one group: unchanged (block-level reports)
-    with caplog.at_level("INFO", logger="ascend_dist.kv_store.config"):
+    with caplog.at_level("INFO", logger="ascend_dist.kv_store.config.config"):
         hybrid = cfg.for_groups(4)  # 4: no other test's model (the once-per-process key holds the count)
         assert cfg.for_groups(4) is not cfg
     assert sum("load_async=true" in r.getMessage() for r in caplog.records) == 1
@@ -190,3 +192,28 @@ def test_yuanrong_config(tmp_path) -> None:
         YuanrongConfig.load(None, env={"YR_CONFIG_PATH": str(path)})
     with pytest.raises(ConfigError, match="worker_addr"):
         YuanrongConfig.load({"worker_addr": "nohost"})
+
+
+def test_mla_dcp_over_tp_and_pcp_keys_every_rank_once() -> None:
+    """MLA, DCP spanning TP x PCP: every rank holds its own token shard, so each writes all its chunks."""
+    specs = [
+        PoolSpec(model="m", block_sizes=(16,), num_kv_heads=1, use_mla=True, tp_size=4, pcp_size=2, dcp_size=8,
+                 tp_rank=p.tp_rank, pcp_rank=p.pcp_rank, dcp_rank=p.dcp_rank)
+        for p in (rank_position(r, tp_size=4, pcp_size=2, dcp_size=8) for r in range(8))
+    ]  # fmt: skip
+    prefixes = {s.key_metadata()[0].prefix for s in specs}
+    assert len(prefixes) == 8 == specs[0].rank_layout().num_variants(0)
+    assert {s.write_shard() for s in specs} == {(0, 1)}
+    assert [s.dcp_rank for s in specs] == [0, 2, 4, 6, 1, 3, 5, 7]  # TP-major, PCP-minor, as vLLM reads it
+
+
+def test_dcp_splits_tp_replica_sets() -> None:
+    """GQA 2 heads, TP 8, DCP 2: four TP ranks per head, two per (head, DCP shard) share the writing."""
+    shards = [
+        PoolSpec(model="m", block_sizes=(16,), num_kv_heads=2, tp_size=8, dcp_size=2, tp_rank=t, dcp_rank=t % 2)
+        for t in range(8)
+    ]
+    assert [s.write_shard() for s in shards] == [(0, 2), (0, 2), (1, 2), (1, 2)] * 2
+    assert [s.write_rank() % s.put_step() for s in shards] == [0, 0, 1, 1] * 2
+    with pytest.raises(ConfigError, match="dcp_rank"):
+        PoolSpec(model="m", block_sizes=(16,), num_kv_heads=2, tp_size=8, dcp_size=2, tp_rank=1, dcp_rank=0).put_step()

@@ -25,9 +25,9 @@ from ascend_dist.kv_store import (
     build_scheduler,
     build_worker,
 )
+from ascend_dist.kv_store.assembly import WorkerWaits
 from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
-from ascend_dist.kv_store.config import MooncakeStoreConfig
-from ascend_dist.kv_store.worker import KVPoolWorker
+from ascend_dist.kv_store.config.config import MooncakeStoreConfig
 
 pytestmark = pytest.mark.mooncake
 SPEC = PoolSpec(model="tiny-lw", block_sizes=(16,), num_kv_heads=2)
@@ -264,10 +264,7 @@ def test_a_late_layer_is_reported_not_waited_for(kvtools) -> None:
 
     backend = SlowGets()
     cfg = PoolConfig.from_extra(LAYERWISE)
-    w = KVPoolWorker(
-        token_db=SPEC.token_db(), layout=SPEC.rank_layout(), backend=backend, granularity=16, layerwise=True,
-        layer_wait_s=0.3,
-    )  # fmt: skip
+    w = build_worker(SPEC, cfg, backend, waits=WorkerWaits(step_load_s=0.3))
     try:
         w.register_kv_caches(kvtools.make(num_layers=2, num_blocks=8), 8)
         sched = build_scheduler(SPEC, cfg, w.safe_lookup)

@@ -7,16 +7,16 @@ import threading
 import pytest
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.kv_store.events import BlockStoredEvent, EventAggregator, EventCollector
-from ascend_dist.kv_store.gate import current_gate, reset_gate
-from ascend_dist.kv_store.layerwise_plan import (
+from ascend_dist.kv_store.keys.tp_mismatch import TpMismatchInfo, strided_sub_key_addresses
+from ascend_dist.kv_store.transfer.events import BlockStoredEvent, EventAggregator, EventCollector
+from ascend_dist.kv_store.transfer.gate import current_gate, reset_gate
+from ascend_dist.kv_store.transfer.layerwise_plan import (
     build_layout,
     gva_layer_copies,
     physical_layer_index,
     split_packets,
     stagger_us,
 )
-from ascend_dist.kv_store.tp_mismatch import TpMismatchInfo, strided_sub_key_addresses
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from ascend_dist.kv_store import (
     build_worker,
 )
 from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
-from ascend_dist.kv_store.config import MooncakeStoreConfig
+from ascend_dist.kv_store.config.config import MooncakeStoreConfig
 
 pytestmark = pytest.mark.mooncake
 SPEC = PoolSpec(model="tiny", block_sizes=(16,), num_kv_heads=2)

@@ -22,7 +22,8 @@ from ascend_dist.kv_store import (
 from ascend_dist.kv_store.backends import PoolBackend
 from ascend_dist.kv_store.backends.memcache import MemcacheBackend, MemcacheUnavailable
 from ascend_dist.kv_store.backends.yuanrong import YuanrongBackend
-from ascend_dist.kv_store.config import YuanrongConfig
+from ascend_dist.kv_store.config.config import YuanrongConfig
+from ascend_dist.kv_store.lookup.lookup_endpoint import endpoint_dir
 
 SPEC = PoolSpec(model="tiny", block_sizes=(16,), num_kv_heads=2)
 
@@ -133,15 +134,18 @@ def test_lookup_client_dead_server_is_a_bounded_miss(kvtools, caplog) -> None:
 
 def test_lookup_endpoint_file_discovery(tmp_path) -> None:
     env = {"VLLM_RPC_BASE_PATH": str(tmp_path)}
-    server = LookupServer(lambda r: r.token_len // 2, "c" * 64, dp_rank=1, env=env)
+    server = LookupServer(lambda r: r.token_len // 2, "c" * 64, dp_rank=1, instance="engine-a", env=env)
     try:
-        client = LookupClient("c" * 64, dp_rank=1, env=env, timeout_s=2)
+        client = LookupClient("c" * 64, dp_rank=1, instance="engine-a", env=env, timeout_s=2)
         assert client.lookup(64, ()) == 32
-        assert LookupClient("c" * 64, dp_rank=0, env=env).lookup(64, ()) == 0  # other engine: not published
+        other = LookupClient("c" * 64, dp_rank=0, instance="engine-a", env=env)
+        assert other.lookup(64, ()) == 0  # other engine: not published
         client.close()
+        other.close()
     finally:
         server.close()
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == [endpoint_dir(env).name]  # the private directory stays
+    assert not list(endpoint_dir(env).iterdir())  # the file is gone
 
 
 def test_lookup_server_survives_a_raising_lookup(kvtools) -> None:

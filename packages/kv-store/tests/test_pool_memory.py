@@ -15,7 +15,7 @@ from ascend_dist.kv_store import (
     build_scheduler,
     build_worker,
 )
-from ascend_dist.kv_store.plan import PoolStepMeta
+from ascend_dist.kv_store.step_metadata import PoolStepMeta
 
 SPEC = PoolSpec(model="/models/tiny/", block_sizes=(16,), num_kv_heads=2)
 
@@ -347,6 +347,7 @@ def test_blocks_vllm_reports_invalid_are_saved_again_once_recomputed() -> None:
     meta = sched.build_meta(StepInput(new=[NewRequest("r", prompt, [[1, 2, 3, 4]], 48, 2)]))
     assert not meta.requests[0].can_save  # everything up to 48 counted as pooled
     sched.mark_blocks_invalid({2})  # vLLM: block 2 (tokens 16..32) failed to load, recompute from 16
-    meta = sched.build_meta(StepInput(running=[RunningRequest("r", [], None, 16)]))
+    # the recompute step schedules tokens 16..50 again (they write block 2 whole before the save reads it)
+    meta = sched.build_meta(StepInput(running=[RunningRequest("r", prompt[16:50], None, 16)]))
     saved = meta.requests[0]
     assert saved.can_save and (saved.save_start_token, saved.save_end_token) == (16, 48)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ascend_dist.kv_store.coordinator import GroupRule, HybridCoordinator
-from ascend_dist.kv_store.keys import KeyMetadata
-from ascend_dist.kv_store.rekey import KeySplit
-from ascend_dist.kv_store.token_db import GroupBuffers
+from ascend_dist.kv_store.keys.coordinator import GroupRule, HybridCoordinator
+from ascend_dist.kv_store.keys.keys import KeyMetadata
+from ascend_dist.kv_store.keys.rekey import KeySplit
+from ascend_dist.kv_store.keys.token_db import GroupBuffers
 
 ALIGN = 64
 

@@ -13,7 +13,7 @@ from ascend_dist.kv_store import (
     build_scheduler,
     build_worker,
 )
-from ascend_dist.kv_store.plan import PoolStepMeta
+from ascend_dist.kv_store.step_metadata import PoolStepMeta
 
 CFG = PoolConfig.from_extra({})
 
@@ -115,54 +115,15 @@ def test_save_waits_for_the_compute_event(kvtools) -> None:
         gates.append(_Gate())
         return gates[-1]
 
-    from ascend_dist.kv_store.worker import KVPoolWorker
+    from ascend_dist.kv_store.assembly import WorkerWaits
 
-    w = KVPoolWorker(
-        token_db=spec.token_db(),
-        layout=spec.rank_layout(),
-        backend=backend,
-        granularity=16,
-        record_compute_event=record,
-        compute_wait_s=5,
-    )
+    w = build_worker(spec, CFG, backend, record_compute_event=record, waits=WorkerWaits(compute_s=5))
     try:
         w.register_kv_caches(kvtools.make(num_blocks=8), 8)
         w.wait_for_save(_meta(spec, list(range(32))))  # returns at once: the save waits on the event
         assert len(gates) == 1 and backend.stored_keys() == []
         gates[0].done.set()
         w.drain(10)
-        assert len(backend.stored_keys()) == 2
-    finally:
-        w.close()
-
-
-def test_preempted_request_waits_for_its_pending_saves(kvtools, caplog) -> None:
-    import logging
-    import threading
-
-    backend = InMemoryBackend()
-    spec = PoolSpec(model="m", block_sizes=(16,), num_kv_heads=2)
-    gate = _Gate()
-    from ascend_dist.kv_store.worker import KVPoolWorker
-
-    w = KVPoolWorker(
-        token_db=spec.token_db(),
-        layout=spec.rank_layout(),
-        backend=backend,
-        granularity=16,
-        record_compute_event=lambda: gate,
-        preempt_wait_s=0.2,
-    )
-    try:
-        w.register_kv_caches(kvtools.make(num_blocks=8), 8)
-        w.wait_for_save(_meta(spec, list(range(32))))
-        with caplog.at_level(logging.WARNING, logger="ascend_dist.kv_store"):
-            w.start_load_kv(PoolStepMeta(preempted_req_ids=frozenset({"r"})))  # bounded wait, then a warning
-        assert any("still running" in r.getMessage() for r in caplog.records)
-        threading.Timer(0.1, gate.done.set).start()
-        w.start_load_kv(PoolStepMeta(preempted_req_ids=frozenset({"r"})))
-        w._preempt_wait_s = 5
-        w.start_load_kv(PoolStepMeta(preempted_req_ids=frozenset({"r"})))
         assert len(backend.stored_keys()) == 2
     finally:
         w.close()

@@ -22,9 +22,9 @@ from ascend_dist.kv_store import (
     build_worker,
 )
 from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
-from ascend_dist.kv_store.config import MooncakeStoreConfig
-from ascend_dist.kv_store.rekey import KeySplit
-from ascend_dist.kv_store.token_db import GroupBuffers
+from ascend_dist.kv_store.config.config import MooncakeStoreConfig
+from ascend_dist.kv_store.keys.rekey import KeySplit
+from ascend_dist.kv_store.keys.token_db import GroupBuffers
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 CONSUMER = {"consumer_is_to_put": True, "consumer_is_to_load": True}

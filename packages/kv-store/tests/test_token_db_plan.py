@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from ascend_dist.common.errors import BlockIdError, ConfigError
-from ascend_dist.kv_store.keys import KeyMetadata
-from ascend_dist.kv_store.plan import (
-    LoadSpec,
+from ascend_dist.kv_store.keys.keys import KeyMetadata
+from ascend_dist.kv_store.keys.token_db import Chunk, ChunkedTokenDatabase, GroupBuffers, hash_root, prefix_hashes
+from ascend_dist.kv_store.scheduler.plan import (
     RequestTracker,
     build_req_meta,
     common_hit,
@@ -19,7 +19,7 @@ from ascend_dist.kv_store.plan import (
     discontinuous_hits,
     matched_tokens,
 )
-from ascend_dist.kv_store.token_db import Chunk, ChunkedTokenDatabase, GroupBuffers, hash_root, prefix_hashes
+from ascend_dist.kv_store.step_metadata import LoadSpec
 
 
 def db(block: int = 16, hash_block: int = 16, groups: int = 1) -> ChunkedTokenDatabase:
@@ -126,7 +126,7 @@ def test_prefix_hashes_chain_and_namespace() -> None:
 
 def test_prefix_hashes_do_not_depend_on_pythonhashseed() -> None:
     code = (
-        "from ascend_dist.kv_store.token_db import hash_root, prefix_hashes;"
+        "from ascend_dist.kv_store.keys.token_db import hash_root, prefix_hashes;"
         "print(prefix_hashes(list(range(64)), 16, hash_root('m', 16))[-1].hex())"
     )
     outs = set()
@@ -212,7 +212,7 @@ def test_hit_helpers() -> None:
 
 
 def test_mamba_tracker_update_nulls_stale_state_blocks() -> None:
-    from ascend_dist.kv_store.plan import MambaGroups, mamba_update
+    from ascend_dist.kv_store.scheduler.plan import MambaGroups, mamba_update
 
     assert mamba_update([0, 3, 4, 5, 6], [4, 17], num_computed=32, spec_blocks=3, block_size=16) == [
         0,

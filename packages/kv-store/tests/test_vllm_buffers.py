@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 
 from ascend_dist.common.errors import LayoutError  # noqa: E402
-from ascend_dist.kv_store.config import PoolConfig  # noqa: E402
+from ascend_dist.kv_store.config.config import PoolConfig  # noqa: E402
 from ascend_dist.kv_store.vllm_buffers import share_layer_buffers  # noqa: E402
 
 PAGE = 4096

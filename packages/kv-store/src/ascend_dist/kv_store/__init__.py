@@ -16,42 +16,43 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ascend_dist.kv_store.assembly import PoolSpec, build_scheduler, build_worker
     from ascend_dist.kv_store.backends import InMemoryBackend, PoolBackend, create_backend
-    from ascend_dist.kv_store.config import MooncakeStoreConfig, PoolConfig, YuanrongConfig
-    from ascend_dist.kv_store.keys import KeyMetadata, RankLayout, normalize_model_name
-    from ascend_dist.kv_store.lookup_rpc import LookupClient, LookupServer
-    from ascend_dist.kv_store.plan import LoadSpec, PoolStepMeta, ReqMeta, RequestTracker
-    from ascend_dist.kv_store.scheduler import KVPoolScheduler, NewRequest, RunningRequest, StepInput
-    from ascend_dist.kv_store.sizes import DerivedSizes
-    from ascend_dist.kv_store.token_db import ChunkedTokenDatabase, prefix_hashes
-    from ascend_dist.kv_store.worker import KVPoolWorker
+    from ascend_dist.kv_store.config.config import MooncakeStoreConfig, PoolConfig, YuanrongConfig
+    from ascend_dist.kv_store.config.sizes import DerivedSizes
+    from ascend_dist.kv_store.keys.keys import KeyMetadata, RankLayout, normalize_model_name
+    from ascend_dist.kv_store.keys.token_db import ChunkedTokenDatabase, prefix_hashes
+    from ascend_dist.kv_store.lookup.lookup_rpc import LookupClient, LookupServer
+    from ascend_dist.kv_store.scheduler.plan import RequestTracker
+    from ascend_dist.kv_store.scheduler.scheduler import KVPoolScheduler, NewRequest, RunningRequest, StepInput
+    from ascend_dist.kv_store.step_metadata import LoadSpec, PoolStepMeta, ReqMeta
+    from ascend_dist.kv_store.transfer.worker import KVPoolWorker
 
 _LAZY: dict[str, str] = {
-    "ChunkedTokenDatabase": "ascend_dist.kv_store.token_db",
-    "DerivedSizes": "ascend_dist.kv_store.sizes",
+    "ChunkedTokenDatabase": "ascend_dist.kv_store.keys.token_db",
+    "DerivedSizes": "ascend_dist.kv_store.config.sizes",
     "InMemoryBackend": "ascend_dist.kv_store.backends",
-    "KVPoolScheduler": "ascend_dist.kv_store.scheduler",
-    "KVPoolWorker": "ascend_dist.kv_store.worker",
-    "KeyMetadata": "ascend_dist.kv_store.keys",
-    "LoadSpec": "ascend_dist.kv_store.plan",
-    "LookupClient": "ascend_dist.kv_store.lookup_rpc",
-    "LookupServer": "ascend_dist.kv_store.lookup_rpc",
-    "MooncakeStoreConfig": "ascend_dist.kv_store.config",
-    "NewRequest": "ascend_dist.kv_store.scheduler",
+    "KVPoolScheduler": "ascend_dist.kv_store.scheduler.scheduler",
+    "KVPoolWorker": "ascend_dist.kv_store.transfer.worker",
+    "KeyMetadata": "ascend_dist.kv_store.keys.keys",
+    "LoadSpec": "ascend_dist.kv_store.step_metadata",
+    "LookupClient": "ascend_dist.kv_store.lookup.lookup_rpc",
+    "LookupServer": "ascend_dist.kv_store.lookup.lookup_rpc",
+    "MooncakeStoreConfig": "ascend_dist.kv_store.config.config",
+    "NewRequest": "ascend_dist.kv_store.scheduler.scheduler",
     "PoolBackend": "ascend_dist.kv_store.backends",
-    "PoolConfig": "ascend_dist.kv_store.config",
+    "PoolConfig": "ascend_dist.kv_store.config.config",
     "PoolSpec": "ascend_dist.kv_store.assembly",
-    "PoolStepMeta": "ascend_dist.kv_store.plan",
-    "RankLayout": "ascend_dist.kv_store.keys",
-    "ReqMeta": "ascend_dist.kv_store.plan",
-    "RequestTracker": "ascend_dist.kv_store.plan",
-    "RunningRequest": "ascend_dist.kv_store.scheduler",
-    "StepInput": "ascend_dist.kv_store.scheduler",
-    "YuanrongConfig": "ascend_dist.kv_store.config",
+    "PoolStepMeta": "ascend_dist.kv_store.step_metadata",
+    "RankLayout": "ascend_dist.kv_store.keys.keys",
+    "ReqMeta": "ascend_dist.kv_store.step_metadata",
+    "RequestTracker": "ascend_dist.kv_store.scheduler.plan",
+    "RunningRequest": "ascend_dist.kv_store.scheduler.scheduler",
+    "StepInput": "ascend_dist.kv_store.scheduler.scheduler",
+    "YuanrongConfig": "ascend_dist.kv_store.config.config",
     "build_scheduler": "ascend_dist.kv_store.assembly",
     "build_worker": "ascend_dist.kv_store.assembly",
     "create_backend": "ascend_dist.kv_store.backends",
-    "normalize_model_name": "ascend_dist.kv_store.keys",
-    "prefix_hashes": "ascend_dist.kv_store.token_db",
+    "normalize_model_name": "ascend_dist.kv_store.keys.keys",
+    "prefix_hashes": "ascend_dist.kv_store.keys.token_db",
 }
 
 __all__ = [

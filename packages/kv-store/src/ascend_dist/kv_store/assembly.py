@@ -17,18 +17,40 @@ from dataclasses import dataclass
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.hashing import stable_hash
 from ascend_dist.kv_store.backends.base import PoolBackend
-from ascend_dist.kv_store.config import PoolConfig
-from ascend_dist.kv_store.coordinator import GroupRule, HybridCoordinator
-from ascend_dist.kv_store.keys import KeyMetadata, RankLayout, normalize_model_name, put_step_and_head
-from ascend_dist.kv_store.plan import MambaGroups
-from ascend_dist.kv_store.rekey import KeySplit
-from ascend_dist.kv_store.scheduler import KVPoolScheduler, LookupFn
-from ascend_dist.kv_store.sizes import DerivedSizes
-from ascend_dist.kv_store.token_db import ChunkedTokenDatabase
-from ascend_dist.kv_store.tp_mismatch import TpMismatchInfo
-from ascend_dist.kv_store.worker import ComputeEvent, KVPoolWorker
+from ascend_dist.kv_store.backends.gva import GvaBackend
+from ascend_dist.kv_store.config.config import PoolConfig
+from ascend_dist.kv_store.config.sizes import DerivedSizes
+from ascend_dist.kv_store.keys.coordinator import GroupRule, HybridCoordinator
+from ascend_dist.kv_store.keys.keys import (
+    KeyMetadata,
+    RankLayout,
+    normalize_model_name,
+    put_step_and_head,
+    rank_position,
+    write_shard,
+)
+from ascend_dist.kv_store.keys.rekey import KeySplit
+from ascend_dist.kv_store.keys.token_db import ChunkedTokenDatabase
+from ascend_dist.kv_store.keys.tp_mismatch import TpMismatchInfo
+from ascend_dist.kv_store.lookup.pool_lookup import PoolLookup
+from ascend_dist.kv_store.scheduler.plan import MambaGroups
+from ascend_dist.kv_store.scheduler.scheduler import KVPoolScheduler, LookupFn
+from ascend_dist.kv_store.transfer.chunk_plan import ChunkPlanner
+from ascend_dist.kv_store.transfer.events import EventCollector
+from ascend_dist.kv_store.transfer.failures import LoadErrorRecorder
+from ascend_dist.kv_store.transfer.gva_layerwise import make_layer_transfers
+from ascend_dist.kv_store.transfer.strategy import (
+    LayerwiseStrategy,
+    SaveGuard,
+    TransferStrategy,
+    WholeRequestSaves,
+    WholeRequestTransfers,
+)
+from ascend_dist.kv_store.transfer.whole_request import WholeRequestIO
+from ascend_dist.kv_store.transfer.worker import KVPoolWorker
+from ascend_dist.kv_store.transfer.worker_types import ComputeEvent, WorkerStats, WorkerWaits
 
-__all__ = ["PoolSpec", "build_scheduler", "build_worker"]
+__all__ = ["PoolSpec", "WorkerWaits", "build_scheduler", "build_worker"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,8 +161,29 @@ class PoolSpec:
         return stable_hash("ascend_dist.kv_store.compat", *self.namespace())
 
     def put_step(self) -> int:
-        """Ranks sharing identical KV."""
-        return put_step_and_head(self.tp_size, self.tp_rank, self.num_kv_heads, self.use_mla)[0]
+        """Ranks sharing identical KV (the same key variant), which split the writes."""
+        return self.write_shard()[1]
+
+    def write_shard(self) -> tuple[int, int]:
+        """``(shard_rank, shard_size)`` of this rank among the ranks writing the same keys (`write_shard`).
+
+        Raises:
+            ConfigError: ``dcp_rank`` is not the one vLLM gives this TP/PCP position.
+        """
+        sizes = {"tp_size": self.tp_size, "pp_size": self.pp_size, "pcp_size": self.pcp_size, "dcp_size": self.dcp_size}
+        rank = (self.pp_rank * self.pcp_size + self.pcp_rank) * self.tp_size + self.tp_rank
+        if rank_position(rank, **sizes).dcp_rank != self.dcp_rank:
+            raise ConfigError("dcp_rank", self.dcp_rank, f"{rank_position(rank, **sizes).dcp_rank} at this TP/PCP rank")
+        return write_shard(rank, **sizes, num_kv_heads=self.num_kv_heads, use_mla=self.use_mla)
+
+    def write_rank(self) -> int:
+        """The rank the worker shards writes by (it keeps chunks ``i % put_step == write_rank % put_step``).
+
+        ``tp_rank`` itself without DCP; with DCP the shard index, as DCP peers of one TP replica
+        set hold different tokens and must not split one key variant's writes by TP rank.
+        """
+        shard, size = self.write_shard()
+        return self.tp_rank if self.tp_rank % size == shard else shard
 
     def key_metadata(self) -> list[KeyMetadata]:
         """This rank's key metadata per KV group."""
@@ -181,24 +224,106 @@ def build_worker(
     backend: PoolBackend,
     *,
     record_compute_event: Callable[[], ComputeEvent] | None = None,
+    waits: WorkerWaits | None = None,
 ) -> KVPoolWorker:
-    """The worker side of ``spec`` over ``backend`` (see `KVPoolWorker` for ``record_compute_event``)."""
+    """The worker side of ``spec`` over ``backend``, with its transfer strategy chosen here, once.
+
+    Args:
+        spec: The instance's KV layout.
+        config: The pool settings (load mode, layer-wise options, saving role, KV events).
+        backend: The store client.
+        record_compute_event: Records an event on the compute stream after the forward pass (device
+            runtimes); the sending thread waits for it before reading the KV cache. None on CPU.
+        waits: Deadlines of the worker's waits (defaults: `WorkerWaits`).
+
+    Raises:
+        ConfigError: Layer-wise mode for a model with several KV-cache groups, or with memcache
+            under PP or context parallelism; a TP/PP key split with layer-wise or hybrid models.
+    """
+    waits = waits or WorkerWaits()
+    token_db, coordinator, split = spec.token_db(), spec.coordinator(), spec.key_split()
+    granularity, layout, put_step = spec.sizes().granularity, spec.rank_layout(), spec.put_step()
+    layerwise = config.use_layerwise
+    if split is not None and split.active and (layerwise or token_db.num_groups != 1):
+        raise ConfigError("prefill_tp_size/prefill_pp_size", split, "no TP/PP key split with layer-wise or hybrid")
+    if layerwise and token_db.num_groups != 1:
+        raise ConfigError("use_layerwise", True, "false for models with several KV-cache groups")
+    if layerwise and isinstance(backend, GvaBackend) and layout.pp_size * layout.pcp_size * layout.dcp_size > 1:
+        raise ConfigError("use_layerwise", True, "false with memcache under PP or context parallelism")
+    errors, events, stats = LoadErrorRecorder(), EventCollector(), WorkerStats()
+    sparse = coordinator is not None and coordinator.is_sparse
+    guard = SaveGuard(preempt_wait_s=waits.preempt_s, fence_wait_s=waits.fence_s, retry_failed_puts=not sparse)
+    planner = ChunkPlanner(
+        token_db,
+        granularity=granularity,
+        tp_rank=spec.write_rank(),
+        put_step=put_step,
+        coordinator=coordinator,
+        split=split,
+    )
+    transfers = _transfers(spec, config, backend, record_compute_event, waits, token_db=token_db, planner=planner,
+                           guard=guard, errors=errors, events=events, stats=stats, sparse=sparse)  # fmt: skip
+    stages = spec.stage_layers
+
+    def stage_layers() -> tuple[int, ...]:  # rank-0 layer-wise lookups check every stage's layer keys
+        return stages or (transfers.num_layers,) * layout.pp_size
+
+    lookup = PoolLookup(
+        token_db=token_db, backend=backend, layout=layout, granularity=granularity, coordinator=coordinator,
+        stage_layers=stage_layers if layerwise else None, gva=layerwise and isinstance(backend, GvaBackend),
+    )  # fmt: skip
     return KVPoolWorker(
-        record_compute_event=record_compute_event,
-        kv_events=config.kv_events,
-        token_db=spec.token_db(),
-        layout=spec.rank_layout(),
-        backend=backend,
-        granularity=spec.sizes().granularity,
-        tp_rank=spec.tp_rank,
-        put_step=spec.put_step(),
-        load_async=config.load_async,
-        can_save=config.can_save,
-        layerwise=config.use_layerwise,
-        layerwise_options=config.layerwise_options(spec.tp_size),
-        stage_layers=spec.stage_layers,
-        coordinator=spec.coordinator(),
-        key_split=spec.key_split(),
+        token_db=token_db, backend=backend, lookup=lookup, transfers=transfers, guard=guard, errors=errors,
+        events=events, stats=stats, key_split=split,
+    )  # fmt: skip
+
+
+def _transfers(
+    spec: PoolSpec,
+    config: PoolConfig,
+    backend: PoolBackend,
+    record_compute_event: Callable[[], ComputeEvent] | None,
+    waits: WorkerWaits,
+    *,
+    token_db: ChunkedTokenDatabase,
+    planner: ChunkPlanner,
+    guard: SaveGuard,
+    errors: LoadErrorRecorder,
+    events: EventCollector,
+    stats: WorkerStats,
+    sparse: bool,
+) -> TransferStrategy:
+    """The one transfer strategy of this worker (see `strategy`)."""
+    if config.use_layerwise:
+        layers = make_layer_transfers(
+            config.layerwise_options(spec.tp_size),
+            token_db=token_db, backend=backend, errors=errors, stats=stats, saves=guard.saves,
+            granularity=spec.sizes().granularity, tp_rank=spec.write_rank(), put_step=spec.put_step(),
+            can_save=config.can_save, record_compute_event=record_compute_event, compute_wait_s=waits.compute_s,
+            layer_wait_s=waits.step_load_s, fence=guard.fence, fence_wait_s=waits.fence_s,
+            failed_puts=guard.failed_layer_puts,
+            on_stored=(lambda chunks: events.add(planner.stored_events(chunks))) if config.kv_events else None,
+        )  # fmt: skip
+        return LayerwiseStrategy(layers, guard)
+    io = WholeRequestIO(
+        plan=planner, backend=backend, stats=stats, errors=errors, events=events if config.kv_events else None
+    )
+    saves = (
+        WholeRequestSaves(
+            io=io,
+            backend=backend,
+            guard=guard,
+            stats=stats,
+            tp_rank=spec.write_rank(),
+            record_compute_event=record_compute_event,
+            compute_wait_s=waits.compute_s,
+            sync_saves=sparse,
+        )
+        if config.can_save
+        else None
+    )
+    return WholeRequestTransfers(
+        io=io, guard=guard, errors=errors, saves=saves, load_async=config.load_async, tp_rank=spec.write_rank()
     )
 
 

@@ -16,8 +16,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from ascend_dist.common.errors import LayoutError
-from ascend_dist.kv_store.config import PoolConfig
-from ascend_dist.kv_store.layerwise_plan import physical_layer_index, shared_buffer_layout
+from ascend_dist.kv_store.config.config import PoolConfig
+from ascend_dist.kv_store.transfer.layerwise_plan import physical_layer_index, shared_buffer_layout
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor

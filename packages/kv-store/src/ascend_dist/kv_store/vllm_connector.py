@@ -10,7 +10,7 @@ Configuration: ``--kv-transfer-config '{"kv_connector": "AscendStoreConnector", 
 (``MOONCAKE_CONFIG_PATH`` / ``YR_CONFIG_PATH``) or an inline ``store_config`` mapping.
 
 Layer-wise mode (``use_layerwise``): ``wait_for_layer_load``/``save_kv_layer`` move each layer while
-the forward pass runs (`ascend_dist.kv_store.layerwise`, `ascend_dist.kv_store.gva_layerwise`).
+the forward pass runs (`ascend_dist.kv_store.transfer.layerwise`, `ascend_dist.kv_store.transfer.gva_layerwise`).
 Hybrid models (several KV-cache groups: full attention with sliding window or Mamba) load
 asynchronously: vLLM 0.33 takes a failed load of such a model only per request, through
 ``get_transfer_results(...).failed_recving``, which exists for async loads alone (it raises on
@@ -37,13 +37,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascend_dist.kv_store.assembly import build_scheduler, build_worker
 from ascend_dist.kv_store.backends.factory import create_backend_or_unavailable
-from ascend_dist.kv_store.config import PoolConfig
-from ascend_dist.kv_store.lookup_rpc import LookupClient, LookupServer
-from ascend_dist.kv_store.messages import LookupRequest
-from ascend_dist.kv_store.plan import PoolStepMeta
-from ascend_dist.kv_store.scheduler import KVPoolScheduler, NewRequest, RunningRequest, StepInput
+from ascend_dist.kv_store.config.config import PoolConfig
+from ascend_dist.kv_store.lookup.lookup_rpc import LookupClient, LookupServer
+from ascend_dist.kv_store.lookup.messages import LookupRequest
+from ascend_dist.kv_store.scheduler.scheduler import KVPoolScheduler, NewRequest, RunningRequest, StepInput
+from ascend_dist.kv_store.step_metadata import PoolStepMeta
+from ascend_dist.kv_store.transfer.worker import ComputeEvent, KVPoolWorker
 from ascend_dist.kv_store.vllm_spec import pool_spec_from_vllm
-from ascend_dist.kv_store.worker import ComputeEvent, KVPoolWorker
 
 if TYPE_CHECKING:
     import torch
@@ -166,6 +166,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._spec.compat_hash(),
                 port=self._cfg.lookup_rpc_port,
                 dp_rank=self._spec.dp_rank,
+                instance=str(ktc.engine_id),  # vLLM's per-instance id: one endpoint file per instance
                 timeout_s=self._cfg.lookup_timeout_s,
             )
             self._scheduler = build_scheduler(self._spec, self._cfg, self._client.lookup)
@@ -185,6 +186,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     self._spec.compat_hash(),
                     port=self._cfg.lookup_rpc_port,
                     dp_rank=self._spec.dp_rank,
+                    instance=str(ktc.engine_id),
                 )
 
     # ---------------- worker side ----------------

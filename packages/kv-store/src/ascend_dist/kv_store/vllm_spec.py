@@ -7,19 +7,20 @@ both roles derive identical key layouts). Imports vllm (an adapter module).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_store.assembly import PoolSpec
-from ascend_dist.kv_store.config import PoolConfig
-from ascend_dist.kv_store.sizes import pp_layer_partition
+from ascend_dist.kv_store.config.config import PoolConfig
+from ascend_dist.kv_store.config.sizes import pp_layer_partition
+from ascend_dist.kv_store.keys.keys import RankPosition, rank_position
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["pool_spec_from_vllm", "retention_interval"]
+__all__ = ["pool_spec_from_vllm", "rank_position_from_vllm", "retention_interval"]
 
 
 def _group_rule(spec: object) -> tuple[str, int]:
@@ -53,6 +54,46 @@ def retention_interval(env: Mapping[str, str]) -> int | None:
     return int(raw)
 
 
+def _group_ranks() -> RankPosition | None:
+    """This worker's ranks from vLLM's initialised model-parallel groups; None where there are none (scheduler)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    pcp_group = getattr(ps, "get_pcp_group", None)  # vLLM 0.32 has no PCP
+    return RankPosition(
+        tp_rank=ps.get_tp_group().rank_in_group,
+        pcp_rank=pcp_group().rank_in_group if pcp_group is not None else 0,
+        dcp_rank=ps.get_dcp_group().rank_in_group,
+        pp_rank=ps.get_pp_group().rank_in_group,
+    )
+
+
+def rank_position_from_vllm(
+    vllm_config: VllmConfig, groups: Callable[[], RankPosition | None] = _group_ranks
+) -> RankPosition:
+    """This worker's TP, PCP, DCP and PP ranks (`rank_position` of ``parallel_config.rank``).
+
+    Where vLLM's model-parallel groups exist (a worker after ``initialize_model_parallel``), they
+    must agree: a vLLM that laid its ranks out differently would otherwise key every rank wrong.
+
+    Raises:
+        ConfigError: The derived ranks differ from vLLM's groups, or the sizes are inconsistent.
+    """
+    par = vllm_config.parallel_config
+    pos = rank_position(
+        par.rank,
+        tp_size=par.tensor_parallel_size,
+        pp_size=par.pipeline_parallel_size,
+        pcp_size=getattr(par, "prefill_context_parallel_size", 1),  # vLLM 0.32 has no PCP
+        dcp_size=par.decode_context_parallel_size,
+    )
+    actual = groups()
+    if actual is not None and actual != pos:
+        raise ConfigError("parallel_config.rank", par.rank, f"ranks matching vLLM's groups {actual} (derived {pos})")
+    return pos
+
+
 def pool_spec_from_vllm(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, config: PoolConfig | None = None
 ) -> PoolSpec:
@@ -67,7 +108,7 @@ def pool_spec_from_vllm(
     groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
     block_sizes = tuple(int(g.kv_cache_spec.block_size) for g in groups) or (int(vllm_config.cache_config.block_size),)
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    rank = par.rank
+    pos = rank_position_from_vllm(vllm_config)
     pmu = getattr(vllm_config.cache_config, "prefix_match_unit", None)
     rules = [_group_rule(g.kv_cache_spec) for g in groups]
     hybrid = any(kind != "full" for kind, _ in rules)
@@ -90,11 +131,13 @@ def pool_spec_from_vllm(
         num_kv_heads=int(model.get_total_num_kv_heads()),
         use_mla=bool(model.use_mla),
         tp_size=tp,
-        tp_rank=rank % tp,
+        tp_rank=pos.tp_rank,
         pp_size=pp,
-        pp_rank=(rank // tp) % pp,
+        pp_rank=pos.pp_rank,
         pcp_size=getattr(par, "prefill_context_parallel_size", 1),
+        pcp_rank=pos.pcp_rank,
         dcp_size=par.decode_context_parallel_size,
+        dcp_rank=pos.dcp_rank,
         dp_rank=par.data_parallel_rank,
         prefix_match_unit=pmu if isinstance(pmu, int) else None,
         layout_tag=str(vllm_config.cache_config.cache_dtype),

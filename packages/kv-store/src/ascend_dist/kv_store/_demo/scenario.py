@@ -17,6 +17,7 @@ their workers directly (`LookupClient` skips the RPC for a server of its own pro
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,12 +29,12 @@ from ascend_dist.kv_store.backends.base import PoolBackend
 from ascend_dist.kv_store.backends.host_gva import HostGvaStore
 from ascend_dist.kv_store.backends.memcache import MemcacheBackend
 from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
-from ascend_dist.kv_store.config import MooncakeStoreConfig, PoolConfig
-from ascend_dist.kv_store.lookup_rpc import LookupClient, LookupServer
+from ascend_dist.kv_store.config.config import MooncakeStoreConfig, PoolConfig
+from ascend_dist.kv_store.lookup.lookup_rpc import LookupClient, LookupServer
 from ascend_dist.kv_store.master_process import MasterProcess
-from ascend_dist.kv_store.plan import PoolStepMeta
-from ascend_dist.kv_store.scheduler import KVPoolScheduler, NewRequest, StepInput
-from ascend_dist.kv_store.worker import KVPoolWorker
+from ascend_dist.kv_store.scheduler.scheduler import KVPoolScheduler, NewRequest, StepInput
+from ascend_dist.kv_store.step_metadata import PoolStepMeta
+from ascend_dist.kv_store.transfer.worker import KVPoolWorker
 
 __all__ = ["PoolScenario", "make_scenario"]
 
@@ -88,7 +89,8 @@ class _Instance:
         worker.register_kv_caches(caches, num_blocks)
         server = LookupServer(
             lambda r: worker.lookup(r.token_len, r.block_hashes, r.group_ids, r.hbm_hit_tokens, r.tail_hash),
-            SPEC.compat_hash(), port=0, dp_rank=seed, env={"VLLM_RPC_BASE_PATH": "/tmp"},
+            SPEC.compat_hash(), port=0, dp_rank=seed, instance=f"pool-demo-{os.getpid()}",
+            env={"VLLM_RPC_BASE_PATH": "/tmp"},
         )  # fmt: skip
         client = LookupClient(SPEC.compat_hash(), port=int(server.endpoint.rsplit(":", 1)[1]), timeout_s=5)
         scheduler = build_scheduler(SPEC, cfg, client.lookup)

@@ -10,6 +10,9 @@ Runs in: worker processes. Contract:
   codes, e.g. -704 object not found). Positive byte counts from the native client are normalised to
   0 here (upstream forgot to for some paths). A store that cannot be reached raises `StoreError`;
   the caller then reports every block of the call as a load error.
+* ``max_pieces_per_call`` (optional class attribute, read with `piece_cap`): the most ``(addr, size)``
+  pieces one ``get`` or ``put`` may carry; callers split larger batches (`load_batches`). Absent or
+  None: no limit.
 * GVA operations (``batch_get_key_info``, ``batch_alloc``, leases, ``batch_write_finish``) are
   optional: backends without them raise `UnsupportedOperation` naming the backend.
 """
@@ -28,6 +31,7 @@ __all__ = [
     "TransferBatch",
     "UnsupportedOperation",
     "normalize_get_codes",
+    "piece_cap",
 ]
 
 # Mooncake Store error codes seen by the pool.
@@ -55,6 +59,12 @@ class UnsupportedOperation(StoreError, NotImplementedError):
 def normalize_get_codes(raw: Sequence[int]) -> list[int]:
     """Map native get results to 0 (ok) / negative (failed): positive byte counts become 0."""
     return [0 if int(code) >= 0 else int(code) for code in raw]
+
+
+def piece_cap(backend: object) -> int | None:
+    """The backend's ``max_pieces_per_call`` (None: no limit; backends without the attribute have none)."""
+    cap = getattr(backend, "max_pieces_per_call", None)
+    return cap if isinstance(cap, int) and cap > 0 else None
 
 
 def describe_code(code: int) -> str:

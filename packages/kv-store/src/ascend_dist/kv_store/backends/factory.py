@@ -11,7 +11,8 @@ from typing import Any
 
 from ascend_dist.common.errors import ConfigError, StoreError, format_allowed
 from ascend_dist.kv_store.backends.base import PoolBackend
-from ascend_dist.kv_store.config import BACKENDS, MooncakeStoreConfig, YuanrongConfig
+from ascend_dist.kv_store.config.config import BACKENDS, MooncakeStoreConfig, YuanrongConfig
+from ascend_dist.kv_store.config.store_config import runtime_memory_kind
 
 __all__ = ["UnavailableBackend", "create_backend", "create_backend_or_unavailable"]
 
@@ -26,6 +27,7 @@ def create_backend(
     global_rank: int = 0,
     backend_config: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
+    memory_kind: str | None = None,
 ) -> PoolBackend:
     """Create the named backend.
 
@@ -36,24 +38,28 @@ def create_backend(
         global_rank: Mooncake: the worker's rank (its SSD offload directory).
         backend_config: The backend's config as a mapping (instead of its file/env variable).
         env: Environment to read config paths and overrides from.
+        memory_kind: Where the KV caches live (``npu``, ``cuda``, ``cpu``); None asks the device
+            runtime when a backend needs it (Mooncake's default protocol, openYuanrong's check).
 
     Returns:
         The backend. A Mooncake store that is unreachable yields a disconnected backend (misses).
 
     Raises:
-        ConfigError: Unknown backend or bad backend configuration (names the key).
+        ConfigError: Unknown backend or bad backend configuration (names the key), or
+            openYuanrong with KV caches in device memory.
         StoreError: openYuanrong unreachable, or memcache unusable on this machine.
     """
     key = name.strip().lower()
     if key == "mooncake":
         from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
 
-        cfg = MooncakeStoreConfig.load(backend_config, env=env)
+        cfg = MooncakeStoreConfig.load(backend_config, env=env, memory_kind=memory_kind)
         return MooncakeBackend(cfg, contribute_memory=contribute_memory, global_rank=global_rank)
     if key == "yuanrong":
         from ascend_dist.kv_store.backends.yuanrong import YuanrongBackend
 
-        return YuanrongBackend(YuanrongConfig.load(backend_config, env=env))
+        cfg_yr = YuanrongConfig.load(backend_config, env=env)
+        return YuanrongBackend(cfg_yr, memory_kind=runtime_memory_kind(env) if memory_kind is None else memory_kind)
     if key == "memcache":
         from ascend_dist.kv_store.backends.memcache import MemcacheBackend
 

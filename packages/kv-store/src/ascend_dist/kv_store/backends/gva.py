@@ -1,6 +1,6 @@
 """The GVA side of the backend Protocol: one object per block in global memory (memcache).
 
-Runs in: worker processes (the layer-wise GVA path, `ascend_dist.kv_store.gva_layerwise`) and the
+Runs in: worker processes (the layer-wise GVA path, `ascend_dist.kv_store.transfer.gva_layerwise`) and the
 rank-0 lookup. Life of an object:
 
 * a writer reserves it with `GvaBackend.alloc` (its global virtual address, GVA; an existing key

@@ -22,6 +22,7 @@ class InMemoryBackend:
     """A `PoolBackend` keeping objects in this process; ``available=False`` simulates an outage."""
 
     name = "memory"
+    max_pieces_per_call: int | None = None  # no transport: any batch size
 
     def __init__(self) -> None:
         """Create an empty store."""

@@ -12,6 +12,9 @@ Runs in: worker processes (and the scheduler's light client). Design notes, from
   when the master's port answers again; the native client re-mounts its segment by itself, so a
   restarted master serves new puts and hits again.
 * Get results are byte counts on success; they are normalised to 0.
+* The TCP transport fails a batch of more than about 2,048 pieces to one peer with -800 (a 2,080-
+  piece get of 64 KiB pieces already fails; puts to a remote segment likewise), so callers cut
+  batches at ``max_pieces_per_call`` = 1,024 (half, as the count per peer is not exact).
 * Upstream rejected every protocol but ``ascend``; here the protocol is a setting.
 """
 
@@ -27,8 +30,8 @@ from typing import Any, Protocol, TypeVar
 
 from ascend_dist.common.errors import ConfigError, StoreError
 from ascend_dist.common.log import log_once
-from ascend_dist.kv_store.backends.base import describe_code, normalize_get_codes
-from ascend_dist.kv_store.config import MooncakeStoreConfig
+from ascend_dist.kv_store.backends.base import OBJECT_NOT_FOUND, describe_code, normalize_get_codes
+from ascend_dist.kv_store.config.config import MooncakeStoreConfig
 
 __all__ = ["MooncakeBackend", "MooncakeStoreClient"]
 
@@ -78,6 +81,10 @@ class MooncakeStoreClient(Protocol):
         """Native batch call (the binding takes lists or tuples)."""
         ...
 
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        """Native batch call: 0 per removed key, negative per failure."""
+        ...
+
     def remove_all(self, force: bool = False) -> int:
         """Native call."""
         ...
@@ -115,6 +122,7 @@ class MooncakeBackend:
     """A `PoolBackend` over Mooncake Store with lazy connect, outage circuit and reconnect."""
 
     name = "mooncake"
+    max_pieces_per_call: int | None = 1024  # below the TCP transport's ~2,048 pieces per peer and batch
 
     def __init__(
         self,
@@ -323,6 +331,23 @@ class MooncakeBackend:
         codes = normalize_get_codes(raw)
         self._note_codes("get", codes)
         return codes
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """``batch_remove`` (forced past leases): drops what a cancelled save may have stored; absent keys pass.
+
+        Raises:
+            StoreError: Not connected, master down, or a key other than an absent one failed.
+        """
+        if not keys:
+            return
+        store = self._client("remove")
+        codes = [int(c) for c in store.batch_remove(list(keys), True)]
+        self._note_codes("remove", codes)
+        bad = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]
+        if bad:
+            raise StoreError(
+                f"Mooncake batch_remove failed for {len(bad)} of {len(keys)} keys: {describe_code(bad[0])}"
+            )
 
     def close(self) -> None:
         """Close the native client. Idempotent."""

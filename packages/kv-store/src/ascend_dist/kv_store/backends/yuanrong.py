@@ -1,8 +1,11 @@
-"""openYuanrong datasystem backend over ``yr.datasystem.KVClient`` (host memory, CPU-capable).
+"""openYuanrong datasystem backend over ``yr.datasystem.KVClient`` (host memory only).
 
 Runs in: worker processes. Upstream used ``HeteroClient`` (device-memory H2D/D2H, needs an NPU); on
 a CPU host the same contract is met with the plain KV client: ``put`` gathers each key's pieces into
-one value and ``set``s it, ``get`` fetches values and scatters them into the pieces. Results follow
+one value and ``set``s it, ``get`` fetches values and scatters them into the pieces. Both copies go
+through host pointers (``ctypes``), so KV caches in device memory (NPU, CUDA) are refused at start
+with a `ConfigError`: dereferencing a device address on the host would crash the worker on its
+first save. (The installed package's ``HeteroClient`` is not wired here: it needs an NPU to test.) Results follow
 the Mooncake conventions (0 ok, -704 missing, -600 size mismatch) so the worker treats every backend
 alike. Keys are the pool's key strings unchanged (no normalisation, unlike the drifted docs).
 """
@@ -15,9 +18,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ascend_dist.common.errors import StoreError
+from ascend_dist.common.errors import ConfigError, StoreError
 from ascend_dist.kv_store.backends.base import INVALID_PARAMS, OBJECT_NOT_FOUND
-from ascend_dist.kv_store.config import YuanrongConfig
+from ascend_dist.kv_store.config.config import YuanrongConfig
 
 __all__ = ["YuanrongBackend", "YuanrongKVClient"]
 
@@ -71,13 +74,31 @@ class YuanrongBackend:
     name = "yuanrong"
 
     def __init__(
-        self, config: YuanrongConfig, *, client_factory: Callable[[YuanrongConfig], YuanrongKVClient] = _default_factory
+        self,
+        config: YuanrongConfig,
+        *,
+        memory_kind: str = "cpu",
+        client_factory: Callable[[YuanrongConfig], YuanrongKVClient] = _default_factory,
     ) -> None:
         """Connect to the worker.
 
+        Args:
+            config: Client settings.
+            memory_kind: Where the KV caches live: the device runtime's backend name; only
+                ``cpu`` (host memory) is accepted.
+            client_factory: Creates the native client.
+
         Raises:
+            ConfigError: The KV caches are in device memory (checked before connecting).
             StoreError: The worker cannot be reached (``init`` failed).
         """
+        if memory_kind != "cpu":
+            raise ConfigError(
+                "backend",
+                "yuanrong",
+                f"a backend that can reach {memory_kind} device memory (mooncake or memcache): the openYuanrong "
+                "KV client copies through host pointers and the KV caches are not in host memory",
+            )
         self._cfg = config
         self._client = client_factory(config)
         try:
