@@ -174,6 +174,56 @@ class TestMooncakeLayerwise:
         check_control(engines["b"], engines["reader"], reference, prompts, settle)
 
 
+def shared_prefix_prompts(seed: int) -> list[list[int]]:
+    """Three prompts over one 96-token prefix (3 chunks), with tails of their own (the last fills a 4th chunk)."""
+    prefix, *tails = make_prompts(seed, (96, 13, 20, 45))
+    return [prefix + tail for tail in tails]
+
+
+class TestMooncakeSharedPrefixOneBatch:
+    """Issue 21: the reader, prefix caching OFF, gets three prompts sharing a pooled prefix in one batch.
+
+    vLLM gives each request its own blocks for the shared chunks, so one synchronous load step holds
+    each pooled chunk three times; a batch get that repeats a key writes only its last destination.
+    The writer pools the prompts first (4 distinct chunks: the shared 3 and the last prompt's 4th).
+    """
+
+    @pytest.fixture(scope="class")
+    @staticmethod
+    def engines(host: EngineHost, models: dict[str, Path], master: MasterProcess) -> Iterator[dict[str, Engine]]:
+        store = mooncake_store_config(master.address)
+        spawned: dict[str, Engine] = {}
+        try:
+            # the writers too: with vLLM's prefix cache their second and third prompts would hit the first's blocks
+            for name, model in (("writer", "a"), ("reader", "a"), ("b", "b")):
+                spec = EngineSpec(
+                    model=str(models[model]), kv_transfer_config=pool_config("mooncake", store),
+                    enable_prefix_caching=False,
+                )  # fmt: skip
+                spawned[name] = host.spawn(spec, f"pool-shared-{name}")
+            yield spawned
+        finally:
+            for engine in spawned.values():
+                engine.close()
+
+    @staticmethod
+    def settle(master: MasterProcess) -> Any:
+        want = master_key_count(master) + 4  # distinct chunks of `shared_prefix_prompts`
+        return lambda: wait_for_keys(master, want)
+
+    def test_reader_loads_the_shared_prefix_for_every_request_of_a_batch(
+        self, engines: dict[str, Engine], master: MasterProcess, reference: Engine
+    ) -> None:
+        prompts = shared_prefix_prompts(1501)
+        check_reuse(engines["writer"], engines["reader"], reference, prompts, self.settle(master))
+
+    def test_control_writer_on_other_weights_changes_every_output(
+        self, engines: dict[str, Engine], master: MasterProcess, reference: Engine
+    ) -> None:
+        prompts = shared_prefix_prompts(1502)
+        check_control(engines["b"], engines["reader"], reference, prompts, self.settle(master))
+
+
 # ---- openYuanrong -----------------------------------------------------------------------------
 
 
@@ -183,7 +233,7 @@ def yuanrong_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     local_dscli = Path(sys.executable).parent / "dscli"
     dscli = str(local_dscli) if local_dscli.exists() else shutil.which("dscli")
     if dscli is None:
-        pytest.skip("dscli not installed (openyuanrong-datasystem)")
+        pytest.fail("dscli not installed: the engine environment must provide openyuanrong-datasystem")
     home = tmp_path_factory.mktemp("yuanrong")
     port = free_port()
     address = f"127.0.0.1:{port}"
