@@ -23,7 +23,9 @@ nox.options.error_on_missing_interpreters = True
 nox.options.reuse_existing_virtualenvs = True
 
 MEMBERS = {m.folder.name: m.dist for m in members()}
-PYTEST = ("pytest", "-p", "no:cacheprovider")
+# `--durations`: every pytest run names its slowest tests, so a creeping suite shows where (nox prints each
+# session's own time as it ends).
+PYTEST = ("pytest", "-p", "no:cacheprovider", "--durations=10")
 ENGINE_VENV = ROOT / ".nox" / "engine-env"
 # torch 2.13 (the CPU build's) warns about its own deprecated APIs when vLLM imports them; the suite
 # turns warnings into errors, so these (not ours, not vLLM's) are let through in that environment.
@@ -105,7 +107,7 @@ def engine(session: nox.Session) -> None:
     session.run("python", "tools/engine_env.py", "sync", "--venv", str(ENGINE_VENV), external=True)
     start = time.monotonic()
     session.run(
-        str(ENGINE_VENV / "bin" / "python"), "-m", *PYTEST, "tests/engine", "-m", "engine", "--durations=15",
+        str(ENGINE_VENV / "bin" / "python"), "-m", *PYTEST, "tests/engine", "-m", "engine", "--durations=25",
         *session.posargs, external=True,
     )  # fmt: skip
     session.log(f"engine tier: {time.monotonic() - start:.0f} s")
