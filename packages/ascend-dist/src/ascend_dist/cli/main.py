@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ascend_dist.cli.native_logs import NATIVE_LOGS_ENV, NativeLogFilter
 
 if TYPE_CHECKING:
     from ascend_dist.common.scenarios import Scenario
@@ -19,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ascend-dist", description="Distributed communication for vLLM on Ascend NPUs."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="log at INFO level to stderr, and let native libraries' own log lines (Mooncake's) through",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="report what is installed and usable, with fixes")
@@ -70,10 +78,36 @@ def _list(mode: str, engine: str) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns the process exit status."""
+def _native_log_path() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "ascend-dist" / "logs" / f"native-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+def main(argv: Sequence[str] | None = None, *, divert_native_logs: bool | None = None) -> int:
+    """Run the command; returns the process exit status.
+
+    `divert_native_logs` (default: only when run as the console script, `argv` None) puts the
+    `NativeLogFilter` behind descriptor 2 for the rest of the process; in-process callers keep their stderr.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    divert = argv is None if divert_native_logs is None else divert_native_logs
+    if not divert or args.verbose or os.environ.get(NATIVE_LOGS_ENV, "") not in ("", "0"):
+        return _run(args)
+    with NativeLogFilter(_native_log_path(), quiet_after_exit=True) as native:
+        status = _run(args)
+        sys.stdout.flush()
+        if native.diverted:
+            # Our line, written through the filter, so it is ordered after the command's own output.
+            print(
+                f"ascend-dist: native libraries' log lines (Mooncake's) are in {native.log_path}; "
+                f"-v or {NATIVE_LOGS_ENV}=1 shows them here",
+                file=sys.stderr,
+            )
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         from ascend_dist.cli.doctor import run_doctor
 
