@@ -112,3 +112,10 @@ def test_a_test_needing_the_newer_sibling_fails(ws, tmp_path, capsys):
 def _lock(root: Path) -> None:
     subprocess.run(["uv", "lock", "--quiet"], cwd=root, check=True, timeout=300)
     commit(root, "lock")
+
+
+def test_no_git_checkout_is_an_error_not_no_release(ws, capsys):
+    """Without git there are no tags to read: that must not pass as 'no earlier release'."""
+    subprocess.run(["rm", "-rf", str(ws / ".git")], check=True, timeout=30)
+    assert release_compat.main(["run", "--root", str(ws)]) == 1
+    assert "is no git checkout" in capsys.readouterr().err

@@ -194,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.root.resolve()
     members = load_members(root)
+    try:
+        shallow = git(root, "rev-parse", "--is-shallow-repository").strip() == "true"
+    except ReleaseRefused as exc:
+        print(f"compat: {root} is no git checkout, so it has no release tags to test against: {exc}", file=sys.stderr)
+        return 1
+    if shallow:  # a shallow clone usually lacks tags: "no earlier release" would be a guess, so say so
+        print("compat: WARNING: a shallow clone; release tags may be missing (git fetch --unshallow --tags)")
     chosen = [member_by_folder(members, f) for f in args.folders] or [m for m in members if not m.is_private]
     failures = 0
     for member in chosen:
