@@ -16,7 +16,9 @@ import nox
 
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "tools"))
-from _workspace import members  # noqa: E402
+from _workspace import members, normalise  # noqa: E402
+from release_matrix import ROWS as INSTALL_ROWS  # noqa: E402
+from release_matrix import row_problems, would_install  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
@@ -132,7 +134,8 @@ def device(session: nox.Session) -> None:
 
 @nox.session
 def wheels(session: nox.Session) -> None:
-    """Build every wheel as a publisher would, install each alone in a fresh venv, import it."""
+    """Build every wheel as a publisher would, install each alone in a fresh venv, import it; then each row of the
+    README's install matrix in a fresh venv (tools/release_matrix.py)."""
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.run("uv", "build", "--all-packages", "--no-sources", "-o", str(dist), external=True)
@@ -159,7 +162,7 @@ def wheels(session: nox.Session) -> None:
     session.log("every wheel installs alone and imports")
     private = {m.dist for m in members() if m.is_private}
     published = {d: w for d, w in wheels_by_dist.items() if d not in private}
-    _check_meta_wheel(session, dist, constraints, excludes, published)
+    _install_matrix(session, excludes, published)
 
 
 def _sibling_closure(dist: str) -> set[str]:
@@ -174,20 +177,51 @@ def _sibling_closure(dist: str) -> set[str]:
     return seen
 
 
-def _check_meta_wheel(
-    session: nox.Session, dist: Path, constraints: Path, excludes: Path, wheels_by_dist: dict[str, Path]
-) -> None:
-    """The meta-package with every member: entry points resolve, the command runs."""
-    venv = Path(session.create_tmp()) / "venv-all"
-    session.run("uv", "venv", "--quiet", "--clear", "-p", sys.executable, str(venv), external=True)
-    python = str(venv / "bin" / "python")
-    every = [str(w) for w in wheels_by_dist.values()]
-    session.run(
-        "uv", "pip", "install", "--quiet", "-p", python, "-c", str(constraints), "--excludes", str(excludes),
-        *every, external=True,
-    )  # fmt: skip
-    session.run(python, str(ROOT / "tools" / "check_layout.py"), "--installed", external=True)
-    session.run(str(venv / "bin" / "ascend-dist"), "demo", "--list", external=True)
+def _install_matrix(session: nox.Session, excludes: Path, wheels_by_dist: dict[str, Path]) -> None:
+    """Each row of the README's install matrix in a fresh venv, every one of our names pinned to its wheel."""
+    pins = Path(session.create_tmp()) / "our-wheels.txt"
+    pins.write_text(
+        "torch==2.14.0\n" + "".join(f"{d} @ {w.resolve().as_uri()}\n" for d, w in sorted(wheels_by_dist.items()))
+    )
+    for i, row in enumerate(INSTALL_ROWS):
+        venv = Path(session.create_tmp()) / f"venv-row-{i}"
+        session.run("uv", "venv", "--quiet", "--clear", "-p", sys.executable, str(venv), external=True)
+        python = str(venv / "bin" / "python")
+        install = ["uv", "pip", "install", "-p", python, "-c", str(pins), "--excludes", str(excludes)]
+        if not row.install:
+            output = session.run(*install, "--dry-run", row.requirement, external=True, silent=True)
+            brought = would_install(str(output))
+        else:
+            session.run(*install, "--quiet", row.requirement, external=True)
+            listing = "import importlib.metadata as m; print('\\n'.join(d.metadata['Name'] for d in m.distributions()))"
+            brought = {
+                normalise(n) for n in str(session.run(python, "-c", listing, external=True, silent=True)).split()
+            }
+            imports = "; ".join(f"import {m}" for m in row.imports)
+            session.run(python, "-c", f"{imports}; print('imports ok')", external=True)
+        problems = row_problems(row, brought)
+        if problems:
+            session.error("\n".join(problems))
+        how = "installed" if row.install else f"resolved only ({row.why_resolved_only})"
+        session.log(f"install matrix: {row.who}: `{row.command}` {how}: ours {sorted(row.ours)}")
+        if row.requirement == "ascend-dist[all,cpu]":  # the meta-package with every member: entry points, command
+            session.run(python, str(ROOT / "tools" / "check_layout.py"), "--installed", external=True)
+            session.run(str(venv / "bin" / "ascend-dist"), "demo", "--list", external=True)
+
+
+@nox.session(venv_backend="none")
+def compat(session: nox.Session) -> None:
+    """Each member's tests against the lowest sibling releases its ranges admit, built from their tags; runs only
+    for members whose ranges span more than one release and prints the plan for the others (docs/releasing.md)."""
+    session.run("python", "tools/release_compat.py", "run", *session.posargs, external=True)
+
+
+@nox.session(default=False, venv_backend="none")
+def release(session: nox.Session) -> None:
+    """Cut one member's release: `nox -s release -- MEMBER major|minor|patch|X.Y.Z [--dry-run]` (docs/releasing.md)."""
+    if not session.posargs:
+        session.error("usage: nox -s release -- MEMBER major|minor|patch|X.Y.Z [--dry-run]")
+    session.run("python", "tools/release.py", *session.posargs, external=True)
 
 
 @nox.session(default=False)
