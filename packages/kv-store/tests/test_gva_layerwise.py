@@ -294,3 +294,45 @@ def test_read_leases_are_released_when_a_load_copy_raises(kvtools, raising: bool
     finally:
         a.close()
         b.close()
+
+
+def test_a_block_whose_load_failed_this_step_is_never_saved(kvtools) -> None:
+    """x's load of chunks 1-2 fails (evicted after x's lookup); y, in the same step, hit x's blocks in
+    vLLM's prefix cache and plans saves of chunks 1-3 from them (its own lookup saw only chunk 0).
+    Blocks 5 and 6 hold no chunk: no object of theirs may be published; chunk 3 (block 7) still is.
+
+    Control: before the fix the store ended up holding B's unwritten bytes under chunks 1 and 2.
+    """
+    store = HostGvaStore(4 << 20)
+    cfg, (a, b) = _pair(store)
+    try:
+        src = kvtools.make(num_layers=3, num_blocks=8, seed=1)
+        dst = kvtools.make(num_layers=3, num_blocks=8, seed=5)
+        a.register_kv_caches(src, 8)
+        b.register_kv_caches(dst, 8)
+        prompt = list(range(48))
+        _save(cfg, a, prompt, [1, 2, 3])
+        longer = prompt + list(range(100, 116))  # y: x's 3 chunks and one of its own
+        sched = build_scheduler(SPEC, cfg, b.safe_lookup)
+        hashes = sched.hashes_for(longer)[1]
+        need, _ = sched.get_num_new_matched_tokens("x", prompt, 48, 0)
+        sched.update_state_after_alloc("x", [[4, 5, 6]], need)
+        evicted = [gva_block_key("tiny-gva", h, 0) for h in hashes[1:3]]
+        assert store.evict(evicted) == evicted  # gone between x's lookup and its load
+        assert sched.get_num_new_matched_tokens("y", longer, 64, 48) == (0, False)
+        sched.update_state_after_alloc("y", [[4, 5, 6, 7]], 0)
+        meta = sched.build_meta(
+            StepInput(new=[NewRequest("x", prompt, [[4, 5, 6]], need, 48 - need),
+                           NewRequest("y", longer, [[4, 5, 6, 7]], 48, 16)])
+        )  # fmt: skip
+        (y,) = [r for r in meta.requests if r.req_id == "y"]
+        assert y.can_save and y.save_start_token <= 16  # control: y plans saves from blocks 5 and 6
+        _run_layers(b, meta)
+        b.drain(10)
+        assert b.get_block_ids_with_load_errors() == {5, 6}
+        assert store.batch_is_exist(evicted) == [0, 0]  # never B's unwritten blocks under chunks 1-2
+        assert store.batch_is_exist([gva_block_key("tiny-gva", hashes[3], 0)]) == [1]  # y's own chunk saved
+        assert b.stats.unwritten_skipped == 2
+    finally:
+        a.close()
+        b.close()

@@ -32,8 +32,9 @@ SPEC = PoolSpec(model="tiny", block_sizes=(16,), num_kv_heads=2)
 CHILD = Path(__file__).with_name("pool_child.py")
 
 
-def backend_for(master, **kw) -> MooncakeBackend:
-    return MooncakeBackend(MooncakeStoreConfig.load(master.config(), env={}), **kw)
+def backend_for(master, *, segment: str = "64MB", preferred_segment: bool = False, **kw) -> MooncakeBackend:
+    cfg = {**master.config(segment), "preferred_segment": preferred_segment}
+    return MooncakeBackend(MooncakeStoreConfig.load(cfg, env={}), **kw)
 
 
 def test_backend_multi_buffer_round_trip(mooncake_master) -> None:
@@ -57,6 +58,37 @@ def test_backend_multi_buffer_round_trip(mooncake_master) -> None:
         assert be.get(keys[:1], [[out]], [[1024]]) == [-600]  # destination too small
     finally:
         be.close()
+
+
+def test_preferred_segment_puts_into_the_own_segment(mooncake_master) -> None:
+    """``preferred_segment``: puts land in the putting client's own segment (a memory copy, not TCP).
+
+    Proof: the objects vanish with that segment when the client closes. Control: a client without
+    the setting (and the default ``prefer_alloc_in_same_node``) spreads its puts, so some outlive
+    it; an ignored setting, or one the same-node flag overrides (Mooncake 0.3.13), fails.
+    """
+    mine = backend_for(mooncake_master, segment="32MB", preferred_segment=True)
+    plain = backend_for(mooncake_master, segment="32MB")
+    other = backend_for(mooncake_master, segment="32MB")  # a third segment the master may choose
+    try:
+        assert mine.preferred_segment == mine.native_client().get_hostname() and plain.preferred_segment is None
+        src = np.random.default_rng(1).integers(0, 256, 64 << 10, dtype=np.uint8)
+        pieces = [[src.ctypes.data + 1024 * i, src.ctypes.data + 32768 + 1024 * i] for i in range(32)]
+        keys = {n: [f"seg-{n}-{i}" for i in range(32)] for n in ("mine", "plain")}
+        for name, be in (("mine", mine), ("plain", plain)):
+            be.register_buffer([src.ctypes.data], [src.nbytes])
+            assert be.put(keys[name], pieces, [[1024, 1024]] * 32) == [0] * 32
+        dst = np.zeros(2048, dtype=np.uint8)
+        other.register_buffer([dst.ctypes.data], [dst.nbytes])
+        assert other.get(keys["mine"][5:6], [[dst.ctypes.data]], [[2048]]) == [0]  # readable by others
+        assert bytes(dst) == bytes(src[5120:6144]) + bytes(src[32768 + 5120 : 32768 + 6144])
+        mine.close()
+        assert other.exists(keys["mine"]) == [0] * 32  # every object was in mine's segment
+        plain.close()
+        assert 1 in other.exists(keys["plain"])  # the control: the master's own choice spread them
+    finally:
+        for be in (mine, plain, other):
+            be.close()
 
 
 class SetupRecorder:

@@ -9,7 +9,10 @@ worker connector from vLLM's factory over CPU caches (`vllm_driver`), in each co
 load mode (ours: synchronous, vLLM's: ``load_async``). The contenders: ours over Ascend's split
 (K, V) caches (what vllm-ascend registers; 2 pieces per layer and chunk), vLLM's connector over
 vLLM 0.33's one tensor per layer (what it requires; 1 piece), and ours over vLLM's layout too (the
-same pieces as vLLM's; informative, no target). After one warm-up round (verified, not timed:
+same pieces as vLLM's; informative, no target). Ours runs with ``preferred_segment`` (A's puts go
+into A's own segment: a memory copy; B then reads every object over TCP); vLLM's with its defaults
+(the master places each put in either instance's segment, so about half of its puts and of its
+loads are local copies). After one warm-up round (verified, not timed:
 first touch of the segments), per round and contender (which runs first rotates per round):
 
 1. A is sent ``requests`` prompts of ``chunks`` whole blocks; **store GB/s** = their whole chunks'
@@ -187,7 +190,10 @@ class PoolVllmScenario:
         """``KVTransferConfig`` fields of one instance (the driver builds it: only vllm_* modules import vLLM)."""
         config: dict[str, Any] = {"lookup_rpc_port": port}
         if not c.peer:
-            config |= {"backend": "mooncake", "store_config": self._store_settings(master, 0)}
+            # ours puts into the saving worker's own segment (a memory copy); vLLM's connector can
+            # only name a fixed segment, and P2PHANDSHAKE segment names carry a port chosen at setup
+            store = self._store_settings(master, 0) | {"preferred_segment": True}
+            config |= {"backend": "mooncake", "store_config": store}
         for key, value in (extra or {}).items():
             config[key] = {**config[key], **value} if key == "store_config" else value
         return {

@@ -16,6 +16,14 @@ Runs in: worker processes (and the scheduler's light client). Design notes, from
   piece get of 64 KiB pieces already fails; puts to a remote segment likewise), so callers cut
   batches at ``max_pieces_per_call`` = 1,024 (half, as the count per peer is not exact).
 * Upstream rejected every protocol but ``ascend``; here the protocol is a setting.
+* ``preferred_segment`` (a memory-contributing client only) makes puts allocate in this client's
+  own segment, named by ``get_hostname()`` after setup (with ``P2PHANDSHAKE`` it carries a port
+  chosen at setup, so no static setting could name it). A put whose replica is local is a memory
+  copy instead of a TCP write: ~2.7x the put throughput of the default placement on loopback
+  (5.7 vs 2.1 GB/s for 256 MiB of 64 KiB pieces). When the own segment is full the master
+  allocates elsewhere (measured: a 64 MiB segment took 256 MiB of puts, all stored). Mooncake
+  0.3.13 ignores ``preferred_segment`` when ``prefer_alloc_in_same_node`` is also set (the puts
+  spread over every segment), so the own segment replaces that flag (it is on this node anyway).
 """
 
 from __future__ import annotations
@@ -93,6 +101,10 @@ class MooncakeStoreClient(Protocol):
         """Native call."""
         ...
 
+    def get_hostname(self) -> str:
+        """Native call: this client's segment name (``host:port`` with ``P2PHANDSHAKE``)."""
+        ...
+
 
 def _default_factory() -> MooncakeStoreClient:
     from mooncake.store import MooncakeDistributedStore  # native; imported only when used
@@ -100,11 +112,15 @@ def _default_factory() -> MooncakeStoreClient:
     return MooncakeDistributedStore()
 
 
-def _default_replicate_config(cfg: MooncakeStoreConfig) -> Any:
+def _default_replicate_config(cfg: MooncakeStoreConfig, own_segment: str | None) -> Any:
+    """The puts' ``ReplicateConfig``; ``own_segment``: the segment puts prefer (None: the master's choice)."""
     from mooncake.store import ReplicateConfig
 
     rc = ReplicateConfig()
-    rc.prefer_alloc_in_same_node = cfg.prefer_alloc_in_same_node
+    if own_segment:  # Mooncake 0.3.13 ignores preferred_segment when prefer_alloc_in_same_node is set
+        rc.preferred_segment = own_segment
+    else:
+        rc.prefer_alloc_in_same_node = cfg.prefer_alloc_in_same_node
     return rc
 
 
@@ -162,6 +178,7 @@ class MooncakeBackend:
         self._lock = threading.Lock()
         self._store: MooncakeStoreClient | None = None
         self._replicate: Any = None
+        self._own_segment: str | None = None  # the segment puts prefer (``preferred_segment``)
         self._regions: list[tuple[int, int]] = []
         self._next_attempt = 0.0
         self._down_until = 0.0
@@ -205,7 +222,10 @@ class MooncakeBackend:
         for ptr, size in self._regions:
             if store.register_buffer(ptr, size) != 0:
                 logger.warning("Mooncake register_buffer(%#x, %d) failed after connect", ptr, size)
-        self._replicate = _default_replicate_config(self._cfg) if self._factory is _default_factory else None
+        self._own_segment = store.get_hostname() if self._cfg.preferred_segment and self._segment > 0 else None
+        self._replicate = (
+            _default_replicate_config(self._cfg, self._own_segment) if self._factory is _default_factory else None
+        )
         self._store = store
         logger.info(
             "Mooncake store connected: master=%s protocol=%s segment=%d", addr, self._cfg.protocol, self._segment
@@ -262,6 +282,11 @@ class MooncakeBackend:
             StoreError: Not connected.
         """
         return self._client("native_client")
+
+    @property
+    def preferred_segment(self) -> str | None:
+        """The segment puts prefer: this client's own with ``preferred_segment`` and a segment, else None."""
+        return self._own_segment
 
     @property
     def replicate_config(self) -> Any:

@@ -70,6 +70,8 @@ class _GvaStep:
     loads: tuple[_Pair, ...] = ()
     saves: tuple[_Pair, ...] = ()
     failed: set[str] = field(default_factory=set)  # keys with a failed save copy (sending thread only)
+    # keys whose block's load failed this step (main thread rebinds it, the sending thread reads it)
+    unwritten: frozenset[str] = frozenset()
     last_layer_saved: bool = False  # main thread: the last layer's save was queued
     layer_done: list[threading.Event] = field(default_factory=list)  # layer L's KV saved: its buffer may be reused
     stamp: Mapping[str, int] | None = None  # `RequestFence` generations of the saving requests
@@ -248,6 +250,7 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
         if layer is None or not isinstance(state, _GvaStep):
             return
         if state.saves and self._sender is not None:
+            self._skip_unwritten(state)
             event = self._record_event() if self._record_event is not None else None
             reqs = tuple(sorted({pair.planned.req_id for pair in state.saves}))
             self._sender.submit(reqs, _LayerJob(layer, (), event=event, state=state))
@@ -255,6 +258,21 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
             state.layer_done[layer].set()  # computed and nothing to save: its buffer may be reused
         if layer == self._num_layers - 1:
             state.last_layer_saved = True
+
+    def _skip_unwritten(self, state: _GvaStep) -> None:
+        """Objects of blocks whose load failed this step are never copied into nor published.
+
+        Such a block holds no chunk (vLLM recomputes it), yet a request hitting it in vLLM's prefix
+        cache plans a save from it. Checked at every layer (on the forward pass's thread, after that
+        layer's load was waited for): a layer's failed load spoils the whole block's object.
+        """
+        blocks = self._errors.pending_blocks()
+        if not blocks:
+            return
+        new = {p.key for p in state.saves if p.planned.chunk.block_id in blocks} - state.unwritten
+        if new:
+            self._stats.unwritten_skipped += len(new)
+            state.unwritten = state.unwritten | new  # one rebinding: the sending thread reads a snapshot
 
     # ---- copies (transfer threads) ----
 
@@ -366,11 +384,13 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
                 logger.warning("layer %d: compute not finished (%s); the step's objects are dropped", job.layer, exc)
                 state.failed.update(pair.key for pair in state.saves)
         self._drop_cancelled(state)
+        state.failed.update(state.unwritten)
         todo = tuple(pair for pair in state.saves if pair.key not in state.failed)
         if todo:
             state.failed.update(pair.key for pair in self._copy(todo, job.layer, L2G))
         if job.layer == self._num_layers - 1:
             self._drop_cancelled(state)  # cancelled while copying: those objects may hold reused blocks
+            state.failed.update(state.unwritten)
             self._publish(state)
 
     def _drop_cancelled(self, state: _GvaStep) -> None:
