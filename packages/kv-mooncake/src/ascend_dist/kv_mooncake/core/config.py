@@ -21,6 +21,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.zmq_server import tcp_endpoint
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
     "PROTOCOLS",
     "WHOLE_EXTRA",
     "CommonFields",
@@ -47,6 +48,8 @@ FieldParser = Callable[[str, object], Any]
 """Turns one raw extra-config value into a field value; the ``str`` is the name errors give."""
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Upper bound of ``max_message_bytes``: each server may queue about twice this (see `RpcServer`)."""
 """Mooncake transport protocols: ``tcp`` on a CPU machine, ``ascend`` on Ascend, ``rdma`` on GPU."""
 
 
@@ -286,7 +289,7 @@ class ConnectorConfig:
         host: Interface this side binds and advertises (never a wildcard).
         protocol: Mooncake transport (``tcp``, ``rdma``, ``ascend``).
         dp_rank: This instance's data-parallel rank.
-        max_message_bytes: Largest side-channel message accepted.
+        max_message_bytes: Largest side-channel message accepted (1 KiB to `MAX_MESSAGE_BYTES`).
         model: Model name (compatibility field).
         dtype: KV dtype name (compatibility field).
     """
@@ -299,7 +302,7 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     protocol: str = "tcp"
     dp_rank: int = option(0, ints(0))
-    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024))
+    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024, MAX_MESSAGE_BYTES))
     model: str = ""
     dtype: str = ""
 
