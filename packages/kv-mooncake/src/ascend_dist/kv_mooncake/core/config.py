@@ -31,6 +31,7 @@ __all__ = [
     "Topology",
     "bool_field",
     "check_common",
+    "host_list",
     "int_field",
     "ints",
     "opt_str_field",
@@ -123,6 +124,14 @@ def seconds(*, allow_zero: bool = False) -> FieldParser:
 def ints(low: int, high: int | None = None) -> FieldParser:
     """A `FieldParser` of `int_field` in ``[low, high]``."""
     return lambda name, value: int_field(name, value, low, high)
+
+
+def host_list(name: str, value: object) -> tuple[str, ...]:
+    """A `FieldParser` of host names: a list of strings, or one comma-separated string."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(h, str) and h.strip() for h in items):
+        raise ConfigError(name, value, "a list of host names or addresses (or one comma-separated string)")
+    return tuple(h.strip().lower().strip("[]") for h in items)
 
 
 def text(_name: str, value: object) -> str:
@@ -290,6 +299,8 @@ class ConnectorConfig:
         protocol: Mooncake transport (``tcp``, ``rdma``, ``ascend``).
         dp_rank: This instance's data-parallel rank.
         max_message_bytes: Largest side-channel message accepted (1 KiB to `MAX_MESSAGE_BYTES`).
+        metaserver_hosts: The only hosts a request's ``metaserver`` URL may name (D POSTs its
+            contact and block ids there); loopback by default. Set it to the proxy's host(s).
         model: Model name (compatibility field).
         dtype: KV dtype name (compatibility field).
     """
@@ -305,6 +316,7 @@ class ConnectorConfig:
     max_message_bytes: int = option(4 * 1024 * 1024, ints(1024, MAX_MESSAGE_BYTES))
     model: str = ""
     dtype: str = ""
+    metaserver_hosts: tuple[str, ...] = option(("127.0.0.1", "localhost", "::1"), host_list)
 
     TOPOLOGY_EXPECTED: ClassVar[str] = "a dict with tp_size (and dp_size)"
     """What the error says a missing ``prefill`` / ``decode`` should be."""
