@@ -156,9 +156,7 @@ class TransferGroup:
 
 
 def _listen_fd(host: str, port: int) -> int:
-    """A socket listening on ``host:port`` only, as a file descriptor the TCPStore takes over.
-
-    Given no socket, the store binds the wildcard address whatever host it was given.
+    """A socket listening on ``host:port`` only, for the TCPStore (which alone binds the wildcard).
 
     Raises:
         ConfigError: ``host`` is a wildcard, does not resolve, or ``host:port`` cannot be bound.
