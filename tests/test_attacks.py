@@ -6,7 +6,9 @@ refusals without our values) and ``packages/kv-mooncake/tests/test_pd_failures.p
 
 from __future__ import annotations
 
+import logging
 import resource
+import threading
 from typing import Any
 
 import msgspec
@@ -57,3 +59,25 @@ def test_lookup_fields_out_of_range_are_refused_before_the_lookup_runs(fields: d
     finally:
         server.close()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200 * 1024  # KiB: < 200 MiB
+
+
+@pytest.mark.timeout(60)
+def test_a_junk_flood_is_logged_once_per_interval_and_lookups_are_still_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = LookupServer(lambda req: req.token_len, COMPAT, host="127.0.0.1", port=free_port())
+    threads_before = threading.active_count()
+    good = LookupCodec.encode(LookupRequest(compat_hash=COMPAT, token_len=32))
+    try:
+        with caplog.at_level(logging.WARNING), RpcClient(timeout_s=10.0, retries=1) as client:
+            for i in range(2000):  # 16-byte junk frames, each answered with an error reply
+                reply = ReplyCodec.decode(client.request(server.endpoint, b"\xc1" + i.to_bytes(15, "big")))
+                assert reply.hit_tokens == 0 and reply.error
+                if i % 500 == 0:  # legitimate lookups in between are answered correctly
+                    assert ReplyCodec.decode(client.request(server.endpoint, good)).hit_tokens == 32
+    finally:
+        server.close()
+    lines = [r for r in caplog.records if "undecodable" in r.getMessage() or "refused a request" in r.getMessage()]
+    assert len(lines) <= 2  # one line per 10 s interval (maybe spent by an earlier test), not 2,000
+    assert not any(r.exc_info for r in caplog.records)  # no tracebacks
+    assert threading.active_count() <= threads_before
