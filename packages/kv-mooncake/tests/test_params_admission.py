@@ -243,3 +243,30 @@ def test_the_gate_warns_once_per_request_and_once_per_unknown_key(caplog: pytest
         assert gate.admit(SchedRequest(rid, PROMPT, {**GOOD[0], "aborted_request": [], "surprise": 1}), PROMPT)
     (record,) = caplog.records
     assert "surprise" in record.getMessage() and "aborted_request" not in record.getMessage()
+
+
+@pytest.mark.parametrize("check", ["layerwise-d", "sfa-d"])
+def test_a_metaserver_on_a_host_the_operator_did_not_configure_is_refused(check: str) -> None:
+    raw = {**GOOD[2], "do_remote_prefill": True, "metaserver": "http://collector.example:8000/v1/metaserver"}
+    with pytest.raises(ConfigError) as info:
+        CHECKS[check](raw)
+    assert info.value.field == "kv_transfer_params.metaserver" and "metaserver_hosts" in info.value.expected
+    CHECKS[check]({**raw, "metaserver": "http://127.0.0.1:8000/v1/metaserver"})  # control: loopback is configured
+
+
+def test_configured_metaserver_hosts_are_the_only_ones_allowed() -> None:
+    extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, "metaserver_hosts": "proxy-0.cluster, 10.0.0.7"}
+    config = LayerwiseConfig.from_kv_transfer_config(engine_id="E", kv_role="kv_consumer", kv_port=40000, extra=extra)
+    assert config.metaserver_hosts == ("proxy-0.cluster", "10.0.0.7")
+    d = LayerwiseScheduler(config, [16], metaserver=_Metaserver())
+    raw = {**GOOD[2], "do_remote_prefill": True}
+    d.check_params("r", {**raw, "metaserver": "http://PROXY-0.cluster:80/m"}, PROMPT)
+    with pytest.raises(ConfigError):
+        d.check_params("r", {**raw, "metaserver": "http://127.0.0.1/m"}, PROMPT)
+
+
+def test_max_message_bytes_is_capped() -> None:
+    extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, "max_message_bytes": 1 << 40}
+    with pytest.raises(ConfigError) as info:
+        LayerwiseConfig.from_kv_transfer_config(engine_id="E", kv_role="kv_consumer", kv_port=40000, extra=extra)
+    assert "max_message_bytes" in info.value.field

@@ -105,9 +105,10 @@ def test_p_and_d_on_different_layouts_are_refused_at_the_handshake(
             tcp_endpoint("127.0.0.1", pair.kv_port), requests.encode(GetMeta(handshake=handshake, engine_id="D-probe"))
         )
     reply = replies.decode(body)  # P's own answer: both layouts named
-    assert isinstance(reply, Refused) and (reply.field, reply.local, reply.remote) == ("layout", "kv/LBHNC", "kv/LBNHC")
+    assert isinstance(reply, Refused) and (reply.field, reply.local, reply.remote) == ("layout", "", "kv/LBNHC")
     with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.pull.threads"):
         errors = pair.transfer("x", 40, seed=1)
     assert errors == set(pair.d.blocks["x"][0])  # nothing read: every block reported, vLLM recomputes
-    assert "layout differs (local='kv/LBNHC', remote='kv/LBHNC')" in caplog.text
+    # D names its own layout; P's refusal never tells D (or a prober) P's own.
+    assert "layout differs (local='kv/LBNHC', remote='(not disclosed)')" in caplog.text
     assert pair.wait_p_idle()["blocks_lent"] == 0  # D's DONE still freed P

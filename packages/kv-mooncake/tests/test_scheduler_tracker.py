@@ -64,13 +64,15 @@ def test_transfer_params_errors_name_the_key() -> None:
 
 def test_codec_refuses_garbage_and_oversized_frames() -> None:
     codec = request_codec(1024)
-    assert codec.decode(codec.encode(Done(request_id="r", d_rank=0))) == Done(request_id="r", d_rank=0)
+    assert codec.decode(codec.encode(Done(request_id="r", d_rank=0, ok=True))) == Done(
+        request_id="r", d_rank=0, ok=True
+    )
     with pytest.raises(ProtocolError):
         codec.decode(b"\xc1garbage")
     with pytest.raises(MessageTooLarge):
         codec.decode(b"\x00" * 2048)
     with pytest.raises(ProtocolError):
-        codec.decode(codec.encode(Done(request_id="r", d_rank=0))[:-1])
+        codec.decode(codec.encode(Done(request_id="r", d_rank=0, ok=True))[:-1])
     assert GetMeta.__struct_config__.tag == "get_meta"
 
 

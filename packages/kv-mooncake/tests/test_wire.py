@@ -71,3 +71,64 @@ def test_extra_checks_and_the_client_side() -> None:
     with pytest.raises(ProtocolError, match="expected HelloAck"):
         accept_reply(sfa.ReadDone(layer_idx=0), sfa.HelloAck, local, "D")
     assert accept_reply(sfa.HelloAck(receiver="d"), sfa.HelloAck, local, "D") == sfa.HelloAck(receiver="d")
+
+
+def test_a_refusal_names_the_field_and_never_the_servers_value() -> None:
+    local = pull.CHANNEL.handshake(sender="P", model="secret-model", dtype="float16")
+    remote = pull.CHANNEL.handshake(sender="D", model="guess", dtype="float16")
+    refused = admit(local, "P0", GetMeta(handshake=remote, engine_id="D0"))
+    assert refused == Refused(field="model", remote="guess")
+    assert "secret-model" not in str(msgspec.msgpack.encode(refused))
+    with pytest.raises(IncompatiblePeer) as info:
+        accept_reply(refused, GetMeta, remote, "P")
+    assert info.value.field == "model" and "secret" not in str(info.value)
+
+
+def _refusal(codec: typing.Any, frame: bytes) -> Refused:
+    with pytest.raises(ProtocolError) as info:
+        codec.decode(frame)
+    assert info.value.reply is not None
+    reply = push.CHANNEL.reply_codec(1 << 20).decode(info.value.reply)
+    assert isinstance(reply, Refused)
+    return reply
+
+
+def test_a_pull_done_never_decodes_on_the_layerwise_channel_and_back() -> None:
+    pull_done = pull.request_codec(1 << 20).encode(pull.Done(request_id="r", ok=True, d_rank=0))
+    push_done = push.request_codec(1 << 20).encode(push.PushDone(request_id="r", ok=True, sender="p0", trans_count=1))
+    assert _refusal(push.request_codec(1 << 20), pull_done).field == "$.kind"
+    assert _refusal(pull.request_codec(1 << 20), push_done).field == "$.kind"
+    # Control: each decodes on its own channel.
+    assert isinstance(pull.request_codec(1 << 20).decode(pull_done), pull.Done)
+    assert isinstance(push.request_codec(1 << 20).decode(push_done), push.PushDone)
+
+
+@pytest.mark.parametrize("channel", CHANNELS, ids=lambda c: c.name)
+def test_a_peer_of_another_wire_version_is_refused_naming_protocol_version(channel: Channel) -> None:
+    # A version-1 style frame (another tag field) whose handshake names its version.
+    old = {"type": "get_meta", "handshake": {"protocol": channel.name, "protocol_version": 1}, "engine_id": "X"}
+    refused = _refusal(channel.request_codec(1 << 20), msgspec.msgpack.encode(old))
+    assert refused == Refused(field="protocol_version", remote="1")
+    junk = _refusal(channel.request_codec(1 << 20), b"\xc1\xc1")
+    assert junk.field == "message" and junk.remote == ""
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"layers": [10**9]},
+        {"layers": [-1]},
+        {"layers": list(range(5000))},
+        {"trans_count": 0},
+        {"trans_count": 10**9},
+        {"request_ids": ["x" * 10_000]},
+        {"request_ids": ["r"] * 5000},
+    ],
+    ids=lambda f: next(iter(f)),
+)
+def test_layer_done_fields_are_bounded_before_anything_is_allocated(fields: dict[str, typing.Any]) -> None:
+    msg = {"kind": "layer_done", "sender": "p0", "layers": [0], "request_ids": ["r"], "trans_count": 1}
+    codec = push.request_codec(1 << 20)
+    assert isinstance(codec.decode(msgspec.msgpack.encode(msg)), push.LayerDone)  # control
+    with pytest.raises(ProtocolError):
+        codec.decode(msgspec.msgpack.encode({**msg, **fields}))

@@ -115,7 +115,7 @@ def test_stop_joins_the_thread_and_is_idempotent(ctx: zmq.Context[Any]) -> None:
     server.start()
     assert server.running
     started = set(threading.enumerate()) - baseline
-    assert [t.name for t in started] == [f"meta-server:{server.port}"]
+    assert sorted(t.name for t in started) == [f"meta-handler:{server.port}", f"meta-server:{server.port}"]
     with pytest.raises(InvalidTransition):
         server.start()
     server.stop()

@@ -12,12 +12,12 @@ import torch
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, LayoutError, ProtocolError, TransferError
 from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver
 from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
-from ascend_dist.kv_mooncake.core.messages import Done, TensorMeta
+from ascend_dist.kv_mooncake.core.messages import TensorMeta
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import LayerDone, parse_push_params, request_codec
+from ascend_dist.kv_mooncake.push.messages import LayerDone, PushDone, parse_push_params, request_codec
 from ascend_dist.kv_mooncake.push.plan import (
     a2a_member_index,
     as_descriptors,
@@ -165,10 +165,10 @@ def test_receiver_counts_distinct_senders_and_reports_failures_with_blocks() -> 
     rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=clock)
     rx.expect(RecvReqMeta(request_id="int-a", transfer_id="a", block_ids=[[1, 2], [3]]))
     assert rx.on_layer_done(LayerDone(sender="p0", layers=[0], request_ids=["a"], trans_count=2)) == []
-    rx.on_done(Done(sender="p0", request_id="a", trans_count=2))
-    rx.on_done(Done(sender="p0", request_id="a", trans_count=2))  # duplicate: no over-count
+    rx.on_done(PushDone(sender="p0", request_id="a", trans_count=2, ok=True))
+    rx.on_done(PushDone(sender="p0", request_id="a", trans_count=2, ok=True))  # duplicate: no over-count
     assert rx.take_finished()[0] == set()
-    rx.on_done(Done(sender="p1", request_id="a", trans_count=2))
+    rx.on_done(PushDone(sender="p1", request_id="a", trans_count=2, ok=True))
     assert rx.take_finished() == ({"int-a"}, set(), {})
     # Early messages (before expect) are kept; a gap longer than layer_timeout_s fails the request.
     rx.on_layer_done(LayerDone(sender="p0", layers=[0], request_ids=["b"], trans_count=1))
@@ -185,7 +185,7 @@ def test_receiver_failed_done_and_first_layer_deadline() -> None:
     rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=clock)
     rx.expect(RecvReqMeta(request_id="x", transfer_id="x", block_ids=[[1]]))
     rx.expect(RecvReqMeta(request_id="y", transfer_id="y", block_ids=[[2]]))
-    rx.on_done(Done(sender="p0", request_id="x", trans_count=1, ok=False, reason="boom"))
+    rx.on_done(PushDone(sender="p0", request_id="x", trans_count=1, ok=False, reason="boom"))
     clock.now = 5.5
     done, errors, reasons = rx.take_finished()
     assert done == {"x", "y"} and errors == {1, 2} and "boom" in reasons["x"]

@@ -182,3 +182,21 @@ def test_refusals(d: Any) -> None:
     assert isinstance(unknown, ReadDone) and unknown.failed == ["nobody"]
     assert 0.15 < time.monotonic() - start < 3.0  # waited dest_wait_s for D's own step, no longer
     assert engine.reads == []
+
+
+def test_reads_for_unknown_requests_cannot_keep_the_read_thread_parked(d: Any) -> None:
+    worker, engine, ch = d
+    ch.hello("P/tp0")
+    start = time.monotonic()
+    first = ch.send(_ready("P/tp0", 0, [ReadReq("nobody", [1], [2])], []))
+    assert isinstance(first, ReadDone) and first.failed == ["nobody"]
+    assert time.monotonic() - start > 0.15  # control: the first one waited dest_wait_s (0.2 s)
+    for i in range(10):  # a repeat, then other unknown ids: answered without waiting
+        start = time.monotonic()
+        again = ch.send(_ready("P/tp0", 0, [ReadReq("nobody" if i == 0 else f"ghost{i}", [1], [2])], []))
+        assert isinstance(again, ReadDone) and len(again.failed) == 1
+        assert time.monotonic() - start < 0.15
+    # A request whose destination D knows is still read during the back-off.
+    _add(worker, "r", (10,), (20,))
+    served = ch.send(_ready("P/tp0", 0, [ReadReq("r", [1], [2])], []))
+    assert isinstance(served, ReadDone) and served.failed == [] and engine.reads

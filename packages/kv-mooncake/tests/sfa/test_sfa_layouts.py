@@ -105,6 +105,6 @@ def test_d_refuses_a_p_on_another_layout_naming_both() -> None:
         with RpcClient(timeout_s=5.0, retries=1) as client:
             reply = replies.decode(client.request(tcp_endpoint("127.0.0.1", worker.port), requests.encode(hello)))
         assert isinstance(reply, Refused), reply
-        assert (reply.field, reply.local, reply.remote) == ("layout", "LBNHC", "LBHNC")
+        assert (reply.field, reply.local, reply.remote) == ("layout", "", "LBHNC")  # never D's own value
     finally:
         worker.shutdown()

@@ -74,7 +74,11 @@ class ProtocolError(AscendDistError, ValueError):
     """A message from a peer could not be decoded or is not the expected type.
 
     Servers log and drop the message and keep serving; clients treat the exchange as failed.
+    ``reply``: when set (by a codec's ``refuse`` hook), the encoded answer a server sends the
+    peer instead of an error frame, such as a refusal naming the field it could not accept.
     """
+
+    reply: bytes | None = None
 
 
 class MessageTooLarge(ProtocolError):

@@ -26,7 +26,7 @@ import json
 import logging
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar, overload
 
 import msgspec
@@ -36,6 +36,7 @@ from ascend_dist.common.errors import ConfigError, IncompatiblePeer, MessageTooL
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "Codec",
+    "Refuse",
     "CompatValue",
     "Handshake",
     "check_compatible",
@@ -57,6 +58,13 @@ _PREFIX_BYTES = 16
 
 # Domain separator for compat_hash: changing the canonical encoding must change every hash.
 _HASH_DOMAIN = b"ascend-dist/compat-hash/v1\n"
+
+Refuse = Callable[[ProtocolError, bytes], bytes | None]
+"""A codec's ``refuse`` hook: the encoded answer to a frame it could not decode (None: no answer)."""
+
+# What msgspec (or the C stack under it) raises for hostile input: invalid msgpack, a wrong type
+# or range, nesting deeper than the interpreter's recursion limit, absurd integers.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError, OverflowError)
 
 CompatValue = str | int | float | bool | tuple[Any, ...]
 """Types accepted by `compat_fields`; tuples may nest and hold the same scalar types."""
@@ -90,17 +98,23 @@ class Codec(Generic[T]):
     """
 
     @overload
-    def __init__(self, type_: type[T], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None: ...
+    def __init__(
+        self, type_: type[T], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, refuse: Refuse | None = None
+    ) -> None: ...
     @overload
-    def __init__(self, type_: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None: ...
+    def __init__(
+        self, type_: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, refuse: Refuse | None = None
+    ) -> None: ...
 
-    def __init__(self, type_: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, type_: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, refuse: Refuse | None = None) -> None:
         """Create the encoder and the typed decoder.
 
         Args:
             type_: The type every decoded message must have: a Struct class or a union of tagged
                 Structs (``A | B``).
             max_bytes: Largest encoded message accepted by `decode` and produced by `encode`.
+            refuse: Server side: builds the answer to a frame `decode` refuses; it is attached to
+                the raised error as ``reply`` (`ascend_dist.common.zmq_server.RpcServer` sends it).
 
         Raises:
             ConfigError: ``max_bytes`` is not a positive int, or ``type_`` is not a type msgspec
@@ -111,6 +125,7 @@ class Codec(Generic[T]):
         self._type: Any = type_
         self._type_name = _type_name(type_)
         self._max_bytes = max_bytes
+        self._refuse = refuse
         self._encoder = msgspec.msgpack.Encoder()
         try:
             self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
@@ -161,20 +176,32 @@ class Codec(Generic[T]):
 
         Raises:
             MessageTooLarge: ``buf`` is larger than ``max_bytes``; it was not decoded.
-            ProtocolError: ``buf`` is not valid msgpack or does not match the codec's type.
+            ProtocolError: ``buf`` is not valid msgpack, does not match the codec's type, or nests
+                deeper than the interpreter allows (every decode failure is this type). With a
+                ``refuse`` hook, its answer is the error's ``reply``.
         """
         size = _nbytes(buf)
+        error: ProtocolError
         if size > self._max_bytes:
-            raise MessageTooLarge(
+            error = MessageTooLarge(
                 f"{self._type_name} frame of {size} bytes exceeds max_bytes={self._max_bytes}; not decoded"
             )
-        try:
-            return self._decoder.decode(buf)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            prefix = bytes(memoryview(buf).cast("B")[:_PREFIX_BYTES]).hex()
-            raise ProtocolError(
-                f"cannot decode {self._type_name} from {size} bytes (starts 0x{prefix}): {exc}"
-            ) from exc
+        else:
+            try:
+                return self._decoder.decode(buf)
+            except _DECODE_ERRORS as exc:
+                prefix = bytes(memoryview(buf).cast("B")[:_PREFIX_BYTES]).hex()
+                error = ProtocolError(
+                    f"cannot decode {self._type_name} from {size} bytes (starts 0x{prefix}): "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+        if self._refuse is not None:
+            try:
+                error.reply = self._refuse(error, b"" if size > self._max_bytes else bytes(buf))
+            except Exception as exc:  # the hook reads hostile bytes too: no answer beats a crash
+                logger.debug("refuse hook of %s raised %s", self._type_name, type(exc).__name__)
+        raise error
 
     def __repr__(self) -> str:
         return f"Codec({self._type_name}, max_bytes={self._max_bytes})"

@@ -17,23 +17,33 @@ Frame format, version 1 (every frame list below is one ZMQ multipart message):
   id, so a late reply to an abandoned attempt can never answer a newer request.
 
 Anything else (wrong frame count, non-empty delimiter, unknown version or kind, a payload over
-``max_bytes``) is logged and dropped; the server keeps serving. A change to this format bumps
-`FRAME_VERSION`.
+``max_bytes``) is dropped; the server keeps serving. A change to this format bumps `FRAME_VERSION`.
+
+Bounded by construction: a socket thread drains the ROUTER at once into a `FrameQueue` bounded in
+bytes (requests that do not fit are dropped, never buffered), and a handler thread answers from it,
+small requests first, so a flood of large frames neither grows the process nor delays the small
+requests behind it. Every kind of dropped frame or handler error is logged at most once per
+interval, with a count (`IntervalLog`); a `ProtocolError` carrying a ``reply`` (a codec's refusal)
+is answered with that reply instead of an error frame.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Final
 
 import zmq
 
-from ascend_dist.common.errors import ConfigError, DeadlineExceeded, InvalidTransition
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded, InvalidTransition, ProtocolError
+from ascend_dist.common.frame_queue import FrameQueue
+from ascend_dist.common.log import IntervalLog
 from ascend_dist.common.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
@@ -64,6 +74,12 @@ _MAX_ERROR_TEXT: Final = 512
 # ZMTP's READY command (socket type, identity metadata) must fit under ZMQ_MAXMSGSIZE too.
 _ZMTP_SLACK: Final = 64 * 1024
 _WILDCARD_HOSTS: Final = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+# Requests up to this size use the small lane of the receive queue (see `FrameQueue`).
+SMALL_REQUEST_BYTES: Final = 64 * 1024
+_SMALL_LANE_BUDGET: Final = 8 * 1024 * 1024
+# Per ROUTER pipe, in messages: the socket thread drains it at once, so this only caps a burst.
+_RCVHWM: Final = 64
+_wake_ids = itertools.count()
 
 
 def tcp_endpoint(host: str, port: int, *, allow_wildcard: bool = False) -> str:
@@ -142,11 +158,14 @@ def _is_bytes_like(value: object) -> bool:
 class RpcServer:
     """A ROUTER socket on one interface, answered by a handler on one thread.
 
-    The handler is called with each request payload, one at a time, on the server thread; it
+    The handler is called with each request payload, one at a time, on the handler thread; it
     returns the reply bytes, or None to send no reply (the client then times out). If it raises,
-    the exception is logged with its type and an error frame is sent, which the client turns into
-    `ProtocolError` without retrying; the server keeps serving. A slow handler delays every
-    other request, so handlers should only decode, enqueue and reply.
+    an error frame is sent, which the client turns into `ProtocolError` without retrying (a
+    `ProtocolError` with a ``reply`` is answered with that reply); the server keeps serving.
+    Handlers should only decode, enqueue and reply: a slow one delays the requests behind it.
+
+    Requests wait in a `FrameQueue` of at most ``queue_bytes`` (plus a small lane of 8 MiB for
+    requests up to `SMALL_REQUEST_BYTES`); a request that does not fit is dropped.
 
     The socket is bound in the constructor (so `port` is known at once) and closed by `stop`.
     Use it as a context manager, or call `start` and `stop`.
@@ -163,6 +182,8 @@ class RpcServer:
         poll_interval_s: float = 0.1,
         name: str = "rpc",
         allow_wildcard: bool = False,
+        queue_bytes: int | None = None,
+        log_interval_s: float = 10.0,
     ) -> None:
         """Validate the arguments and bind the ROUTER socket.
 
@@ -172,9 +193,12 @@ class RpcServer:
             handler: Called with each request payload; returns the reply or None. Required.
             ctx: The ZMQ context; defaults to the process-wide ``zmq.Context.instance()``.
             max_bytes: Largest request payload handled (and reply sent); larger ones are dropped.
-            poll_interval_s: How often the server thread checks for `stop`.
-            name: Label used in log messages and the thread name.
+            poll_interval_s: How often the server threads check for `stop`.
+            name: Label used in log messages and the thread names.
             allow_wildcard: Permit binding to all interfaces.
+            queue_bytes: Bytes of large requests that may wait for the handler (default
+                ``2 * max_bytes``, at least 1 MiB); at least ``max_bytes``.
+            log_interval_s: Each kind of dropped frame or handler error is logged once per this.
 
         Raises:
             ConfigError: An argument is invalid, the port is in use, or the host is not a local
@@ -186,26 +210,44 @@ class RpcServer:
             raise ConfigError("max_bytes", max_bytes, "a positive int")
         if not isinstance(poll_interval_s, int | float) or not 0 < poll_interval_s <= 10:
             raise ConfigError("poll_interval_s", poll_interval_s, "a number of seconds in (0, 10]")
+        bulk = max(2 * max_bytes, 1 << 20) if queue_bytes is None else queue_bytes
+        if isinstance(bulk, bool) or not isinstance(bulk, int) or bulk < max_bytes:
+            raise ConfigError("queue_bytes", queue_bytes, f"an int >= max_bytes ({max_bytes})")
         endpoint = tcp_endpoint(host, port, allow_wildcard=allow_wildcard)
         self._handler = handler
         self._max_bytes = max_bytes
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self._name = name
         self._state = "new"
+        self._limiter = IntervalLog(log_interval_s)
+        self._queue: FrameQueue[tuple[bytes, int, bytes]] = FrameQueue(
+            small_budget=_SMALL_LANE_BUDGET, bulk_budget=bulk, small_bytes=SMALL_REQUEST_BYTES
+        )
         self._endpoint = endpoint  # the requested one until ZMQ reports the bound one
         self._ctx: zmq.Context[Any] = ctx if ctx is not None else zmq.Context.instance()
         self._sock = self._bind(endpoint, host, port)
         self._endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._port = int(self._endpoint.rsplit(":", 1)[1])
+        # Replies travel from the handler thread to the socket thread (the only one that may use
+        # the ROUTER) over an inproc pair, which also wakes the socket thread's poll.
+        wake = f"inproc://ascend-dist-rpc-wake-{next(_wake_ids)}"
+        self._replies_in = self._ctx.socket(zmq.PAIR)
+        self._replies_in.setsockopt(zmq.LINGER, 0)
+        self._replies_in.bind(wake)
+        self._replies_out = self._ctx.socket(zmq.PAIR)
+        self._replies_out.setsockopt(zmq.LINGER, 0)
+        self._replies_out.setsockopt(zmq.SNDTIMEO, 1000)  # a burst of replies waits, never blocks forever
+        self._replies_out.connect(wake)
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         logger.info("%s server bound to %s", name, self._endpoint)
 
     def _bind(self, endpoint: str, host: str, port: int) -> zmq.Socket[Any]:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, frame_limit(self._max_bytes))
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -234,11 +276,21 @@ class RpcServer:
 
     @property
     def running(self) -> bool:
-        """Whether the server thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the server threads are alive."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of requests waiting for the handler now."""
+        return self._queue.queued_bytes
+
+    @property
+    def dropped_for_space(self) -> int:
+        """Requests dropped since start because the receive queue's budget was spent."""
+        return self._queue.refused
 
     def start(self) -> None:
-        """Start the server thread.
+        """Start the socket and handler threads.
 
         Raises:
             InvalidTransition: The server was already started or stopped.
@@ -247,33 +299,41 @@ class RpcServer:
             if self._state != "new":
                 raise InvalidTransition(f"RpcServer {self._name}", self._state, "running")
             self._state = "running"
-            self._thread = threading.Thread(target=self._serve, name=f"{self._name}-server:{self._port}", daemon=True)
-            self._thread.start()
+            self._threads = [
+                threading.Thread(target=self._serve, name=f"{self._name}-server:{self._port}", daemon=True),
+                threading.Thread(target=self._work, name=f"{self._name}-handler:{self._port}", daemon=True),
+            ]
+            for thread in self._threads:
+                thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop serving, join the thread and close the socket. Idempotent.
+        """Stop serving, join the threads and close the sockets. Idempotent.
 
         Args:
-            timeout_s: How long to wait for the thread (a handler still running delays it).
+            timeout_s: How long to wait for the threads (a handler still running delays it).
 
         Raises:
-            DeadlineExceeded: The thread did not finish within ``timeout_s``; call `stop` again.
+            DeadlineExceeded: A thread did not finish within ``timeout_s``; call `stop` again.
         """
         with self._lock:
             previous, self._state = self._state, "stopped"
-            thread = self._thread
+            threads = list(self._threads)
         self._stop_event.set()
         if previous == "new":
-            # Never started: the socket was never handed to a thread, close it here.
-            self._sock.close(linger=0)
+            # Never started: the sockets were never handed to a thread, close them here.
+            for sock in (self._sock, self._replies_in, self._replies_out):
+                sock.close(linger=0)
             logger.info("%s server on %s closed (never started)", self._name, self._endpoint)
             return
-        if thread is None:
-            return
-        thread.join(timeout_s)
-        if thread.is_alive():
-            raise DeadlineExceeded(f"{self._name} server thread on {self._endpoint} did not stop within {timeout_s}s")
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise DeadlineExceeded(
+                    f"{self._name} server thread {thread.name} on {self._endpoint} did not stop within {timeout_s}s"
+                )
         if previous == "running":
+            self._queue.clear()
             logger.info("%s server on %s stopped", self._name, self._endpoint)
 
     def __enter__(self) -> RpcServer:
@@ -293,75 +353,133 @@ class RpcServer:
         return f"RpcServer(name={self._name!r}, endpoint={self._endpoint!r}, state={self._state})"
 
     def _serve(self) -> None:
-        """Thread body: poll, handle one message, repeat until stopped; owns the socket."""
-        sock = self._sock
+        """Socket thread: queue requests, forward replies, until stopped; owns the ROUTER."""
+        sock, replies = self._sock, self._replies_in
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(replies, zmq.POLLIN)
         try:
             while not self._stop_event.is_set():
-                if not sock.poll(self._poll_ms, zmq.POLLIN):
-                    continue
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                self._handle(sock, frames)
+                ready = dict(poller.poll(self._poll_ms))
+                if replies in ready:
+                    self._forward_replies(sock, replies)
+                if sock in ready:
+                    self._drain(sock)
         except zmq.ZMQError as exc:
             # Typically the context was terminated under us; nothing more can be served.
             logger.error("%s server on %s stopped by ZMQ error: %s", self._name, self._endpoint, exc)
         finally:
             sock.close(linger=0)
+            replies.close(linger=0)
 
-    def _handle(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None:
-        """Validate one received message, run the handler and send its reply."""
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        """Move every request waiting on the socket into the queue (or drop it)."""
+        for _ in range(1024):  # then forward replies again: neither direction starves
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            request = self._admit(frames)
+            if request is not None and not self._queue.put(request, len(request[2])):
+                self._drop("queue-full", "dropped a %d-byte request: receive queue full", len(request[2]))
+
+    def _forward_replies(self, sock: zmq.Socket[Any], replies: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                frames = replies.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                # ROUTER drops replies to vanished peers silently; anything else is worth a warning.
+                self._drop("send", "could not send a reply: %s", exc)
+
+    def _drop(self, kind: str, msg: str, *args: object) -> None:
+        self._limiter.log(logger, logging.WARNING, kind, "%s server " + msg, self._name, *args)
+
+    def _admit(self, frames: list[bytes]) -> tuple[bytes, int, bytes] | None:
+        """Check one received message's framing: ``(identity, request_id, payload)`` or None."""
         if len(frames) != 4 or frames[1] != b"":
-            logger.warning(
-                "%s server dropped a malformed request of %d frames (expected 4)",
-                self._name,
-                len(frames),
-            )
-            return
+            self._drop("frames", "dropped a malformed request of %d frames (expected 4)", len(frames))
+            return None
         identity, _, header, payload = frames
         parsed = unpack_header(header)
         if parsed is None or parsed[0] != KIND_REQUEST:
-            logger.warning(
-                "%s server dropped a request with a bad header (%d bytes, version %d expected)",
-                self._name,
+            self._drop(
+                "header",
+                "dropped a request with a bad header (%d bytes, version %d expected)",
                 len(header),
                 FRAME_VERSION,
             )
-            return
+            return None
         if len(payload) > self._max_bytes:
-            logger.warning(
-                "%s server dropped a %d-byte request: over max_bytes=%d",
-                self._name,
-                len(payload),
-                self._max_bytes,
-            )
-            return
-        reply = self._call(payload)
-        if reply is None:
-            return
-        kind, body = reply
+            self._drop("size", "dropped a %d-byte request: over max_bytes=%d", len(payload), self._max_bytes)
+            return None
+        return identity, parsed[1], payload
+
+    def _work(self) -> None:
+        """Handler thread: answer queued requests in order until stopped."""
+        out = self._replies_out
         try:
-            sock.send_multipart([identity, b"", pack_header(kind, parsed[1]), body], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            # ROUTER drops replies to vanished peers silently; anything else is worth a warning.
-            logger.warning("%s server could not send a reply: %s", self._name, exc)
+            while not self._stop_event.is_set():
+                request = self._queue.get(self._poll_ms / 1000)
+                if request is None:
+                    continue
+                identity, request_id, payload = request
+                reply = self._call(payload)
+                if reply is None:
+                    continue
+                kind, body = reply
+                try:
+                    out.send_multipart([identity, b"", pack_header(kind, request_id), body])
+                except zmq.ZMQError as exc:
+                    if not self._stop_event.is_set():  # at stop the socket thread is gone: expected
+                        self._drop("send", "could not pass a reply to the socket thread: %s", exc)
+        finally:
+            out.close(linger=0)
 
     def _call(self, payload: bytes) -> tuple[int, bytes | bytearray | memoryview] | None:
         """Run the handler; turn its result or exception into ``(kind, body)`` or None."""
         try:
             result = self._handler(payload)
+        except ProtocolError as exc:
+            # Hostile or foreign input: expected, so no traceback; a codec's refusal is the answer.
+            answer = "its refusal" if exc.reply is not None else "an error frame"
+            self._limiter.log(
+                logger,
+                logging.WARNING,
+                ("protocol", type(exc).__name__),
+                "%s server refused a request (%s: %s); answering with %s",
+                self._name,
+                type(exc).__name__,
+                str(exc)[:_MAX_ERROR_TEXT],
+                answer,
+            )
+            if exc.reply is not None:
+                return self._checked_reply(exc.reply)
+            return KIND_ERROR, f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT].encode("utf-8", errors="replace")
         except Exception as exc:
-            logger.exception(
-                "%s server handler raised %s; replying with an error frame", self._name, type(exc).__name__
+            self._limiter.log(
+                logger,
+                logging.ERROR,
+                ("handler", type(exc).__name__),
+                "%s server handler raised %s; replying with an error frame",
+                self._name,
+                type(exc).__name__,
+                exc_info=exc,
             )
             text = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
             return KIND_ERROR, text.encode("utf-8", errors="replace")
         if result is None:
             return None
+        return self._checked_reply(result)
+
+    def _checked_reply(self, result: object) -> tuple[int, bytes | bytearray | memoryview]:
         if not _is_bytes_like(result):
             logger.error("%s server handler returned %s instead of bytes", self._name, type(result).__name__)
             return KIND_ERROR, f"handler returned {type(result).__name__}, not bytes".encode()
+        assert isinstance(result, bytes | bytearray | memoryview)
         size = memoryview(result).nbytes
         if size > self._max_bytes:
             logger.error("%s server handler returned %d bytes, over max_bytes=%d", self._name, size, self._max_bytes)

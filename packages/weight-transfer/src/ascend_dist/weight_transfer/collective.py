@@ -4,7 +4,9 @@ Runs in: trainer and inference-worker processes.
 
 The engine talks to a small `Collective` Protocol (async `broadcast`, blocking `all_reduce_sum`,
 `barrier`, `destroy`). Membership is set up by `TransferGroup`: the trainer (rank 0) hosts a
-`torch.distributed.TCPStore` on ``master_address:master_port``; every worker joins it; the data
+`torch.distributed.TCPStore` on ``master_address:master_port`` (listening on that address only: the
+trainer binds the socket itself and hands it to the store, which would otherwise listen on every
+interface); every worker joins it; the data
 plane is then built over the store by a `CollectiveFactory`:
 
 - `gloo_collective`: a stateless `ProcessGroupGloo` over the store (the CPU path, used by tests);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -134,15 +137,45 @@ class TransferGroup:
         import torch.distributed as dist
 
         join_s = init_timeout_s if init_timeout_s is not None else max(timeout_s, 60.0)
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            master_address,
-            master_port,
-            world_size,
-            rank == 0,
-            timeout=datetime.timedelta(seconds=join_s),
-            wait_for_workers=False,
-        )
+        listen_fd = _listen_fd(master_address, master_port) if rank == 0 else None
+        try:
+            store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+                master_address,
+                master_port,
+                world_size,
+                rank == 0,
+                timeout=datetime.timedelta(seconds=join_s),
+                wait_for_workers=False,
+                master_listen_fd=listen_fd,
+            )
+        except BaseException:
+            if listen_fd is not None:
+                socket.close(listen_fd)
+            raise
         return cls(store, rank, world_size, timeout_s, join_s)
+
+
+def _listen_fd(host: str, port: int) -> int:
+    """A socket listening on ``host:port`` only, for the TCPStore (which alone binds the wildcard).
+
+    Raises:
+        ConfigError: ``host`` is a wildcard, does not resolve, or ``host:port`` cannot be bound.
+    """
+    if host in ("", "0.0.0.0", "::", "[::]", "*"):
+        raise ConfigError("master_address", host, "a specific interface such as '127.0.0.1', not a wildcard")
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError("master_address", host, f"an address of this host ({exc})") from exc
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("master_port", port, f"a free port on {host} ({exc})") from exc
+    return sock.detach()
 
 
 CollectiveFactory = Callable[[TransferGroup, "torch.device"], Collective]

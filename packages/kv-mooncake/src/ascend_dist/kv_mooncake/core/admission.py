@@ -163,8 +163,11 @@ def check_host(key: str, host: str) -> None:
         raise _bad(key, host, "an IP address or host name")
 
 
-def check_url(key: str, url: object) -> str:
+def check_url(key: str, url: object, allowed_hosts: Collection[str] | None = None) -> str:
     """``url`` is an ``http://`` or ``https://`` URL with a host, at most `MAX_URL` characters.
+
+    ``allowed_hosts``: the hosts the operator configured (``metaserver_hosts``); a URL naming any
+    other host is refused, so a client cannot make D post its contact and block ids elsewhere.
 
     Raises:
         ConfigError: Names ``kv_transfer_params.<key>`` (``file:``, ``ftp:`` and the like included).
@@ -180,6 +183,8 @@ def check_url(key: str, url: object) -> str:
     if parts.scheme not in ("http", "https") or not host:
         raise _bad(key, url, "an http:// or https:// URL with a host")
     check_host(key, host)
+    if allowed_hosts is not None and host.lower() not in allowed_hosts:
+        raise _bad(key, url, "a URL on a host listed in metaserver_hosts (kv_connector_extra_config)")
     return url
 
 

@@ -21,6 +21,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.zmq_server import tcp_endpoint
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
     "PROTOCOLS",
     "WHOLE_EXTRA",
     "CommonFields",
@@ -30,6 +31,7 @@ __all__ = [
     "Topology",
     "bool_field",
     "check_common",
+    "host_list",
     "int_field",
     "ints",
     "opt_str_field",
@@ -47,6 +49,8 @@ FieldParser = Callable[[str, object], Any]
 """Turns one raw extra-config value into a field value; the ``str`` is the name errors give."""
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Upper bound of ``max_message_bytes``: each server may queue about twice this (see `RpcServer`)."""
 """Mooncake transport protocols: ``tcp`` on a CPU machine, ``ascend`` on Ascend, ``rdma`` on GPU."""
 
 
@@ -120,6 +124,14 @@ def seconds(*, allow_zero: bool = False) -> FieldParser:
 def ints(low: int, high: int | None = None) -> FieldParser:
     """A `FieldParser` of `int_field` in ``[low, high]``."""
     return lambda name, value: int_field(name, value, low, high)
+
+
+def host_list(name: str, value: object) -> tuple[str, ...]:
+    """A `FieldParser` of host names: a list of strings, or one comma-separated string."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(h, str) and h.strip() for h in items):
+        raise ConfigError(name, value, "a list of host names or addresses (or one comma-separated string)")
+    return tuple(h.strip().lower().strip("[]") for h in items)
 
 
 def text(_name: str, value: object) -> str:
@@ -286,7 +298,9 @@ class ConnectorConfig:
         host: Interface this side binds and advertises (never a wildcard).
         protocol: Mooncake transport (``tcp``, ``rdma``, ``ascend``).
         dp_rank: This instance's data-parallel rank.
-        max_message_bytes: Largest side-channel message accepted.
+        max_message_bytes: Largest side-channel message accepted (1 KiB to `MAX_MESSAGE_BYTES`).
+        metaserver_hosts: The only hosts a request's ``metaserver`` URL may name (D POSTs its
+            contact and block ids there); loopback by default. Set it to the proxy's host(s).
         model: Model name (compatibility field).
         dtype: KV dtype name (compatibility field).
     """
@@ -299,9 +313,10 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     protocol: str = "tcp"
     dp_rank: int = option(0, ints(0))
-    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024))
+    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024, MAX_MESSAGE_BYTES))
     model: str = ""
     dtype: str = ""
+    metaserver_hosts: tuple[str, ...] = option(("127.0.0.1", "localhost", "::1"), host_list)
 
     TOPOLOGY_EXPECTED: ClassVar[str] = "a dict with tp_size (and dp_size)"
     """What the error says a missing ``prefill`` / ``decode`` should be."""

@@ -9,13 +9,19 @@ Runs in: every worker that serves or opens a side channel (pull, push, SFA) and 
 | `Greeting` (base) | a client's first request: its `Handshake` and engine id | `GetMeta`, SFA's ``Hello`` |
 | `GetMeta` | "send me your KV metadata" | pull (D -> P), push (P -> D) |
 | `MetaReply` | the server's handshake and `AgentMetadata` | pull, push |
-| `Refused` | the handshake was refused; ``field`` names the first difference | all three |
-| `Done` | the sender finished with a request, ``ok`` or not | pull (D -> P), push (P -> D) |
+| `Refused` | the handshake (or a frame) was refused; ``field`` names what differs | all three |
+| `Done` | pull's D finished with a request, ``ok`` or not (push has its own `PushDone`) | pull (D -> P) |
 | `Ack` | acknowledges a notification | pull, push |
+
+Every message type belongs to one channel: pull's `Done` and push's ``PushDone`` have their own
+tags, so a frame of one channel never decodes on another (`GetMeta` is bound by the channel name in
+its handshake).
 
 The server side of every handshake is `admit` (one rule: not our own engine id, then
 `check_compatible`); the client side is `accept_reply` (a `Refused` becomes `IncompatiblePeer`
-naming the field, the server's handshake is checked too when it sends one).
+naming the field, the server's handshake is checked too when it sends one). A refusal names the
+field that differs and never the server's own value (that would hand a prober the server's setup
+one field per try). A frame the server cannot decode at all is answered by `refuse_frame`.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
 
 from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
 from ascend_dist.common.wire import Handshake, check_compatible
-from ascend_dist.kv_mooncake.core.wire import Message, Request
+from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION, Message, Request
 
 __all__ = [
     "Ack",
@@ -44,6 +50,7 @@ __all__ = [
     "accept_reply",
     "admit",
     "prompt_digest",
+    "refuse_frame",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,40 +114,57 @@ class MetaReply(Message, frozen=True, kw_only=True, tag="meta"):
     metadata: AgentMetadata
 
 
+MAX_WIRE_TEXT = 256
+"""Longest id or name accepted in a side-channel message."""
+MAX_RANK = 65535
+"""Largest rank number accepted in a side-channel message."""
+
+WireText = Annotated[str, msgspec.Meta(max_length=MAX_WIRE_TEXT)]
+"""A request id, sender or engine id on the wire (bounded before anything is allocated for it)."""
+Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]
+"""A rank number on the wire."""
+
+
 class Refused(Message, frozen=True, kw_only=True, tag="refused"):
-    """The server refused the client's greeting; ``field`` names the first difference."""
-
-    field: str
-    local: str
-    remote: str
-
-
-class Done(Request, frozen=True, kw_only=True, tag="done"):
-    """The sender finished with ``request_id``: successfully (``ok``) or not (``reason``).
+    """The server refused the client's greeting (or a frame); ``field`` names what differs.
 
     Attributes:
-        request_id: The request the server knows (pull: P's id; push: D's external id).
-        ok: Whether the sender's part succeeded.
-        reason: Why it failed (push's P tells D; empty when ``ok``).
-        sender: Push: P's rank identity; D counts ``trans_count`` distinct senders.
-        trans_count: Push: how many senders D waits for before the request is received.
-        d_rank: Pull: the D rank that finished pulling (for P's logs).
+        field: The first field that differs (``protocol_version``, ``dtype``, ...), or for a frame
+            that could not be decoded the part of it that was wrong (``kind``, ``$.request_id``).
+        local: Always empty: the server never discloses its own value (kept for wire compatibility).
+        remote: The client's own value as the server read it (nothing the client did not send).
     """
 
-    request_id: str
-    ok: bool = True
-    reason: str = ""
-    sender: str = ""
-    trans_count: int = 1
-    d_rank: int = 0
+    field: str
+    local: str = ""
+    remote: str = ""
+
+
+class Done(Request, frozen=True, kw_only=True, tag="pull_done"):
+    """Pull: D finished with ``request_id``, successfully (``ok``) or not.
+
+    Its tag is pull's own: push's P sends `push.messages.PushDone`, so neither decodes on the
+    other channel's server.
+
+    Attributes:
+        request_id: P's id of the request.
+        ok: Whether D's pull succeeded.
+        d_rank: The D rank that finished pulling (for P's logs).
+    """
+
+    request_id: WireText
+    ok: bool
+    d_rank: Rank
 
 
 class Ack(Message, frozen=True, kw_only=True, tag="ack"):
     """Acknowledges a notification.
 
     Attributes:
-        known: Pull: whether P still tracked the request(s) of a ``Renew`` or `Done`.
-        unknown: Push: request ids D does not (or no longer) wait for.
+        known: Pull, answer to ``Renew``: whether P still holds the renewed request (the caller's
+            own question). An Ack to `Done` leaves it at its default whatever P knew, so DONEs
+            cannot be used to ask which request ids P holds.
+        unknown: Push: request ids D does not (or no longer) wait for, among those the message named.
     """
 
     known: bool = True
@@ -164,9 +188,43 @@ def admit(
         if check is not None:
             check()
     except IncompatiblePeer as exc:
-        logger.error("refused %s: %s", greeting.handshake.sender or greeting.engine_id, exc)
-        return Refused(field=exc.field, local=str(exc.local), remote=str(exc.remote))
+        logger.error("refused %s: %s", greeting.handshake.sender[:MAX_WIRE_TEXT] or greeting.engine_id, exc)
+        return Refused(field=exc.field, remote=str(exc.remote)[:MAX_WIRE_TEXT])
     return None
+
+
+def _peer_version(payload: bytes) -> object:
+    """The ``handshake.protocol_version`` a frame claims, if it is a map that has one (else None)."""
+    try:
+        raw: Any = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError, OverflowError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    shake = raw.get("handshake")
+    return shake.get("protocol_version") if isinstance(shake, dict) else None
+
+
+def refuse_frame(channel: str, encode: Callable[[Message], bytes]) -> Callable[[ProtocolError, bytes], bytes | None]:
+    """A request codec's ``refuse`` hook: answer an undecodable frame with a `Refused` naming the field.
+
+    A peer of another `WIRE_VERSION` (its handshake says so) is told ``protocol_version``; any other
+    frame is told ``message`` with msgspec's path of the bad part (``$.kind``: a message type this
+    channel does not have). The answer carries only what the peer sent (its version), never ours.
+    """
+
+    def refuse(exc: ProtocolError, payload: bytes) -> bytes | None:
+        version = _peer_version(payload) if payload else None
+        if version is not None and version != WIRE_VERSION:
+            return encode(Refused(field="protocol_version", remote=str(version)[:MAX_WIRE_TEXT]))
+        cause = exc.__cause__
+        detail = str(cause) if isinstance(cause, msgspec.ValidationError) else type(cause or exc).__name__
+        at = detail.rsplit(" - at `", 1)
+        field = at[1].rstrip("`") if len(at) == 2 else "message"
+        logger.debug("refused a %s frame: %s", channel, detail)
+        return encode(Refused(field=field[:MAX_WIRE_TEXT]))
+
+    return refuse
 
 
 def accept_reply(reply: Message, expected: type[M], local: Handshake, peer: str) -> M:
@@ -178,7 +236,7 @@ def accept_reply(reply: Message, expected: type[M], local: Handshake, peer: str)
         ProtocolError: The reply is of another type than ``expected``.
     """
     if isinstance(reply, Refused):
-        raise IncompatiblePeer(reply.field, reply.remote, reply.local)
+        raise IncompatiblePeer(reply.field, reply.remote or "(ours)", "(not disclosed)")
     if not isinstance(reply, expected):
         raise ProtocolError(f"expected {expected.__name__} from {peer}, got {type(reply).__name__}")
     remote = getattr(reply, "handshake", None)

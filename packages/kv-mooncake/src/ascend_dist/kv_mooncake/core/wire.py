@@ -29,7 +29,9 @@ __all__ = ["WIRE_VERSION", "Channel", "Message", "Request"]
 
 # 2: one tag field (``kind``) for pull and push too, and the shared Ack / Done / MetaReply shapes;
 # a version-1 peer cannot decode these frames, so it is refused at the handshake.
-WIRE_VERSION = 2
+# 3: every message bound to its channel (pull's ``pull_done``, push's ``push_done``), bounded fields,
+# `Refused` without the server's value.
+WIRE_VERSION = 3
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -67,8 +69,16 @@ class Channel:
         return make_handshake(self.name, WIRE_VERSION, sender=sender, **fields)
 
     def request_codec(self, max_bytes: int) -> Codec[Any]:
-        """Codec of client -> server messages (strict, frames over ``max_bytes`` refused)."""
-        return Codec(self.requests, max_bytes=max_bytes)
+        """Codec of client -> server messages (strict, frames over ``max_bytes`` refused).
+
+        A frame it cannot decode raises `ProtocolError` whose ``reply`` is a `Refused` naming the
+        field (``protocol_version`` for a peer of another `WIRE_VERSION`): the server answers with
+        it instead of an error frame, so a peer of another version is told why.
+        """
+        from ascend_dist.kv_mooncake.core.messages import refuse_frame  # messages build on this module
+
+        replies = Codec(self.replies, max_bytes=max_bytes)
+        return Codec(self.requests, max_bytes=max_bytes, refuse=refuse_frame(self.name, replies.encode))
 
     def reply_codec(self, max_bytes: int) -> Codec[Any]:
         """Codec of server -> client replies (strict, frames over ``max_bytes`` refused)."""

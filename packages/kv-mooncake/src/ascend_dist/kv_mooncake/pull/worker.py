@@ -264,7 +264,8 @@ class PullWorker:
             known = [self._tracker.renew(r) for r in msg.request_ids]
             return self._replies.encode(Ack(known=all(known)))
         assert isinstance(msg, Done)
-        return self._replies.encode(Ack(known=self._tracker.done(msg.request_id)))
+        self._tracker.done(msg.request_id)
+        return self._replies.encode(Ack())  # the same answer whether P knew the id: not a membership oracle
 
     def _reformat(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
         """Stacked pulls ``[pull][token][h]`` -> ``[token][pull*h]`` in each listed block.

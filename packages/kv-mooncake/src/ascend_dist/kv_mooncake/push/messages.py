@@ -8,29 +8,34 @@ one request/reply exchange over `ascend_dist.common.zmq_server` per message:
 |---|---|
 | `GetMeta` (P's `Handshake`) | `MetaReply` (D's handshake + `AgentMetadata`) or `Refused` |
 | `LayerDone` (these layers of these requests are in D's blocks) | `Ack` (``unknown``: ids D gave up on) |
-| `Done` (this ``sender`` finished a request, ``ok`` or failed with ``reason``) | `Ack` |
+| `PushDone` (this ``sender`` finished a request, ``ok`` or failed with ``reason``) | `Ack` |
 
-D counts a request as received when ``trans_count`` distinct senders sent ``Done(ok=True)``
+D counts a request as received when ``trans_count`` distinct senders sent ``PushDone(ok=True)``
 (duplicates from one sender do not over-count). The params carry `core.wire.WIRE_VERSION` too.
+Every field is bounded (ids, layer numbers, counts, list lengths) so a frame is refused before D
+allocates anything for it, and `PushDone` has push's own tag: pull's `core.messages.Done` never
+decodes here.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import Count, ParallelSize, Port, Text, check_host, convert_params
-from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Refused
+from ascend_dist.kv_mooncake.core.messages import Ack, GetMeta, MetaReply, Refused, WireText
 from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION, Channel
 from ascend_dist.kv_mooncake.core.wire import Request as _Request
 
 __all__ = [
     "CHANNEL",
+    "MAX_LAYERS",
     "LayerDone",
+    "PushDone",
     "PushParams",
     "Reply",
     "Request",
@@ -41,16 +46,40 @@ __all__ = [
 ]
 
 
+MAX_LAYERS = 4096
+"""Largest layer count (and request ids per message) a layer-wise frame may name."""
+LayerNo = Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAYERS)]
+Senders = Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
+
+
 class LayerDone(_Request, frozen=True, kw_only=True, tag="layer_done"):
     """P rank ``sender`` wrote ``layers`` of ``request_ids`` into D's blocks."""
 
-    sender: str
-    layers: list[int]
-    request_ids: list[str]
-    trans_count: int
+    sender: WireText
+    layers: Annotated[list[LayerNo], msgspec.Meta(max_length=MAX_LAYERS)]
+    request_ids: Annotated[list[WireText], msgspec.Meta(max_length=MAX_LAYERS)]
+    trans_count: Senders
 
 
-Request = GetMeta | LayerDone | Done
+class PushDone(_Request, frozen=True, kw_only=True, tag="push_done"):
+    """P rank ``sender`` finished ``request_id``: successfully (``ok``) or not (``reason``).
+
+    Attributes:
+        request_id: D's external id of the request.
+        ok: Whether the sender's pushes all landed.
+        reason: Why it failed (empty when ``ok``).
+        sender: P's rank identity; D counts ``trans_count`` distinct senders.
+        trans_count: How many senders D waits for before the request is received.
+    """
+
+    request_id: WireText
+    ok: bool
+    sender: WireText
+    trans_count: Senders
+    reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+Request = GetMeta | LayerDone | PushDone
 Reply = MetaReply | Refused | Ack
 
 CHANNEL = Channel("kv-mooncake/layerwise", Request, Reply)

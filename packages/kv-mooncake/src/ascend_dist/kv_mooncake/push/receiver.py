@@ -1,9 +1,9 @@
 """D's bookkeeping of pushed layers: which layers of which request arrived from how many senders.
 
-Runs in: D worker processes, fed by the side-channel server thread (`LayerDone`, `Done`) and the
+Runs in: D worker processes, fed by the side-channel server thread (`LayerDone`, `PushDone`) and the
 model-runner thread (`expect`, `take_finished`, `wait_layer`). Owns no thread.
 
-A request is *received* once ``trans_count`` distinct P senders sent ``Done(ok=True)``; a layer of it
+A request is *received* once ``trans_count`` distinct P senders sent ``PushDone(ok=True)``; a layer of it
 has arrived once ``trans_count`` senders reported it. A request *fails* when a sender reports a
 failure, when its announcement failed, or when its next layer does not arrive in time
 (``first_layer_timeout_s`` after the announcement, then ``layer_timeout_s`` after each layer): it
@@ -26,8 +26,7 @@ from typing import Final
 
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.common.states import StateTable
-from ascend_dist.kv_mooncake.core.messages import Done
-from ascend_dist.kv_mooncake.push.messages import LayerDone
+from ascend_dist.kv_mooncake.push.messages import LayerDone, PushDone
 from ascend_dist.kv_mooncake.push.step_metadata import RecvReqMeta
 
 __all__ = ["LayerReceiver", "RecvState"]
@@ -154,7 +153,7 @@ class LayerReceiver:
             self._cond.notify_all()
         return unknown
 
-    def on_done(self, msg: Done) -> bool:
+    def on_done(self, msg: PushDone) -> bool:
         """Record one sender's end of a request; return whether D still waited for it."""
         with self._cond:
             req = self._entry(msg.request_id)

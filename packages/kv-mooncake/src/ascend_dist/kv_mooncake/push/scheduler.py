@@ -133,7 +133,7 @@ class LayerwiseScheduler:
         if raw.get("do_remote_prefill"):
             if producer:
                 raise ConfigError("kv_transfer_params.do_remote_prefill", True, "false on P (kv_producer)")
-            url = check_url("metaserver", raw.get("metaserver"))
+            url = check_url("metaserver", raw.get("metaserver"), self._config.metaserver_hosts)
             if self._config.tls.ssl_enable and not url.startswith("https://"):
                 raise ConfigError("kv_transfer_params.metaserver", Preview(url), "https:// (tls_config.ssl_enable)")
         if not raw.get("do_remote_decode"):

@@ -33,10 +33,10 @@ from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.core.engine import Writer
-from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, accept_reply
+from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, TensorMeta, accept_reply
 from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import LayerDone, Reply, Request
+from ascend_dist.kv_mooncake.push.messages import LayerDone, PushDone, Reply, Request
 from ascend_dist.kv_mooncake.push.plan import Pieces, block_runs, plain_pieces, resharded_pieces
 
 __all__ = ["MetaCache", "SendTask", "SendThread", "WriteItem"]
@@ -239,7 +239,7 @@ class SendThread:
                 with self._lock:
                     reason = self._failed.pop(tid, None)
                 for endpoint, count in done_to:
-                    done = Done(
+                    done = PushDone(
                         sender=self._sender, request_id=tid, trans_count=count, ok=reason is None, reason=reason or ""
                     )
                     self._send_done(endpoint, done)
@@ -291,7 +291,7 @@ class SendThread:
                 for tid in reply.unknown:
                     self.mark_failed(tid, "D no longer waits for the request")
 
-    def _send_done(self, endpoint: Endpoint, msg: Done) -> None:
+    def _send_done(self, endpoint: Endpoint, msg: PushDone) -> None:
         if self._call(endpoint, msg) is None:
             logger.error("request %s: could not deliver DONE to %s:%d", msg.request_id, endpoint.host, endpoint.port)
 

@@ -6,7 +6,7 @@ Runs in: every worker process (one per TP x PCP rank). Order of calls (vLLM v1 m
 ``get_block_ids_with_load_errors``; ``shutdown`` at exit.
 
 * **D** binds its ROUTER at ``kv_port + dp·pcp·tp + pcp_rank·tp + tp_rank`` (host only), answers
-  `GetMeta` with its block addresses and records `LayerDone` / `Done` in a `LayerReceiver`.
+  `GetMeta` with its block addresses and records `LayerDone` / `PushDone` in a `LayerReceiver`.
 * **P** plans each request's writes at ``start_load_kv`` (fetching D's metadata once per endpoint),
   and at each ``save_kv_layer`` closes the layer's reuse gate and queues the layer to the
   `SendThread`, so the push of layer ``i`` overlaps the compute of layer ``i+1``. With
@@ -32,10 +32,10 @@ from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, token_rows
-from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
+from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, reply_codec, request_codec
+from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, PushDone, reply_codec, request_codec
 from ascend_dist.kv_mooncake.push.producer import STAGING_SLOTS, LayerTable, Producer
 from ascend_dist.kv_mooncake.push.receiver import LayerReceiver
 from ascend_dist.kv_mooncake.push.reshard import AllToAll
@@ -263,7 +263,7 @@ class LayerwiseWorker:
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._agent))
         if isinstance(msg, LayerDone):
             return self._replies.encode(Ack(unknown=self._receiver.on_layer_done(msg)))
-        assert isinstance(msg, Done)
+        assert isinstance(msg, PushDone)
         known = self._receiver.on_done(msg)
         return self._replies.encode(Ack(unknown=[] if known else [msg.request_id]))
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.config import (
+    MAX_MESSAGE_BYTES,
     WHOLE_EXTRA,
     ConnectorConfig,
     Role,
@@ -40,7 +41,7 @@ class SfaConfig(ConnectorConfig):
             ``kv_port + g * decode.tp_size + r``.
         prefill: P's topology (``tp_size`` must be a multiple of ``decode.tp_size``).
         dp_rank: This instance's GLOBAL data-parallel rank, at most 65535.
-        max_message_bytes: Largest side-channel message accepted (at most 1 GiB).
+        max_message_bytes: Largest side-channel message accepted (at most 64 MiB).
         host: Interface D binds and advertises (never a wildcard).
         transfer_backend: ``memfabric`` (Ascend driver needed) or ``mooncake``.
         use_layerwise: D reads each layer as soon as P wrote it (the only mode implemented).
@@ -62,7 +63,7 @@ class SfaConfig(ConnectorConfig):
 
     # Redeclared with tighter bounds than the base's (they keep their place in the field order).
     dp_rank: int = option(0, ints(0, 65535))
-    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024, 1 << 30))
+    max_message_bytes: int = option(4 * 1024 * 1024, ints(1024, MAX_MESSAGE_BYTES))
     transfer_backend: str = option("memfabric", text)
     use_layerwise: bool = option(True, bool_field, label="kv_connector_extra_config.use_layerwise")
     hello_timeout_s: float = option(10.0, seconds())

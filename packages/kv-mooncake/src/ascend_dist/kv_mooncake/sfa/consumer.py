@@ -55,6 +55,9 @@ __all__ = ["ConsumerWorker"]
 logger = logging.getLogger(__name__)
 
 _GONE_MEMORY = 4096  # finished ext ids remembered, so late reads for them fail without waiting
+# After a wait for destinations that never came, waits are skipped for this many times dest_wait_s:
+# ReadReady frames naming unknown requests can park D's only read thread for at most ~1/5 of the time.
+_VAIN_WAIT_BACKOFF = 4
 
 
 @dataclass
@@ -102,6 +105,7 @@ class ConsumerWorker:
         self._peers: dict[str, _Peer] = {}
         self._recv: dict[str, _Recv] = {}
         self._gone: OrderedDict[str, None] = OrderedDict()
+        self._no_wait_until = 0.0  # monotonic: see _VAIN_WAIT_BACKOFF
         self._errors: set[int] = set()
         self._failed_out: set[str] = set()
         self._cond = threading.Condition()
@@ -201,15 +205,29 @@ class ConsumerWorker:
                 raise IncompatiblePeer(f"{name} indexer block bytes", dest.indexer_block_bytes, idx)
 
     def _wait_records(self, ext_ids: Sequence[str]) -> dict[str, _Recv]:
-        """Records of ``ext_ids``, waiting up to ``dest_wait_s`` for D's own step to bring them."""
-        deadline = time.monotonic() + self._config.dest_wait_s
+        """Records of ``ext_ids``, waiting up to ``dest_wait_s`` for D's own step to bring them.
+
+        Ids still missing after a wait are remembered as gone (a repeat fails at once), and for
+        `_VAIN_WAIT_BACKOFF` times ``dest_wait_s`` after such a wait nothing waits: frames naming
+        requests D never gets cannot keep its read thread parked.
+        """
+        start = time.monotonic()
+        wait_s = self._config.dest_wait_s
         with self._cond:
+            deadline = start + (wait_s if start >= self._no_wait_until else 0.0)
             while True:
                 missing = [e for e in ext_ids if e not in self._recv and e not in self._gone]
                 left = deadline - time.monotonic()
                 if not missing or left <= 0:
-                    return {e: self._recv[e] for e in ext_ids if e in self._recv}
+                    break
                 self._cond.wait(left)
+            if missing and deadline > start:
+                self._no_wait_until = time.monotonic() + _VAIN_WAIT_BACKOFF * wait_s
+            for ext in missing:
+                self._gone[ext] = None
+            while len(self._gone) > _GONE_MEMORY:
+                self._gone.popitem(last=False)
+            return {e: self._recv[e] for e in ext_ids if e in self._recv}
 
     def _read_ready(self, msg: ReadReady) -> ReadDone | ReadFailed:
         peer = self._peers.get(msg.sender)

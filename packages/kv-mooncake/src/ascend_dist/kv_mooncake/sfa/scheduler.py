@@ -117,7 +117,7 @@ class ConsumerScheduler:
         """
         _check_role(raw, refused="do_remote_decode", role="D (kv_consumer)")
         if raw.get("do_remote_prefill") and not raw.get("do_virtual"):
-            check_url("metaserver", raw.get("metaserver"))
+            check_url("metaserver", raw.get("metaserver"), self._config.metaserver_hosts)
 
     def get_num_new_matched_tokens(self, request: SfaRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """``(prompt_len - computed, True)`` for a remote-prefill request, else ``(0, False)``.

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from ascend_dist.common.errors import DeadlineExceeded, ProtocolError
-from ascend_dist.common.log import log_once
+from ascend_dist.common.log import IntervalLog, log_once
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.kv_store.lookup.lookup_breaker import LookupBreaker
 from ascend_dist.kv_store.lookup.lookup_endpoint import (
@@ -48,6 +48,7 @@ from ascend_dist.kv_store.lookup.messages import PROTOCOL_VERSION, LookupCodec, 
 __all__ = ["LookupClient", "LookupServer"]
 
 logger = logging.getLogger(__name__)
+_BAD_FRAMES = IntervalLog(10.0)  # junk frames can arrive at any rate: log a line per interval
 
 LookupFn = Callable[[LookupRequest], int]
 
@@ -107,8 +108,10 @@ class LookupServer:
     def _handle(self, payload: bytes) -> bytes:
         try:
             req = LookupCodec.decode(payload)
-        except ProtocolError as exc:
-            logger.warning("lookup server dropped an undecodable request: %s", exc)
+        except ProtocolError as exc:  # hostile or foreign: one line per interval, with a count
+            _BAD_FRAMES.log(
+                logger, logging.WARNING, "undecodable", "lookup server refused an undecodable request: %s", exc
+            )
             return ReplyCodec.encode(LookupReply(hit_tokens=0, error="undecodable request"))
         return ReplyCodec.encode(self.answer(req))
 

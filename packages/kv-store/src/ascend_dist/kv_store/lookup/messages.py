@@ -4,17 +4,33 @@ Runs in: the scheduler and the rank-0 worker of each data-parallel engine. Chang
 a protocol change: bump `PROTOCOL_VERSION`. Every request carries a compatibility hash of the key
 scheme (model name, block sizes, parallel layout): a worker with a different scheme answers with an
 error and zero hits instead of answering about keys the scheduler never meant (no false hits).
+
+Every field is range-checked by the decoder (counts non-negative and bounded, hashes of a hash's
+size, at most `MAX_GROUPS` groups), so a hostile frame is refused before the worker allocates
+anything for it.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 
 from ascend_dist.common.wire import Codec
 
-__all__ = ["PROTOCOL_VERSION", "LookupCodec", "LookupReply", "LookupRequest", "ReplyCodec"]
+__all__ = ["MAX_GROUPS", "MAX_TOKENS", "PROTOCOL_VERSION", "LookupCodec", "LookupReply", "LookupRequest", "ReplyCodec"]
 
 PROTOCOL_VERSION = 2  # 2: tail_hash (partial last chunks)
+
+MAX_TOKENS = 2**31 - 1
+"""Largest token count accepted (a bound, not a limit of any model)."""
+MAX_GROUPS = 256
+"""Most KV-cache groups a lookup may name."""
+_MAX_HASH_BYTES = 64
+
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+GroupId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
+Hash = Annotated[bytes, msgspec.Meta(max_length=_MAX_HASH_BYTES)]
 
 
 class LookupRequest(msgspec.Struct, frozen=True, kw_only=True, tag="lookup", tag_field="kind"):
@@ -26,12 +42,12 @@ class LookupRequest(msgspec.Struct, frozen=True, kw_only=True, tag="lookup", tag
     """
 
     protocol_version: int = PROTOCOL_VERSION
-    compat_hash: str
-    token_len: int
-    group_ids: tuple[int, ...] = (0,)
-    hbm_hit_tokens: int = 0
-    block_hashes: tuple[bytes, ...] = ()
-    tail_hash: bytes = b""  # the prompt's partial last chunk (only with discard_partial_chunks=false)
+    compat_hash: Annotated[str, msgspec.Meta(max_length=128)]
+    token_len: Tokens
+    group_ids: Annotated[tuple[GroupId, ...], msgspec.Meta(min_length=1, max_length=MAX_GROUPS)] = (0,)
+    hbm_hit_tokens: Tokens = 0
+    block_hashes: tuple[Hash, ...] = ()
+    tail_hash: Hash = b""  # the prompt's partial last chunk (only with discard_partial_chunks=false)
 
 
 class LookupReply(msgspec.Struct, frozen=True, kw_only=True, tag="hits", tag_field="kind"):
