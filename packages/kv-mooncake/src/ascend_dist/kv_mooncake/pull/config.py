@@ -42,7 +42,9 @@ class PullConfig(ConnectorConfig):
             reported finished) because the engine may write into them late (Mooncake #4247).
         rpc_timeout_s: Deadline of one side-channel attempt.
         rpc_retries: Attempts per side-channel request.
-        recv_workers: Threads of D's receiving pool.
+        recv_workers: Read threads of D's lane to each P instance.
+        peer_retry_s: After a P instance stops answering, how long D fails its requests at once
+            before letting one through to see whether it answers again.
         extra: The whole ``kv_connector_extra_config`` as given (kept for inspection).
     """
 
@@ -52,6 +54,7 @@ class PullConfig(ConnectorConfig):
     rpc_timeout_s: float = option(1.0, seconds())
     rpc_retries: int = option(2, ints(1, 10))
     recv_workers: int = option(4, ints(1, 64))
+    peer_retry_s: float = option(1.0, seconds())
     extra: dict[str, Any] = field(default_factory=dict, metadata=WHOLE_EXTRA)
 
     TOPOLOGY_EXPECTED: ClassVar[str] = "a dict with tp_size and dp_size"
