@@ -218,3 +218,47 @@ def test_after_p_dies_later_requests_fail_fast_until_it_answers_again(make_pair:
         assert pair.d.wait_recv({"back"}, timeout_s=15.0) == set()
         assert pair.d.verify("back", 5) > 0
         p.drop()
+
+
+class OutlastsTheLease:
+    """Our `TransferBackend` around the real engine: a read that takes longer than P's lease.
+
+    Before the real read it waits past the lease and lets P run its lease check (``on_stall``), so
+    P frees (and may reuse) the blocks while D is still reading them.
+    """
+
+    def __init__(self, real: MooncakeEngine, stall_s: float) -> None:
+        self.real, self.stall_s = real, stall_s
+        self.on_stall: Callable[[], Any] = lambda: None
+        self.reads = 0
+
+    @property
+    def session(self) -> str:
+        return self.real.session
+
+    def register(self, regions: Any) -> None:
+        self.real.register(regions)
+
+    def unregister(self, regions: Any) -> None:
+        self.real.unregister(regions)
+
+    def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
+        self.reads += 1
+        time.sleep(self.stall_s)
+        self.on_stall()
+        self.real.read(session, batch, timeout_s=timeout_s)
+
+
+@pytest.mark.timeout(60)
+def test_a_read_that_outlasts_the_lease_never_reports_success(make_pair: Callable[..., Any]) -> None:
+    engine = OutlastsTheLease(get_engine("127.0.0.1", "tcp"), stall_s=0.8)
+    pair = make_pair(p_tp=1, d_tp=1, lease_s=0.4, d_engine=engine)
+    freed: list[str] = []
+    engine.on_stall = lambda: freed.extend(pair.p.poll()["freed"])  # P's lease check runs mid-read
+    params = pair.p.prefill("long", 40, 1)
+    pair.d.decode("long", 40, params)
+    errors = pair.d.wait_recv({"long"}, timeout_s=15.0)
+    assert engine.reads == 1 and freed == ["long"]  # control: P really freed the blocks during the read
+    assert errors == set(pair.d.blocks["long"][0])  # so the read must not count as a success
+    engine.stall_s = 0.0  # control: a read within the lease succeeds
+    assert pair.transfer("short", 40, seed=2) == set() and pair.d.verify("short", 2) > 0

@@ -8,7 +8,7 @@ import pytest
 
 from ascend_dist.common.errors import ConfigError, MessageTooLarge, ProtocolError
 from ascend_dist.kv_mooncake.core.messages import Done, GetMeta
-from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.config import ABORT_TIMEOUT_ENV, PullConfig
 from ascend_dist.kv_mooncake.pull.messages import parse_transfer_params, request_codec
 from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.pull.tracker import SendTracker
@@ -255,3 +255,16 @@ def test_tracker_zero_fan_in_frees_at_once() -> None:
     t.add_processing("a")
     t.add_delayed("a", 0)
     assert t.take_finished() == {"a"}
+
+
+def test_lease_defaults_to_upstreams_abort_timeout_variable() -> None:
+    """``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` (upstream's lease) is the default of ``lease_s``."""
+    base = {"engine_id": "E", "kv_role": "kv_producer", "kv_port": 1, "extra": EXTRA}
+    assert PullConfig.from_kv_transfer_config(**base, environ={}).lease_s == 60.0
+    env = {ABORT_TIMEOUT_ENV: "480"}
+    assert PullConfig.from_kv_transfer_config(**base, environ=env).lease_s == 480.0
+    explicit = {**base, "extra": {**EXTRA, "lease_s": 5}}
+    assert PullConfig.from_kv_transfer_config(**explicit, environ=env).lease_s == 5.0  # the config wins
+    for bad in ("soon", "0", "-1", "nan"):
+        with pytest.raises(ConfigError, match=ABORT_TIMEOUT_ENV):
+            PullConfig.from_kv_transfer_config(**base, environ={ABORT_TIMEOUT_ENV: bad})

@@ -5,8 +5,9 @@ them to the lane of that P instance (`ascend_dist.kv_mooncake.pull.lanes`: its o
 hung P delays only its own requests, and a breaker, so after a P stops answering its later
 requests fail at once until it answers again). A task fetches (and caches) the P worker's metadata after a
 compatibility handshake (`ascend_dist.kv_mooncake.pull.peers`), builds the descriptors of every KV group
-(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), pulls them with
-``batch_transfer_sync_read`` and always sends DONE to that P rank, even on failure, so P frees its
+(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P to confirm (and renew)
+its lease, reads the blocks, asks again (a read that outlasted the lease, whose blocks P may have
+reused meanwhile, fails), and always sends DONE to that P rank, even on failure, so P frees its
 blocks (after the request is reported, so DONE's round trip is not on D's critical path). A
 failed task records the logical block ids it was to fill, in every KV group, *before* its request
 is reported finished. A request still pulling after ``pull_timeout_s`` is reported
@@ -357,6 +358,11 @@ class Receiver:
             with self._lock:  # the engine may still write into these blocks: quarantine them
                 self._requests.hold(pull, self._clock() + self._config.quarantine_s)
             raise
+        # The read may have outlasted P's lease: if P let the blocks go meanwhile they may hold
+        # another request's bytes by now, so the read counts only if P still holds them after it.
+        # (P's entry for an id never comes back once freed, so "held" now means held throughout.)
+        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
+            raise NotHeld(f"P {meta.remote_host}:{port} released {meta.remote_request_id!r} during the read")
         with self._lock:
             pull.pulled_layers.update(batch.layers)
 
