@@ -282,7 +282,7 @@ class Receiver:
         """
         meta = pull.meta
         port = meta.remote_port + task.global_rank
-        ok = True
+        ok = contacted = True
         try:
             with self._lock:
                 live = self._requests.pulling(pull.request_id) is pull
@@ -291,7 +291,7 @@ class Receiver:
             elif not lane.passes(pull):
                 raise PeerDown(f"P {meta.remote_host}:{meta.remote_port} is not answering")
             else:
-                self._read_task(pull, task, port)
+                contacted = self._read_task(pull, task, port)
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
             logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, port, exc)
@@ -300,7 +300,7 @@ class Receiver:
             if _peer_stopped_answering(exc):
                 lane.failed(pull)
         else:
-            if live:
+            if live and contacted:  # a task with nothing to read proves nothing about P
                 lane.answered(pull)
         finally:
             # Report the request first (D's latency), then release P's blocks with DONE. A P that
@@ -310,18 +310,19 @@ class Receiver:
                 sender = done_sender(self._pcp_rank, task.shard)
                 self._peers.send_done(meta.remote_host, port, meta.remote_request_id, ok, sender)
 
-    def _read_task(self, pull: DRequest, task: PullTask, port: int) -> None:
-        """Read what ``task`` covers (nothing when D has no block of it to fill)."""
+    def _read_task(self, pull: DRequest, task: PullTask, port: int) -> bool:
+        """Read what ``task`` covers; False when D has no block of it to fill (P was not asked)."""
         meta, shard = pull.meta, task.shard
         p_rank = task.global_rank % meta.remote_ptp_size
         if shard >= 0:
-            if any(gs[shard].local_ids for gs in pull.group_shards if gs):
-                self._pull(pull, port, p_rank, shard)
+            wanted = any(gs[shard].local_ids for gs in pull.group_shards if gs)
         elif shard == ShardKind.STATE_ONLY:
-            if any(meta.local_block_ids[g] for g in self._cache.state_groups):
-                self._pull(pull, port, p_rank, shard)
-        elif any(meta.local_block_ids):
-            self._pull(pull, port, p_rank, ShardKind.WHOLE)
+            wanted = any(meta.local_block_ids[g] for g in self._cache.state_groups)
+        else:
+            wanted = any(meta.local_block_ids)
+        if wanted:
+            self._pull(pull, port, p_rank, shard)
+        return wanted
 
     def _claim_notice(self, task: PullTask) -> bool:
         """Whether the caller is the one to send ``task``'s DONE (each task's DONE goes once)."""
