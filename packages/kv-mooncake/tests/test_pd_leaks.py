@@ -1,4 +1,8 @@
-"""Thousands of real requests leave no trackers, sockets, threads or registrations behind."""
+"""Thousands of real requests leave no trackers, sockets, threads or registrations behind.
+
+Each wave also has a request that stops on P (EOS on its first token) and one aborted on P: they
+lend nothing and must leave no tracker entry on P.
+"""
 
 from __future__ import annotations
 
@@ -33,11 +37,14 @@ def test_many_requests_leave_nothing_behind(make_pair: Callable[..., Any]) -> No
         rids = [f"r{i}" for i in range(start, min(start + WAVE, REQUESTS))]
         for rid, params in zip(rids, pair.p.prefill_many(rids, 16, seed=start), strict=True):
             d.decode(rid, 16, params)
+        for end in ("stopped", "aborted"):  # EOS on the first token, a client abort: P lends nothing
+            assert pair.p.prefill(f"{end}{start}", 16, seed=start, end=end) == {}
         assert d.wait_recv(set(rids), timeout_s=120.0) == set()
         assert d.verify(rids[-1], seed=start) > 0
         for rid in rids:
             d.finish_decode(rid)
-        assert pair.wait_p_idle()["blocks_lent"] == 0
+        p_state = pair.wait_p_idle()
+        assert (p_state["blocks_lent"], p_state["tracked"]) == (0, 0)  # stopped/aborted ones left nothing
         if start == 0:  # after one wave the pools (threads, pooled sockets) are at their steady size
             fds, threads = _fds(), threading.active_count()
     p_state = pair.p.poll()

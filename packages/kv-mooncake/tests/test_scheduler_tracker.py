@@ -8,7 +8,7 @@ import pytest
 
 from ascend_dist.common.errors import ConfigError, MessageTooLarge, ProtocolError
 from ascend_dist.kv_mooncake.core.messages import Done, GetMeta
-from ascend_dist.kv_mooncake.pull.config import PullConfig
+from ascend_dist.kv_mooncake.pull.config import ABORT_TIMEOUT_ENV, PullConfig
 from ascend_dist.kv_mooncake.pull.messages import parse_transfer_params, request_codec
 from ascend_dist.kv_mooncake.pull.scheduler import PullScheduler, SchedRequest
 from ascend_dist.kv_mooncake.pull.tracker import SendTracker
@@ -99,6 +99,22 @@ def test_aborted_producer_request_is_freed_at_once() -> None:
     assert sched.request_finished(SchedRequest("q", 10, None), [[1]]) == (False, None)
 
 
+def test_a_producer_request_ending_without_lending_is_dropped_by_the_workers() -> None:
+    """Stopped (EOS on the first token) or aborted after its batch was announced: the workers must
+    forget it (``to_drop``); one that ends before the announcement is simply not announced."""
+    sched = PullScheduler(_config(), [16])
+    eos = SchedRequest("eos", 10, {"do_remote_decode": True})
+    sched.update_state_after_alloc(eos, [[1]], 0)
+    assert sched.build_connector_meta().in_batch == ["eos"]
+    assert sched.request_finished(eos, [[1]]) == (False, None)
+    early = SchedRequest("early", 10, {"do_remote_decode": True})
+    sched.update_state_after_alloc(early, [[2]], 0)
+    assert sched.request_finished(early, [[2]]) == (False, None)  # aborted before any step announced it
+    meta = sched.build_connector_meta()
+    assert (meta.to_drop, meta.in_batch, meta.to_send) == (["eos"], [], [])
+    assert sched.tracked == 0
+
+
 def _params() -> dict[str, Any]:
     return {
         "do_remote_prefill": True,
@@ -157,23 +173,56 @@ def test_group_count_mismatch_is_a_typed_error() -> None:
         sched.update_state_after_alloc(req, [[1, 2, 3]], 40)
 
 
-def test_tracker_waits_for_every_done_and_tolerates_duplicates() -> None:
+def test_tracker_waits_for_every_done_and_ignores_duplicates() -> None:
+    """A DONE resent by the RPC client (same sender) counts once: two D ranks' DONEs free the blocks."""
     t = SendTracker(10.0, clock=Clock())
     t.add_processing("a")
     t.add_delayed("a", 2)
-    assert t.done("a") and t.take_finished() == set()
-    t.done("a")
+    assert t.done("a", (0, "pcp0/-1")) and t.take_finished() == set()
+    assert t.done("a", (0, "pcp0/-1")) and t.take_finished() == set()  # the retry: still held
+    assert t.renew("a")
+    t.done("a", (1, "pcp0/-1"))
     assert t.take_finished() == {"a"}
-    assert not t.done("a") and not t.done("unknown")
+    assert not t.done("a", (1, "pcp0/-1")) and not t.done("unknown")
     assert t.take_finished() == set() and len(t) == 0
 
 
 def test_tracker_counts_dones_that_arrive_before_the_delayed_free() -> None:
     t = SendTracker(10.0, clock=Clock())
     t.add_processing("a")
-    t.done("a")
-    t.add_delayed("a", 1)
+    t.done("a", (0, "x"))
+    t.done("a", (0, "x"))  # a resent early DONE is still one sender
+    t.add_delayed("a", 2)
+    assert t.take_finished() == set() and t.renew("a")
+    t.done("a", (1, "x"))
     assert t.take_finished() == {"a"} and len(t) == 0
+
+
+def test_tracker_drops_a_request_that_ends_without_lending() -> None:
+    """Stopped or aborted on P: forgotten at once; one already lent keeps its lease."""
+    t = SendTracker(10.0, clock=Clock())
+    t.add_processing("eos")
+    t.done("eos", (0, "x"))
+    t.drop("eos")
+    assert len(t) == 0 and not t.renew("eos") and t.take_finished() == set()
+    t.add_processing("lent")
+    t.add_delayed("lent", 1)
+    t.drop("lent")  # too late to drop: D may be reading it
+    assert t.renew("lent") and len(t) > 0
+
+
+def test_tracker_forgets_a_processing_request_past_its_deadline() -> None:
+    """A request whose end never reached the worker is not "held" forever (renew says no after it)."""
+    clock = Clock()
+    t = SendTracker(5.0, processing_s=3.0, clock=clock)
+    t.add_processing("lost")
+    clock.now = 2.0
+    t.add_processing("lost")  # seen in a batch again (a preemption): the deadline restarts
+    clock.now = 4.5
+    assert t.take_finished() == set() and t.renew("lost")
+    clock.now = 5.5
+    assert t.take_finished() == set()  # nothing to free: P never lent it
+    assert not t.renew("lost") and len(t) == 0
 
 
 def test_tracker_lease_expires_and_renew_extends_it() -> None:
@@ -208,3 +257,16 @@ def test_tracker_zero_fan_in_frees_at_once() -> None:
     t.add_processing("a")
     t.add_delayed("a", 0)
     assert t.take_finished() == {"a"}
+
+
+def test_lease_defaults_to_upstreams_abort_timeout_variable() -> None:
+    """``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` (upstream's lease) is the default of ``lease_s``."""
+    base = {"engine_id": "E", "kv_role": "kv_producer", "kv_port": 1, "extra": EXTRA}
+    assert PullConfig.from_kv_transfer_config(**base, environ={}).lease_s == 60.0
+    env = {ABORT_TIMEOUT_ENV: "480"}
+    assert PullConfig.from_kv_transfer_config(**base, environ=env).lease_s == 480.0
+    explicit = {**base, "extra": {**EXTRA, "lease_s": 5}}
+    assert PullConfig.from_kv_transfer_config(**explicit, environ=env).lease_s == 5.0  # the config wins
+    for bad in ("soon", "0", "-1", "nan"):
+        with pytest.raises(ConfigError, match=ABORT_TIMEOUT_ENV):
+            PullConfig.from_kv_transfer_config(**base, environ={ABORT_TIMEOUT_ENV: bad})

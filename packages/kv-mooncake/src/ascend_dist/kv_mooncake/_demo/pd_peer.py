@@ -6,7 +6,8 @@ line each:
 
 * ``{"cmd": "create", "name", "config": {...}, "model": {...}}`` -> ``{"ok": true}`` (a producer
   `SyntheticInstance`; several may live in one process and share its Mooncake engine)
-* ``{"cmd": "prefill", "name", "rid", "prompt_len", "seed"}`` -> ``{"params": {...}}``
+* ``{"cmd": "prefill", "name", "rid", "prompt_len", "seed", "end"?}`` -> ``{"params": {...}}`` (``end``:
+  ``"length"`` by default, ``"stopped"`` or ``"aborted"`` for a request that lends nothing: ``{}``)
 * ``{"cmd": "prefill_many", "name", "rids", "prompt_len", "seed"}`` -> ``{"params": [...]}``
 * ``{"cmd": "poll", "name"}`` -> ``{"freed": [...], "tracked": n, "blocks_lent": n, "expired": n,
   "late_dones": n}``
@@ -60,7 +61,9 @@ def _create(msg: dict[str, Any]) -> SyntheticInstance:
 
 
 _COMMANDS: dict[str, Callable[[SyntheticInstance, dict[str, Any]], dict[str, Any]]] = {
-    "prefill": lambda inst, m: {"params": inst.prefill(m["rid"], int(m["prompt_len"]), int(m["seed"]))},
+    "prefill": lambda inst, m: {
+        "params": inst.prefill(m["rid"], int(m["prompt_len"]), int(m["seed"]), end=str(m.get("end", "length")))
+    },
     "prefill_many": lambda inst, m: {
         "params": [inst.prefill(rid, int(m["prompt_len"]), int(m["seed"])) for rid in m["rids"]]
     },

@@ -144,10 +144,10 @@ class PInstance:
         self.peer = peer
         self.name = name
 
-    def prefill(self, rid: str, prompt_len: int, seed: int) -> dict[str, Any]:
-        """Run a prefill; return P's kv_transfer_params."""
+    def prefill(self, rid: str, prompt_len: int, seed: int, *, end: str = "length") -> dict[str, Any]:
+        """Run a prefill ending as ``end`` (``length``, ``stopped``, ``aborted``); return P's kv_transfer_params."""
         return self.peer.call(
-            {"cmd": "prefill", "name": self.name, "rid": rid, "prompt_len": prompt_len, "seed": seed}
+            {"cmd": "prefill", "name": self.name, "rid": rid, "prompt_len": prompt_len, "seed": seed, "end": end}
         )["params"]
 
     def prefill_many(self, rids: list[str], prompt_len: int, seed: int) -> list[dict[str, Any]]:

@@ -209,8 +209,13 @@ class SyntheticInstance:
         for r in self.ranks:
             r.worker.start_load_kv(meta)
 
-    def prefill(self, rid: str, prompt_len: int, seed: int) -> dict[str, object]:
-        """P: run a request's prefill (fill its KV with the pattern) and return kv_transfer_params."""
+    def prefill(self, rid: str, prompt_len: int, seed: int, *, end: str = "length") -> dict[str, object]:
+        """P: run a request's prefill (fill its KV with the pattern) and return kv_transfer_params.
+
+        ``end``: how the request ends on P: ``"length"`` (max_tokens reached, the P/D hand-off),
+        or ``"stopped"`` / ``"aborted"`` (EOS on the first token, a client abort): then nothing is
+        lent, the blocks are freed at once and ``{}`` is returned.
+        """
         req = SchedRequest(rid, prompt_len, {"do_remote_decode": True})
         self.requests[rid] = req
         self.scheduler.truncate_for_state(req)  # a hybrid model drops the last prompt token (vLLM: on_new_request)
@@ -218,9 +223,14 @@ class SyntheticInstance:
         self.scheduler.update_state_after_alloc(req, ids, 0)
         self._step()
         self.fill(rid, seed, 0)
-        req.length_capped = True
+        req.length_capped = end == "length"
         delay, params = self.scheduler.request_finished(req, ids)
         self._step()
+        if end != "length":
+            if delay or params is not None:
+                raise ConfigError("end", end, "a request P frees at once (it lends nothing)")
+            self.release(rid)
+            return {}
         if not delay or params is None:
             raise ConfigError("prompt_len", prompt_len, "a prompt that yields blocks to send")
         return params

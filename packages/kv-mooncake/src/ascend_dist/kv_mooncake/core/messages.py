@@ -149,12 +149,15 @@ class Done(Request, frozen=True, kw_only=True, tag="pull_done"):
     Attributes:
         request_id: P's id of the request.
         ok: Whether D's pull succeeded.
-        d_rank: The D rank that finished pulling (for P's logs).
+        d_rank: The D rank that finished pulling.
+        sender: The D task beside ``d_rank`` (CP rank and shard): P counts each ``(d_rank, sender)``
+            once, so a copy the RPC client resent never frees blocks another D task still reads.
     """
 
     request_id: WireText
     ok: bool
     d_rank: Rank
+    sender: WireText = ""
 
 
 class Ack(Message, frozen=True, kw_only=True, tag="ack"):

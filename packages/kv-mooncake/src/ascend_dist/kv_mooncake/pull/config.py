@@ -1,13 +1,18 @@
 """Configuration of the pull connector, parsed from vLLM's ``kv_transfer_config`` fields.
 
-Runs in: scheduler and worker processes. Pure: no I/O. Every bad value raises `ConfigError`
-naming the field and the values it accepts.
+Runs in: scheduler and worker processes. No I/O beyond one environment variable: as upstream,
+``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` (seconds) is the default of ``lease_s`` when the extra
+config does not set it. Every bad value raises `ConfigError` naming the field (or the variable)
+and the values it accepts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final, Self
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.config import (
@@ -19,9 +24,13 @@ from ascend_dist.kv_mooncake.core.config import (
     ints,
     option,
     seconds,
+    seconds_field,
 )
 
-__all__ = ["PROTOCOLS", "PullConfig", "Role", "Topology"]
+__all__ = ["ABORT_TIMEOUT_ENV", "PROTOCOLS", "PullConfig", "Role", "Topology"]
+
+ABORT_TIMEOUT_ENV: Final = "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"
+"""Upstream's lease of P's lent blocks (seconds); our ``lease_s`` default when it is set."""
 
 
 @dataclass(frozen=True)
@@ -36,13 +45,17 @@ class PullConfig(ConnectorConfig):
         kv_port: Base port of the side channel (P workers bind ``kv_port + offset``).
         host: Interface P workers bind and advertise (never a wildcard).
         decode: D's topology (required on both roles; ``pp_size`` must be 1).
-        lease_s: How long P keeps a finished request's blocks without hearing from D.
+        lease_s: How long P keeps a finished request's blocks without hearing from D (default
+            ``$VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` when set, else 60); also how long a
+            request may stay in P's batch with no end seen before P forgets it.
         pull_timeout_s: How long D waits for a request's pulls before reporting its blocks failed.
         quarantine_s: After a failed read, how long D still holds the request's blocks (not
             reported finished) because the engine may write into them late (Mooncake #4247).
         rpc_timeout_s: Deadline of one side-channel attempt.
         rpc_retries: Attempts per side-channel request.
-        recv_workers: Threads of D's receiving pool.
+        recv_workers: Read threads of D's lane to each P instance.
+        peer_retry_s: After a P instance stops answering, how long D fails its requests at once
+            before letting one through to see whether it answers again.
         extra: The whole ``kv_connector_extra_config`` as given (kept for inspection).
     """
 
@@ -52,6 +65,7 @@ class PullConfig(ConnectorConfig):
     rpc_timeout_s: float = option(1.0, seconds())
     rpc_retries: int = option(2, ints(1, 10))
     recv_workers: int = option(4, ints(1, 64))
+    peer_retry_s: float = option(1.0, seconds())
     extra: dict[str, Any] = field(default_factory=dict, metadata=WHOLE_EXTRA)
 
     TOPOLOGY_EXPECTED: ClassVar[str] = "a dict with tp_size and dp_size"
@@ -64,6 +78,35 @@ class PullConfig(ConnectorConfig):
         top = self.kv_port + p.dp_size * p.tp_size * p.pp_size * p.pcp_size
         if top > 65536:
             raise ConfigError("kv_port", self.kv_port, "a base leaving room for every P worker's port (<= 65535)")
+
+    @classmethod
+    def from_kv_transfer_config(
+        cls,
+        *,
+        engine_id: object,
+        kv_role: object,
+        kv_port: object,
+        extra: Mapping[str, Any] | None,
+        model: str = "",
+        dtype: str = "",
+        environ: Mapping[str, str] | None = None,
+    ) -> Self:
+        """`ConnectorConfig.from_kv_transfer_config`, with ``lease_s`` defaulting to upstream's variable.
+
+        Raises:
+            ConfigError: As the base; ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` is not seconds > 0.
+        """
+        config = super().from_kv_transfer_config(
+            engine_id=engine_id, kv_role=kv_role, kv_port=kv_port, extra=extra, model=model, dtype=dtype
+        )
+        raw = (os.environ if environ is None else environ).get(ABORT_TIMEOUT_ENV, "")
+        if "lease_s" in (extra or {}) or not raw.strip():
+            return config
+        try:
+            value: object = float(raw)
+        except ValueError:
+            value = raw
+        return dataclasses.replace(config, lease_s=seconds_field(ABORT_TIMEOUT_ENV, value))
 
     @property
     def uses_cp(self) -> bool:

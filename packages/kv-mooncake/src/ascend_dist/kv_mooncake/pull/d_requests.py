@@ -28,7 +28,7 @@ from ascend_dist.kv_mooncake.core.ranks import HeadSlice
 from ascend_dist.kv_mooncake.pull.cp_plan import CpShard
 from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 
-__all__ = ["D_TRANSITIONS", "DRequest", "DRequests", "DState"]
+__all__ = ["D_TRANSITIONS", "DRequest", "DRequests", "DState", "PullTask"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,15 @@ validate_table(D_TRANSITIONS)
 
 
 @dataclass(eq=False)
+class PullTask:
+    """One read of a request from one P rank; ``notified`` once its DONE went (or was queued) to P."""
+
+    global_rank: int
+    shard: int
+    notified: bool = False
+
+
+@dataclass(eq=False)
 class DRequest:
     """One request's pull: its plan, progress, deadline and failure."""
 
@@ -62,6 +71,7 @@ class DRequest:
     shards: list[CpShard] = field(default_factory=list)
     group_shards: list[list[CpShard]] = field(default_factory=list)
     pulled_layers: set[str] = field(default_factory=set)
+    tasks: list[PullTask] = field(default_factory=list)
     failed: bool = False
     hold_until: float = 0.0
     machine: StateMachine[DState] = field(init=False, repr=False)
@@ -100,6 +110,11 @@ class DRequests:
         record = self._records.get(request_id)
         return None if record is None else record.state
 
+    def live(self, request_id: str) -> DRequest | None:
+        """The record of ``request_id`` unless it is absent or merely awaiting `take_failed`."""
+        record = self._records.get(request_id)
+        return record if record is not None and record.state is not DState.REPORTED else None
+
     def start(self, record: DRequest) -> None:
         """Track a new pull (``PULLING``).
 
@@ -107,8 +122,8 @@ class DRequests:
             InvalidTransition: The id is still tracked and not merely awaiting `take_failed`
                 (vLLM pulls a request once; a stale failure report is replaced).
         """
-        existing = self._records.get(record.request_id)
-        if existing is not None and existing.state is not DState.REPORTED:
+        existing = self.live(record.request_id)
+        if existing is not None:
             raise InvalidTransition(record.request_id, existing.state, DState.PULLING)
         self._records[record.request_id] = record
 

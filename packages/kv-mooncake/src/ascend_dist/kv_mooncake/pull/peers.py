@@ -87,10 +87,15 @@ class PeerClient:
             raise ProtocolError(f"expected an ack from {host}:{port}, got {type(reply).__name__}")
         return reply.known
 
-    def send_done(self, host: str, port: int, remote_request_id: str, ok: bool) -> None:
-        """Tell a P worker D is done with a request; never raises (P's lease frees the blocks if lost)."""
+    def send_done(self, host: str, port: int, remote_request_id: str, ok: bool, sender: str = "") -> None:
+        """Tell a P worker D is done with a request; never raises (P's lease frees the blocks if lost).
+
+        ``sender`` names the D task beside this rank (P counts each (rank, sender) once, so a
+        resent copy never frees blocks another D task still reads).
+        """
         try:
-            reply = self._rpc(host, port, Done(request_id=remote_request_id, d_rank=self._d_rank, ok=ok))
+            done = Done(request_id=remote_request_id, d_rank=self._d_rank, ok=ok, sender=sender)
+            reply = self._rpc(host, port, done)
             if not isinstance(reply, Ack):
                 logger.warning("DONE for %s to port %d answered by %s", remote_request_id, port, type(reply).__name__)
         except Exception as exc:

@@ -90,11 +90,12 @@ class PullScheduler:
         self._pending: dict[str, ReqMeta] = {}
         self._to_send: list[str] = []
         self._in_batch: set[str] = set()
+        self._to_drop: list[str] = []
 
     @property
     def tracked(self) -> int:
         """Requests with scheduler state (0 when idle: nothing leaks)."""
-        return len(self._pending) + len(self._to_send) + len(self._in_batch)
+        return len(self._pending) + len(self._to_send) + len(self._in_batch) + len(self._to_drop)
 
     def check_params(self, request_id: str, raw: Mapping[str, Any], prompt_len: int) -> TransferParams:
         """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
@@ -281,9 +282,18 @@ class PullScheduler:
 
     def build_connector_meta(self) -> PullMetadata:
         """This step's work for the workers; resets the pending collections."""
-        meta = PullMetadata(requests=self._pending, to_send=self._to_send, in_batch=sorted(self._in_batch))
-        self._pending, self._to_send, self._in_batch = {}, [], set()
+        meta = PullMetadata(
+            requests=self._pending, to_send=self._to_send, in_batch=sorted(self._in_batch), to_drop=self._to_drop
+        )
+        self._pending, self._to_send, self._in_batch, self._to_drop = {}, [], set(), []
         return meta
+
+    def _drop(self, request_id: str) -> None:
+        """P: the request ends without lending its blocks; tell the workers unless they never heard of it."""
+        if request_id in self._in_batch:
+            self._in_batch.discard(request_id)  # not yet announced to the workers
+        else:
+            self._to_drop.append(request_id)
 
     def request_finished(
         self, request: SchedRequest, block_ids: Sequence[Sequence[int]]
@@ -305,7 +315,11 @@ class PullScheduler:
             )
             raw["do_remote_prefill"] = False
             return False, None
-        if not params.do_remote_decode or not request.length_capped:
+        if not params.do_remote_decode:
+            return False, None
+        if not request.length_capped:
+            # Stopped (EOS, even on the first token) or aborted: nothing is lent, P's workers forget it.
+            self._drop(request.request_id)
             return False, None
         trimmed = [
             list(ids) if g in self._states else trim_block_ids(ids, request.prompt_len, bs * self._p_cp, win)
@@ -314,6 +328,8 @@ class PullScheduler:
         delay = any(trimmed)
         if delay:
             self._to_send.append(request.request_id)
+        else:
+            self._drop(request.request_id)  # nothing to lend: D gets empty ids and sends no DONE
         return delay, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

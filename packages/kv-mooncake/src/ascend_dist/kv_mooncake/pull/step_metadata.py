@@ -36,8 +36,13 @@ class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):
-    """One step's work for the workers: D's pulls, P's delayed frees, the batch's ids."""
+    """One step's work for the workers: D's pulls, P's delayed frees, the batch's ids, P's drops.
+
+    ``to_drop``: P requests that ended without lending their blocks (stopped, aborted, nothing
+    to send); P's workers forget them (they were announced in an earlier step's ``in_batch``).
+    """
 
     requests: dict[str, ReqMeta] = {}
     to_send: list[str] = []
     in_batch: list[str] = []
+    to_drop: list[str] = []

@@ -1,14 +1,21 @@
-"""D's receiving side: a thread pool pulling each request's blocks from the P ranks it needs.
+"""D's receiving side: per-peer thread pools pulling each request's blocks from the P ranks it needs.
 
 Runs in: D worker processes. `Receiver.submit` plans one task per P rank (and PP stage) and hands
-them to a bounded `ThreadPoolExecutor`. A task fetches (and caches) the P worker's metadata after a
+them to the lane of that P instance (`ascend_dist.kv_mooncake.pull.lanes`: its own threads, so a
+hung P delays only its own requests, and a breaker, so after a P stops answering its later
+requests fail at once until it answers again). A task fetches (and caches) the P worker's metadata after a
 compatibility handshake (`ascend_dist.kv_mooncake.pull.peers`), builds the descriptors of every KV group
-(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), pulls them with
-``batch_transfer_sync_read`` and always sends DONE to that P rank, even on failure, so P frees its
+(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P to confirm (and renew)
+its lease, reads the blocks, asks again (a read that outlasted the lease, whose blocks P may have
+reused meanwhile, fails), and always sends DONE to that P rank, even on failure, so P frees its
 blocks (after the request is reported, so DONE's round trip is not on D's critical path). A
 failed task records the logical block ids it was to fill, in every KV group, *before* its request
 is reported finished. A request still pulling after ``pull_timeout_s`` is reported
-failed (its late results are ignored).
+failed (its late results are ignored) and P is told at once (a DONE per task not yet confirmed,
+sent from the lane's DONE thread), so P frees its blocks without waiting out the lease; its tasks
+still queued then skip the read and only count down. Each DONE names its task (`done_sender`), so
+a copy P receives twice (a timed-out request's and the task's own, or an RPC retry) counts once. A
+request id pulled again while still tracked fails alone (both pulls' blocks reported).
 
 Quarantine: a failed or timed-out read may still write into D's blocks later
 (Mooncake #4247), so its request's blocks are reported as load errors at once but the request
@@ -25,10 +32,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from ascend_dist.common.errors import TransferError
+from ascend_dist.common.errors import DeadlineExceeded, TransferError, TransferTimeout
 from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
@@ -36,13 +42,14 @@ from ascend_dist.kv_mooncake.core.messages import AgentMetadata
 from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode, select_sources
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
-from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState
+from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
+from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
 from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
 from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 
-__all__ = ["LocalCache", "Receiver", "ShardKind"]
+__all__ = ["LocalCache", "Receiver", "ShardKind", "done_sender"]
 
 
 class ShardKind(enum.IntEnum):
@@ -55,6 +62,26 @@ class ShardKind(enum.IntEnum):
 
 
 logger = logging.getLogger(__name__)
+
+
+def done_sender(pcp_rank: int, shard: int) -> str:
+    """The DONE ``sender`` of one D task beside its ``d_rank``: P counts each sender once."""
+    return f"pcp{pcp_rank}/{shard}"
+
+
+class NotHeld(TransferError):
+    """P answered that it no longer holds the request's blocks (P is alive: not a breaker trip)."""
+
+
+class PeerDown(TransferError):
+    """The P instance's lane is open (it stopped answering): the task fails without asking it."""
+
+
+def _peer_stopped_answering(exc: BaseException) -> bool:
+    """Whether a task's failure means P itself did not answer (what trips its lane's breaker)."""
+    if isinstance(exc, DeadlineExceeded):
+        return True
+    return isinstance(exc, TransferError) and not isinstance(exc, NotHeld | PeerDown | TransferTimeout)
 
 
 class Reformat(Protocol):
@@ -95,7 +122,7 @@ class Receiver:
         self._reformat = reformat
         self._clock = clock
         self._peers = PeerClient(config, handshake, tp_rank)
-        self._pool = ThreadPoolExecutor(max_workers=config.recv_workers, thread_name_prefix=f"kv-pull-{tp_rank}")
+        self._lanes = Lanes(config.recv_workers, config.peer_retry_s, clock=clock)
         self._lock = threading.Lock()  # guards the table and the load errors
         self._requests = DRequests(pull_timeout_s=config.pull_timeout_s)
         self._errors: set[int] = set()
@@ -127,14 +154,66 @@ class Receiver:
         return self._peers.cached(engine_id, host, port)
 
     def submit(self, meta: ReqMeta) -> None:
-        """Plan a request's pulls and queue them (an empty receive only sends DONEs)."""
-        if meta.do_virtual:
-            with self._lock:
+        """Plan a request's pulls and queue them (an empty receive only sends DONEs).
+
+        A request id still tracked (pulled again while live) fails that request alone: vLLM pulls
+        an id once, so both pulls' blocks are reported and the worker goes on.
+        """
+        with self._lock:
+            existing = self._requests.live(meta.request_id)
+            if existing is not None:
+                self._collide(existing, meta)
+                return
+            if meta.do_virtual:
                 self._requests.finish_now(DRequest(meta, deadline=self._clock()))
-            return
-        if self._config.uses_cp:
-            self._submit_cp(meta)
-            return
+                return
+        record = self._plan_cp(meta) if self._config.uses_cp else self._plan(meta)
+        self._launch(record)
+
+    def _collide(self, existing: DRequest, meta: ReqMeta) -> None:
+        """Called under the lock: ``meta`` repeats the live ``existing``'s id; both fail."""
+        logger.error(
+            "request %s: pulled again while its first pull is %s; the request fails (its blocks reported)",
+            meta.request_id,
+            existing.state.name,
+        )
+        if self._requests.fail(existing):
+            for ids in existing.meta.local_block_ids:
+                self._errors.update(ids)
+        for ids in meta.local_block_ids:
+            self._errors.update(ids)
+
+    @staticmethod
+    def _key(meta: ReqMeta) -> PeerKey:
+        return (meta.remote_engine_id, meta.remote_host, meta.remote_port)
+
+    def _launch(self, record: DRequest) -> None:
+        """Track ``record`` and queue its tasks on its P's lane (or fail it at once if that P is down)."""
+        lane = self._lanes.get(self._key(record.meta))
+        with self._lock:
+            self._requests.start(record)
+            if record.tasks and lane.admit(record):
+                admitted = True
+            else:
+                admitted = False
+                if record.tasks:
+                    logger.error(
+                        "request %s: P %s:%d is not answering; failed at once",
+                        record.request_id,
+                        record.meta.remote_host,
+                        record.meta.remote_port,
+                    )
+                    self._requests.fail(record)
+                    for ids in record.meta.local_block_ids:
+                        self._errors.update(ids)
+                record.pending = 0
+                self._requests.end(record, self._clock())
+        if admitted:
+            for task in record.tasks:
+                self._lanes.run(lane, lambda t=task: self._run_task(record, t, lane))
+
+    def _plan(self, meta: ReqMeta) -> DRequest:
+        """Plan without context parallelism: one task per P rank (and PP stage) read."""
         p_tp, p_pp = meta.remote_ptp_size, self._config.prefill.pp_size
         slices = select_sources(
             self._tp_rank, p_tp, self._config.decode.tp_size, self._cache.heads, meta.remote_request_id
@@ -148,14 +227,11 @@ class Receiver:
             attention=bool(self._cache.attention_groups),
             state=self._cache.has_state,
         )
-        tasks = [stage * p_tp + p for stage in range(p_pp) for p in ranks]
+        tasks = [PullTask(stage * p_tp + p, ShardKind.WHOLE) for stage in range(p_pp) for p in ranks]
         now = self._clock()
-        with self._lock:
-            self._requests.start(DRequest(meta, now + self._config.pull_timeout_s, pending=len(tasks), slices=slices))
-        for global_rank in tasks:
-            self._pool.submit(self._run_task, meta.request_id, global_rank, ShardKind.WHOLE)
+        return DRequest(meta, now + self._config.pull_timeout_s, pending=len(tasks), slices=slices, tasks=tasks)
 
-    def _submit_cp(self, meta: ReqMeta) -> None:
+    def _plan_cp(self, meta: ReqMeta) -> DRequest:
         """Plan with context parallelism: one task per (P CP rank, P rank) of each shard."""
         p_info, d_info = cp_layouts(self._config, self._use_mla)
         bs = self._cache.block_size
@@ -188,47 +264,73 @@ class Receiver:
             tasks += [(ShardKind.STATE_ONLY, w) for w in state_source_ranks(self._tp_rank, p_tp, d_tp)]
         now = self._clock()
         slices = list(shards[0].slices) if shards else []
-        with self._lock:
-            self._requests.start(
-                DRequest(
-                    meta,
-                    now + self._config.pull_timeout_s,
-                    pending=len(tasks),
-                    slices=slices,
-                    shards=shards,
-                    group_shards=group_shards,
-                )
-            )
-        for shard, world in tasks:
-            self._pool.submit(self._run_task, meta.request_id, world, shard)
+        return DRequest(
+            meta,
+            now + self._config.pull_timeout_s,
+            pending=len(tasks),
+            slices=slices,
+            shards=shards,
+            group_shards=group_shards,
+            tasks=[PullTask(world, shard) for shard, world in tasks],
+        )
 
-    def _run_task(self, request_id: str, global_rank: int, shard: int) -> None:
-        """One task: ``shard`` is a CP shard index (>= 0) or a `ShardKind`."""
-        with self._lock:
-            pull = self._requests.pulling(request_id)
-        if pull is None:
-            return
+    def _run_task(self, pull: DRequest, task: PullTask, lane: Lane) -> None:
+        """One task: ``task.shard`` is a CP shard index (>= 0) or a `ShardKind`.
+
+        A task of a request that timed out (or was replaced) meanwhile skips its read but still
+        counts down and makes sure P got a DONE, so neither side holds the request any longer.
+        """
         meta = pull.meta
-        port = meta.remote_port + global_rank
-        ok = True
+        port = meta.remote_port + task.global_rank
+        ok = contacted = True
         try:
-            if shard >= 0:
-                if any(gs[shard].local_ids for gs in pull.group_shards if gs):
-                    self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
-            elif shard == ShardKind.STATE_ONLY:
-                if any(meta.local_block_ids[g] for g in self._cache.state_groups):
-                    self._pull(pull, port, global_rank % meta.remote_ptp_size, shard)
-            elif any(meta.local_block_ids):
-                self._pull(pull, port, global_rank % meta.remote_ptp_size, ShardKind.WHOLE)
+            with self._lock:
+                live = self._requests.pulling(pull.request_id) is pull
+            if not live:
+                ok = False
+            elif not lane.passes(pull):
+                raise PeerDown(f"P {meta.remote_host}:{meta.remote_port} is not answering")
+            else:
+                contacted = self._read_task(pull, task, port)
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
-            logger.error("request %s: pull from %s:%d failed: %s", request_id, meta.remote_host, port, exc)
+            logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, port, exc)
             self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
             self._fail(pull)
+            if _peer_stopped_answering(exc):
+                lane.failed(pull)
+        else:
+            if live and contacted:  # a task with nothing to read proves nothing about P
+                lane.answered(pull)
         finally:
-            # Report the request first (D's latency), then release P's blocks with DONE.
+            # Report the request first (D's latency), then release P's blocks with DONE. A P that
+            # stopped answering gets none: it would cost this lane's thread the RPC retries.
             self._task_done(pull)
-            self._peers.send_done(meta.remote_host, port, meta.remote_request_id, ok)
+            if self._claim_notice(task) and not (lane.is_open and not ok):
+                sender = done_sender(self._pcp_rank, task.shard)
+                self._peers.send_done(meta.remote_host, port, meta.remote_request_id, ok, sender)
+
+    def _read_task(self, pull: DRequest, task: PullTask, port: int) -> bool:
+        """Read what ``task`` covers; False when D has no block of it to fill (P was not asked)."""
+        meta, shard = pull.meta, task.shard
+        p_rank = task.global_rank % meta.remote_ptp_size
+        if shard >= 0:
+            wanted = any(gs[shard].local_ids for gs in pull.group_shards if gs)
+        elif shard == ShardKind.STATE_ONLY:
+            wanted = any(meta.local_block_ids[g] for g in self._cache.state_groups)
+        else:
+            wanted = any(meta.local_block_ids)
+        if wanted:
+            self._pull(pull, port, p_rank, shard)
+        return wanted
+
+    def _claim_notice(self, task: PullTask) -> bool:
+        """Whether the caller is the one to send ``task``'s DONE (each task's DONE goes once)."""
+        with self._lock:
+            if task.notified:
+                return False
+            task.notified = True
+            return True
 
     def _pull(self, pull: DRequest, port: int, p_rank: int, shard: int) -> None:
         meta = pull.meta
@@ -239,7 +341,7 @@ class Receiver:
         # Before reading, P must confirm it still holds this request's blocks: params replayed after
         # D consumed them, or aimed at a request P already freed, would read reused blocks.
         if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
-            raise TransferError(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
+            raise NotHeld(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
         batch = task_batch(
             self._cache,
             agent,
@@ -257,6 +359,11 @@ class Receiver:
             with self._lock:  # the engine may still write into these blocks: quarantine them
                 self._requests.hold(pull, self._clock() + self._config.quarantine_s)
             raise
+        # The read may have outlasted P's lease: if P let the blocks go meanwhile they may hold
+        # another request's bytes by now, so the read counts only if P still holds them after it.
+        # (P's entry for an id never comes back once freed, so "held" now means held throughout.)
+        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
+            raise NotHeld(f"P {meta.remote_host}:{port} released {meta.remote_request_id!r} during the read")
         with self._lock:
             pull.pulled_layers.update(batch.layers)
 
@@ -310,10 +417,16 @@ class Receiver:
                     self._reformat(name, ids, len(pull.slices))
 
     def take_finished(self) -> set[str]:
-        """Requests whose pulls ended (ok or failed); those past their deadline are failed now."""
+        """Requests whose pulls ended (ok or failed); those past their deadline are failed now.
+
+        P is told at once about a timed-out request (a DONE per task that has not sent one, from
+        the lane's DONE thread) so it frees the blocks now rather than when the lease ends.
+        """
         now = self._clock()
+        notices: list[tuple[DRequest, PullTask]] = []
         with self._lock:
-            for pull in self._requests.expire(now):  # its reads may still be running: quarantined
+            expired = self._requests.expire(now)
+            for pull in expired:  # its reads may still be running: quarantined
                 logger.error(
                     "request %s: pulls not done within %.1f s; reported failed",
                     pull.request_id,
@@ -321,7 +434,24 @@ class Receiver:
                 )
                 for ids in pull.meta.local_block_ids:
                     self._errors.update(ids)
-            return self._requests.take_finished(now)
+                for task in pull.tasks:
+                    if not task.notified:
+                        task.notified = True
+                        notices.append((pull, task))
+            finished = self._requests.take_finished(now)
+        for pull in expired:
+            self._lanes.get(self._key(pull.meta)).expired(pull)  # a probe that never ended: P did not answer
+        for pull, task in notices:
+            self._lanes.run(self._lanes.get(self._key(pull.meta)), lambda p=pull, t=task: self._abort(p, t), note=True)
+        return finished
+
+    def _abort(self, pull: DRequest, task: PullTask) -> None:
+        """DONE (not ok) for a task of a timed-out request: P frees its blocks now."""
+        meta = pull.meta
+        port = meta.remote_port + task.global_rank
+        self._peers.send_done(
+            meta.remote_host, port, meta.remote_request_id, False, done_sender(self._pcp_rank, task.shard)
+        )
 
     def take_load_errors(self) -> set[int]:
         """Logical block ids (all groups) whose load failed since the last call."""
@@ -336,5 +466,5 @@ class Receiver:
 
     def close(self) -> None:
         """Wait for running pulls (each bounded by the engine's timeout), then close sockets."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._lanes.close()
         self._peers.close()

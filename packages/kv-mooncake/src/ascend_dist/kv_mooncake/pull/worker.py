@@ -264,8 +264,10 @@ class PullWorker:
             known = [self._tracker.renew(r) for r in msg.request_ids]
             return self._replies.encode(Ack(known=all(known)))
         assert isinstance(msg, Done)
-        self._tracker.done(msg.request_id)
-        return self._replies.encode(Ack())  # the same answer whether P knew the id: not a membership oracle
+        # One count per D task (rank, CP rank and shard): a retried copy names the same sender. The
+        # answer is the same whether P knew the id: not a membership oracle.
+        self._tracker.done(msg.request_id, (msg.d_rank, msg.sender))
+        return self._replies.encode(Ack())
 
     def _reformat(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
         """Stacked pulls ``[pull][token][h]`` -> ``[token][pull*h]`` in each listed block.
@@ -315,6 +317,8 @@ class PullWorker:
         if self._config.is_producer:
             for rid in meta.in_batch:
                 self._tracker.add_processing(rid)
+            for rid in meta.to_drop:
+                self._tracker.drop(rid)
             for rid in meta.to_send:
                 fan_in = self._fan_in(rid)
                 self._tracker.add_delayed(rid, fan_in)

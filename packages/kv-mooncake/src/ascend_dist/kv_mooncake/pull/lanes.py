@@ -1,0 +1,153 @@
+"""D's per-peer lanes: each P instance gets its own threads and its own breaker.
+
+Runs in: D worker processes (the `Receiver` and its pool threads; thread-safe). One shared pool
+let a hung P hold every receive thread, so pulls from healthy Ps queued behind it. A `Lane` per P
+instance (engine id, host, base port) has its own read threads (``recv_workers``) and one thread
+for DONEs that are sent apart from a read (a timed-out request's), so a slow or dead P delays only
+its own requests.
+
+The breaker: once a P stops answering (an RPC past its deadline, a failed read), its lane is
+*open* for ``peer_retry_s``; requests to it fail at once instead of each waiting out the RPC
+retries. After that time one request is let through as a probe; while it runs the others still
+fail fast. The probe's success closes the lane, its failure opens it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final
+
+__all__ = ["Lane", "Lanes", "PeerKey"]
+
+logger = logging.getLogger(__name__)
+
+PeerKey = tuple[str, str, int]
+"""``(remote_engine_id, remote_host, remote_port)``: one P instance (its base port)."""
+
+_MAX_IDLE_LANES: Final = 16  # idle lanes beyond this are closed (a D may see many short-lived Ps)
+
+
+class Lane:
+    """One P instance's threads and breaker."""
+
+    def __init__(self, key: PeerKey, workers: int, retry_s: float, clock: Callable[[], float]) -> None:
+        """Create the lane; threads start on demand."""
+        self.key = key
+        name = f"kv-pull-{key[0]}"[:24]
+        self.reads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-done")
+        self.jobs = 0  # queued or running jobs (guarded by `Lanes`' lock)
+        self._retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open_until = 0.0
+        self._probe: object | None = None  # the request probing a half-open lane
+
+    @property
+    def is_open(self) -> bool:
+        """Whether requests to this peer fail fast now (it stopped answering)."""
+        with self._lock:
+            return self._probe is not None or self._clock() < self._open_until
+
+    def admit(self, token: object) -> bool:
+        """Whether a new request (``token``) may go to the peer; it becomes the probe of a half-open lane."""
+        with self._lock:
+            if self._probe is not None or self._clock() < self._open_until:
+                return False
+            if self._open_until:  # half-open: this request probes the peer
+                self._probe = token
+            return True
+
+    def passes(self, token: object) -> bool:
+        """Whether a task of ``token``'s request may still talk to the peer (the probe always may)."""
+        with self._lock:
+            return self._probe is token or (self._probe is None and self._clock() >= self._open_until)
+
+    def answered(self, token: object) -> None:
+        """The peer answered a request: a probe's success closes the lane."""
+        with self._lock:
+            if self._probe is token or self._probe is None:
+                self._probe = None
+                self._open_until = 0.0
+
+    def failed(self, token: object) -> None:
+        """The peer stopped answering: open the lane for ``retry_s`` (again, for a failed probe)."""
+        with self._lock:
+            if self._probe is token:
+                self._probe = None
+            if self._open_until <= self._clock():
+                host, port = self.key[1:]
+                logger.error("P %s:%d stopped answering: its requests fail fast for %.1f s", host, port, self._retry_s)
+            self._open_until = self._clock() + self._retry_s
+
+    def expired(self, token: object) -> None:
+        """``token``'s request timed out: if it was the probe, P did not answer it (open again)."""
+        with self._lock:
+            probing = self._probe is token
+        if probing:
+            self.failed(token)
+
+    def close(self) -> None:
+        """Cancel queued jobs and join the threads (each running job is bounded by its deadline)."""
+        self.reads.shutdown(wait=True, cancel_futures=True)
+        self.notes.shutdown(wait=True, cancel_futures=True)
+
+
+class Lanes:
+    """The lanes of one D worker, created on first use and closed when idle and too many."""
+
+    def __init__(self, workers: int, retry_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """No lane yet."""
+        self._workers = workers
+        self._retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._lanes: dict[PeerKey, Lane] = {}
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lanes)
+
+    def get(self, key: PeerKey) -> Lane:
+        """The peer's lane (created now if needed)."""
+        idle: list[Lane] = []
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = Lane(key, self._workers, self._retry_s, self._clock)
+                if len(self._lanes) > _MAX_IDLE_LANES:
+                    idle = [x for x in self._lanes.values() if x is not lane and x.jobs == 0 and not x.is_open]
+                    for x in idle:
+                        del self._lanes[x.key]
+        for x in idle:  # idle: their threads exit at once, so joining them here is quick
+            x.close()
+        return lane
+
+    def run(self, lane: Lane, job: Callable[[], None], *, note: bool = False) -> None:
+        """Queue ``job`` on the lane's read threads (or its DONE thread when ``note``)."""
+        with self._lock:
+            if self._closed:
+                return
+            lane.jobs += 1
+
+        def wrapped() -> None:
+            try:
+                job()
+            finally:
+                with self._lock:
+                    lane.jobs -= 1
+
+        (lane.notes if note else lane.reads).submit(wrapped)
+
+    def close(self) -> None:
+        """Close every lane."""
+        with self._lock:
+            self._closed = True
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close()
