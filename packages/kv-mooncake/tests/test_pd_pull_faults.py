@@ -54,14 +54,14 @@ def test_a_resent_done_counts_once_and_never_frees_blocks_another_d_rank_reads(m
     endpoint = tcp_endpoint("127.0.0.1", pair.kv_port)
     requests, replies = request_codec(1 << 20), reply_codec(1 << 20)
     whole = done_sender(0, ShardKind.WHOLE)  # what each D rank's WHOLE task sends beside its rank
-    rank0 = requests.encode(Done(request_id="fan", d_rank=0, sender=whole))
+    rank0 = requests.encode(Done(request_id="fan", ok=True, d_rank=0, sender=whole))
     with RpcClient(timeout_s=5.0, retries=1) as client:
         assert replies.decode(client.request(endpoint, rank0)) == Ack(known=True)
         assert replies.decode(client.request(endpoint, rank0)) == Ack(known=True)  # the same bytes again
         assert pair.p.poll()["blocks_lent"] > 0  # one rank twice is not the fan-in of 2
         assert replies.decode(client.request(endpoint, requests.encode(Renew(request_ids=["fan"])))) == Ack(known=True)
         # control: D rank 1's DONE completes the fan-in and frees the blocks
-        rank1 = requests.encode(Done(request_id="fan", d_rank=1, sender=whole))
+        rank1 = requests.encode(Done(request_id="fan", ok=True, d_rank=1, sender=whole))
         assert replies.decode(client.request(endpoint, rank1)) == Ack(known=True)
     state = pair.wait_p_idle()
     assert (state["blocks_lent"], state["expired"]) == (0, 0)
