@@ -83,7 +83,7 @@ def expected_values(hashes: list[int], layers: Iterable[int]) -> torch.Tensor:
 def classify_copy(got: torch.Tensor, want: torch.Tensor | None) -> str:
     """What the pool's copy of a wrongly loaded chunk is (``want``: its right values, None for a partial block)."""
     if (got == SENTINEL).all():
-        return "the pool's copy is the sentinel too (a save read a block before it was written)"
+        return "the pool's copy is the sentinel too (a save read a block before it was written or after it was zeroed)"
     if want is None:
         return f"the pool holds {got.numel()} values (partial block, not compared)"
     if got.numel() == want.numel() and torch.equal(got.sort().values, want.sort().values):
@@ -234,8 +234,12 @@ class SoakInstance:
         manager = self.scheduler.kv_cache_manager
         return {r: set(manager.get_block_ids(r)[0]) for r in self.scheduler.requests}
 
-    def _fill_fresh(self, before: dict[str, set[int]], pre_hash: list[Any], step_no: int) -> None:
-        """Sentinel into every block a request got this step that is not a local prefix-cache hit."""
+    def _fresh_blocks(self, before: dict[str, set[int]], pre_hash: list[Any], step_no: int) -> list[int]:
+        """Every block a request got this step that is not a local prefix-cache hit (the runner zeroes them).
+
+        Only planned here, right after ``schedule()``: the sentinel goes in later (`_zero`), where vLLM's
+        runner zeroes new blocks, after ``handle_preemptions``.
+        """
         pool = self.scheduler.kv_cache_manager.block_pool.blocks
         after = self._held()
         # still held by a request that held it before: live content shared through a prefix-cache hit
@@ -248,11 +252,15 @@ class SoakInstance:
             if mine:
                 self.note(r, step_no, f"fresh {sorted(mine)}")
             fill += mine
+        self.fresh |= set(fill)
+        return fill
+
+    def _zero(self, fill: list[int]) -> None:
+        """The sentinel into ``fill``: what the runner's zeroing of new blocks stands for."""
         if fill:
             for k, v in self.caches.values():
                 k[fill] = SENTINEL
                 v[fill] = SENTINEL
-            self.fresh |= set(fill)
 
     def _computed_now(self, out: Any) -> list[tuple[str, int]]:
         """``(req_id, num_computed_tokens)`` of requests vLLM schedules as new or resumed this step."""
@@ -341,9 +349,17 @@ class SoakInstance:
         for req_id in out.preempted_req_ids or ():
             self.note(req_id, step_no, "preempted")
 
-    def _run_worker(self, out: Any) -> KVConnectorOutput:
-        """``_get_kv_connector_output`` of vLLM's runner around the forward; the step's connector output."""
+    def _run_worker(self, out: Any, fill: list[int]) -> KVConnectorOutput:
+        """vLLM 0.33's ``execute_model`` up to the step's connector output.
+
+        ``handle_preemptions`` first, then the new blocks are zeroed (``_update_states``: vLLM zeroes
+        ``new_block_ids_to_zero`` for Mamba and mixed-precision caches, and copies
+        ``kv_cache_block_copies``, before the metadata is bound), then ``_get_kv_connector_output``
+        around the forward.
+        """
         connector = self.worker
+        connector.handle_preemptions(out.kv_connector_metadata)
+        self._zero(fill)
         connector.bind_connector_metadata(out.kv_connector_metadata)
         sync = bool(out.has_sync_kv_loads)
         if sync:
@@ -380,13 +396,13 @@ class SoakInstance:
         out = self.scheduler.schedule()
         counters.max_schedule_s = max(counters.max_schedule_s, time.monotonic() - t0)
         counters.preemptions += len(out.preempted_req_ids or ())
-        self._fill_fresh(before, pre_hash, step_no)  # what the runner's zeroing stands for: before the load
+        fill = self._fresh_blocks(before, pre_hash, step_no)
         claims = self._claimed_loads(out)
         self._note_scheduled(out, claims, step_no)
         if on_scheduled is not None:
             on_scheduled(self, out)
         t1 = time.monotonic()
-        kv_out = self._run_worker(out)
+        kv_out = self._run_worker(out, fill)
         counters.max_worker_s = max(counters.max_worker_s, time.monotonic() - t1)
         counters.failed_load_blocks += len(kv_out.invalid_block_ids)
         counters.failed_recving += len(kv_out.failed_recving or ())

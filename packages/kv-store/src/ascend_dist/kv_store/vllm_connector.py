@@ -208,6 +208,16 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, AscendStoreConnectorMetadata)
         return meta.step
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Settle preempted requests' saves: vLLM's runner zeroes or copies new blocks right after this.
+
+        The step's first worker hook (before ``_update_states`` and the binding): a preempted
+        request's blocks may be handed to another request, zeroed, in the step that preempts it.
+        """
+        if self._worker is not None:
+            assert isinstance(kv_connector_metadata, AscendStoreConnectorMetadata)
+            self._worker.handle_preemptions(kv_connector_metadata.step)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step and start it on the worker (vLLM binds before every forward pass).
 

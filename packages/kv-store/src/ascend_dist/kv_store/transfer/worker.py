@@ -1,7 +1,8 @@
 """KVPoolWorker: registration, pool lookup (rank 0), loads, non-blocking saves, completion, failures.
 
 Runs in: each worker process (one per TP/PP/CP rank). Order of calls per step, as vLLM makes them:
-``bind_step(meta)`` when the metadata is bound (preemption waits, layer-wise planning),
+``handle_preemptions(meta)`` first (preemption waits, before the runner zeroes or copies blocks),
+``bind_step(meta)`` when the metadata is bound (layer-wise planning),
 ``start_load_kv(meta)`` before the forward pass when the step has synchronous loads, after it
 otherwise (async loads are queued to the receiving thread), ``wait_for_save(meta)`` after the
 forward (queues saves and returns at once),
@@ -156,12 +157,24 @@ class KVPoolWorker:
 
     # ---- the step, in vLLM's call order ----
 
+    def handle_preemptions(self, meta: PoolStepMeta) -> None:
+        """Settle preempted requests' saves before vLLM's runner touches their blocks (the step's first hook).
+
+        vLLM 0.33's runner zeroes the step's new blocks (``new_block_ids_to_zero``) and copies
+        ``kv_cache_block_copies`` after this and before ``bind_step``; a preempted request's blocks
+        may be among them in the step that preempts it, so its saves must not read them any more.
+
+        Raises:
+            DeadlineExceeded: A put still reads a preempted request's blocks after `WorkerWaits.fence_s`.
+        """
+        self._guard.wait_preempted(meta.preempted_req_ids)
+
     def bind_step(self, meta: PoolStepMeta) -> None:
         """Start the step whose metadata vLLM just bound (before the forward pass, always).
 
         Preempted requests' saves are waited for or cancelled (their blocks may be reused by this
-        forward; a cancelled save's put in flight is waited for too); layer-wise: the step is planned
-        and its first layers' loads submitted.
+        forward; a cancelled save's put in flight is waited for too) unless `handle_preemptions`
+        settled them already; layer-wise: the step is planned and its first layers' loads submitted.
 
         Raises:
             DeadlineExceeded: A put still reads a preempted request's blocks after
