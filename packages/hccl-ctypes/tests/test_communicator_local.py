@@ -75,3 +75,40 @@ def test_bad_arguments_are_typed(world1: dist.ProcessGroup, runtime: CpuSimRunti
     with pytest.raises(ConfigError, match="out_tensor="):
         comm.all_reduce(torch.ones(4), torch.ones(4, dtype=torch.float64))
     comm.destroy()
+
+
+@pytest.fixture
+def cpu_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from ascend_dist.common.device import DEVICE_ENV, close_runtime
+
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    close_runtime()
+    try:
+        yield
+    finally:
+        close_runtime()
+
+
+@pytest.mark.usefixtures("cpu_process")
+def test_each_rank_enqueues_on_its_own_devices_runtime(world1: dist.ProcessGroup) -> None:
+    """Issue 25 item 2: the communicator's runtime (hence its streams) is its device's, not device 0's."""
+    from ascend_dist.common.device import get_runtime, set_current_device
+
+    for device in (2, "cpu:2", torch.device("cpu", 2)):
+        with PyHcclCommunicator(world1, device=device) as comm:
+            assert comm.runtime is get_runtime(2) and comm.runtime.device_index == 2
+            x = torch.arange(4, dtype=torch.float32)
+            y = comm.all_reduce(x)  # on device 2's current stream
+            comm.runtime.current_stream().synchronize(10)
+            assert torch.equal(y, x)
+    set_current_device(3)  # vLLM's worker: set_device(local_rank), then build the communicator
+    with PyHcclCommunicator(world1) as comm:
+        assert comm.runtime.device_index == 3 and comm.runtime is not get_runtime(0)
+
+
+def test_a_device_other_than_the_runtimes_is_refused(world1: dist.ProcessGroup, runtime: CpuSimRuntime) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        PyHcclCommunicator(world1, device=1, runtime=runtime)  # would enqueue on device 0's stream
+    with pytest.raises(ConfigError, match="device"):
+        PyHcclCommunicator(world1, device="cpu:x", runtime=runtime)
+    PyHcclCommunicator(world1, device=0, runtime=runtime).destroy()
