@@ -220,11 +220,12 @@ class BroadcastWorker:
             )
         except ManifestRejected:
             raise  # refused at the vote: the group is intact
-        except AscendDistError as exc:
+        except UpdateAborted as exc:
             self._broken = f"{type(exc).__name__}: {exc}"[:200]
             raise
-        except RuntimeError as exc:  # the collective failed: the group is unusable from now on
-            self._broken = str(exc).splitlines()[0][:200]
+        except (AscendDistError, RuntimeError) as exc:  # the collective failed: the group is unusable from now on
+            # gloo raises RuntimeError, the HCCL path CollectiveError / DeadlineExceeded: one typed outcome
+            self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             raise UpdateAborted(f"weight update aborted on worker rank {group.rank}: {self._broken}") from exc
         self.last_update_id, self.last_phases = update_id, phases
         return phases
@@ -236,13 +237,15 @@ class BroadcastWorker:
 
     def _release(self) -> None:
         self._pool.clear()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._comm is not None:
-            self._comm.destroy()
-            self._comm = None
+        heartbeat, self._heartbeat = self._heartbeat, None
+        comm, self._comm = self._comm, None
         self._group = None
+        try:
+            if heartbeat is not None:
+                heartbeat.stop()
+        finally:  # a heartbeat that would not stop must not leak the communicator
+            if comm is not None:
+                comm.destroy()
 
     def shutdown(self) -> None:
         """Stop the heartbeat, destroy the communicator, leave the group; idempotent."""
