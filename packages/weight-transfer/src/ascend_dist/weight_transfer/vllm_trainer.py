@@ -121,6 +121,7 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     packed_direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES
     op_timeout_s: float = 300.0
     layerwise_reload: bool = True
+    validate_names: bool = True
 
 
 class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
@@ -151,7 +152,7 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
             "packed_buffer_size_bytes": init_info.packed_buffer_size_bytes,
             "packed_num_buffers": init_info.packed_num_buffers, "op_timeout_s": init_info.op_timeout_s,
             "packed_direct_threshold_bytes": init_info.packed_direct_threshold_bytes,
-            "layerwise_reload": init_info.layerwise_reload,
+            "layerwise_reload": init_info.layerwise_reload, "validate_names": init_info.validate_names,
         }  # fmt: skip
         runtime = get_runtime()
         device = "cpu" if runtime.name == "cpu" else f"{runtime.name}:{runtime.device_index}"

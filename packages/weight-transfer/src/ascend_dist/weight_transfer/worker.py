@@ -27,7 +27,7 @@ from ascend_dist.weight_transfer.collective import (
     TransferGroup,
     gloo_collective,
 )
-from ascend_dist.weight_transfer.errors import ManifestRejected, UpdateAborted
+from ascend_dist.weight_transfer.errors import LoadFailed, ManifestRejected, UpdateAborted
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -175,6 +175,7 @@ class BroadcastWorker:
             ManifestRejected: The trainer sends something else, or the metadata is malformed (lists
                 of different lengths, an unknown dtype); the difference is named; nothing changed.
             UpdateAborted: The update did not complete on every rank; the model keeps its weights.
+            LoadFailed: The sink's loader failed after every rank committed (cause attached).
         """
         self.session.require("update")
         try:
@@ -218,8 +219,8 @@ class BroadcastWorker:
             update_id, phases = receive_update(
                 comm, expected, self.sink, reject=reject, refuse=refuse, validate=self._validate, pool=self._pool
             )
-        except ManifestRejected:
-            raise  # refused at the vote: the group is intact
+        except (ManifestRejected, LoadFailed):
+            raise  # refused at the vote, or the model's loader failed after it: the group is intact
         except UpdateAborted as exc:
             self._broken = f"{type(exc).__name__}: {exc}"[:200]
             raise
