@@ -330,3 +330,62 @@ def test_a_loader_failure_after_the_vote_is_a_typed_error_naming_its_cause(regis
         sink.load_weights([("layers.nope.weight", torch.zeros(1))])
     assert isinstance(info.value.__cause__, KeyError)
     engines[0].shutdown()
+
+
+def test_hccl_init_surfaces_the_servers_own_error_as_the_cause(registered: list[str]) -> None:
+    """Issue 25 item 4: the init RPC's error was dropped; only the trainer's join timeout was raised."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.common.errors import AscendDistError
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    class RefusingServer(EngineClient):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            raise ValueError("server: init_info.world_size does not match the deployment")
+
+    client = RefusingServer([None])  # never reached: the server refuses before calling a worker
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, op_timeout_s=2.0, layerwise_reload=False)
+    try:
+        with pytest.raises(AscendDistError) as raised:  # no worker joins: the trainer's join times out
+            WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=1)))
+        cause = raised.value.__cause__
+        assert isinstance(cause, ValueError) and "does not match the deployment" in str(cause)
+    finally:
+        client.pool.shutdown()
+
+
+def test_hccl_update_with_a_hung_rpc_fails_within_its_deadline(registered: list[str]) -> None:
+    """Issue 25 item 4: a server that never answers update_weights hung send_weights forever."""
+    import threading
+    import time
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.common.errors import AscendDistError
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    release = threading.Event()
+
+    class HungServer(EngineClient):
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            release.wait(60)  # never answers while the test runs
+
+    engines, models = _workers("hccl", 1)
+    client = HungServer(engines)
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, op_timeout_s=2.0, layerwise_reload=False)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=1)))
+    try:
+        before = _digests(models[0])
+        t0 = time.monotonic()
+        with pytest.raises(AscendDistError):
+            trainer.send_weights()
+        assert time.monotonic() - t0 < 2.0 * 3 + 2.0  # the broadcast's deadline, the heartbeat probe, the grace
+        assert _digests(models[0]) == before
+    finally:
+        release.set()
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()

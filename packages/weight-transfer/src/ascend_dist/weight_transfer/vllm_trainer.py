@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -44,6 +43,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
+from ascend_dist.weight_transfer.rpc_thread import beside_rpc
 from ascend_dist.weight_transfer.trainer import BroadcastTrainer
 from ascend_dist.weight_transfer.vllm_engine import _device_factory
 
@@ -156,16 +156,21 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         }  # fmt: skip
         runtime = get_runtime()
         device = "cpu" if runtime.name == "cpu" else f"{runtime.name}:{runtime.device_index}"
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-init") as pool:
-            future = pool.submit(client.init_weight_transfer_engine, payload)
-            engine.trainer = BroadcastTrainer.connect(
+
+        def connect() -> BroadcastTrainer:
+            return BroadcastTrainer.connect(
                 init_info.master_address, init_info.master_port, init_info.world_size, device=device,
                 collective_factory=_device_factory(torch.device(device)),
                 op_timeout_s=init_info.op_timeout_s, packed=init_info.packed,
                 buffer_size_bytes=init_info.packed_buffer_size_bytes, num_buffers=init_info.packed_num_buffers,
                 direct_threshold_bytes=init_info.packed_direct_threshold_bytes,
             )  # fmt: skip
-            future.result(timeout=init_info.op_timeout_s)
+
+        engine.trainer = beside_rpc(
+            "init_weight_transfer_engine", lambda: client.init_weight_transfer_engine(payload), connect,
+            timeout_s=init_info.op_timeout_s, local_timeout_s=max(init_info.op_timeout_s, 60.0) * 2 + 10.0,
+            discard=lambda trainer: trainer.shutdown(),
+        )  # fmt: skip
         return engine
 
     def send_weights(self) -> None:
@@ -183,15 +188,12 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         update = {"names": [t.name for t in manifest.tensors], "dtype_names": [t.dtype for t in manifest.tensors],
                   "shapes": [list(t.shape) for t in manifest.tensors]}  # fmt: skip
         self.client.start_weight_update()
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-update")
-        try:
-            future = pool.submit(self.client.update_weights, update)
-            self.trainer.send(_iter_full(self.source), manifest)
-            future.result(timeout=info.op_timeout_s)
-        finally:
-            # The broadcast either completed (the RPC returns promptly) or failed (the workers fail
-            # too, within op_timeout_s): the RPC thread ends either way; wait for it, bounded.
-            pool.shutdown(wait=True, cancel_futures=True)
+        trainer, source = self.trainer, self.source
+        beside_rpc(
+            "update_weights", lambda: self.client.update_weights(update),
+            lambda: trainer.send(_iter_full(source), manifest), timeout_s=info.op_timeout_s,
+            local_timeout_s=info.op_timeout_s * 3 + 10.0,  # its collectives are bounded by op_timeout_s each
+        )  # fmt: skip
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
