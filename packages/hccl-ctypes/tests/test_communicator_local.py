@@ -112,3 +112,49 @@ def test_a_device_other_than_the_runtimes_is_refused(world1: dist.ProcessGroup, 
     with pytest.raises(ConfigError, match="device"):
         PyHcclCommunicator(world1, device="cpu:x", runtime=runtime)
     PyHcclCommunicator(world1, device=0, runtime=runtime).destroy()
+
+
+def test_destroy_never_releases_the_engine_under_a_queued_operation() -> None:
+    """Issue 25 item 4: a destroy whose stream wait timed out released the engine anyway, and the queued
+    all-reduce then ran on it. Now the queued operation fails with CommunicatorClosed at the stream's sync."""
+    import datetime
+    import threading
+
+    from ascend_dist.common.errors import DeadlineExceeded
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)  # fmt: skip
+    runtimes = [create_runtime("cpu", device_index=r) for r in range(2)]
+    comms: list[PyHcclCommunicator | None] = [None, None]
+
+    def build(rank: int) -> None:
+        client = store if rank == 0 else dist.TCPStore("127.0.0.1", port, 2, is_master=False,
+                                                       timeout=datetime.timedelta(seconds=10))  # fmt: skip
+        group = dist.ProcessGroupGloo(client, rank, 2, datetime.timedelta(seconds=10))
+        comms[rank] = PyHcclCommunicator(group, runtime=runtimes[rank], backend="gloo", op_timeout_s=2.0)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    comm, peer = comms
+    assert comm is not None and peer is not None
+    gate = threading.Event()
+    try:
+        stream = runtimes[0].new_stream()
+        runtimes[0].launch_host_func(stream, lambda: gate.wait(10))  # the stream is busy...
+        comm.all_reduce(torch.ones(4), stream=stream)  # ...so the all-reduce is queued behind it
+        with pytest.raises(DeadlineExceeded):
+            comm.destroy(timeout_s=0.3)
+        gate.set()
+        with pytest.raises(CommunicatorClosed, match="queued"):
+            stream.synchronize(10)  # refused, not run on a released engine (it would wait 2 s for rank 1)
+    finally:
+        gate.set()
+        peer.destroy()
+        for rt in runtimes:
+            rt.close()

@@ -140,6 +140,7 @@ class PyHcclCommunicator:
         self._collectives: Collectives | None = None
         self._streams: list[Stream] = []
         self._destroyed = False
+        self._released = False  # the engine was closed: queued simulated ops refuse to run
         self._lock = threading.Lock()
         if self.world_size == 1:
             self.disabled_reason = "world size 1: collectives are computed locally"
@@ -206,6 +207,8 @@ class PyHcclCommunicator:
 
         def run() -> None:  # the CPU simulation: run in order on the stream's worker thread
             with self._lock:  # never two ops of one communicator at once in this process
+                if self._released:  # destroy gave up waiting for this op: never touch a released engine
+                    raise CommunicatorClosed("the communicator was destroyed while this operation was queued")
                 fn(0)
 
         if collective and target.query():
@@ -344,18 +347,39 @@ class PyHcclCommunicator:
 
         Idempotent: a second call does nothing. Not collective, but do not destroy while a peer may
         still be inside a collective with this rank.
+
+        Raises:
+            DeadlineExceeded: A stream did not drain within ``timeout_s``. An operation still queued
+                on a simulated stream then fails with `CommunicatorClosed` instead of running; on a
+                device stream the native communicator is leaked (never freed under a queued op).
         """
         if self._destroyed:
             return
         self._destroyed = True
+        streams, self._streams = list(self._streams), []
         try:
-            for stream in self._streams:
+            for stream in streams:
                 stream.synchronize(timeout_s)
-        finally:
-            self._streams.clear()
+        except BaseException:
+            # An operation may still be queued. Simulated streams run it under the lock and see
+            # `_released`, so the engine can go; a device stream already holds the native
+            # communicator in its queue, so freeing it would be a use after free: leak it instead.
+            if any(getattr(stream, "handle", None) is not None for stream in streams):
+                self._collectives = None
+                logger.error(
+                    "communicator rank %d: streams did not drain; the native communicator is leaked", self.rank
+                )
+                raise
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:  # after any op running now; queued ones then refuse (see `_launch`)
+            self._released = True
             engine, self._collectives = self._collectives, None
-            if engine is not None:
-                engine.close()
+        if engine is not None:
+            engine.close()
 
     def __enter__(self) -> PyHcclCommunicator:
         """Use as a context manager that calls `destroy` on exit."""
