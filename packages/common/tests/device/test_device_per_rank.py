@@ -90,3 +90,15 @@ def test_simulated_device_index_is_stamped_on_ipc_handles() -> None:
         assert runtime.ipc_handle(tensor).device_index == 2
     with pytest.raises(ConfigError, match="device_index"):
         create_runtime("cpu", device_index=-1)
+
+
+@pytest.mark.usefixtures("cpu_process")
+def test_tensors_runtime_is_their_devices_and_refuses_a_mix() -> None:
+    from ascend_dist.common.device import tensors_runtime
+
+    set_current_device(1)
+    assert tensors_runtime([torch.zeros(1), torch.zeros(2)]) is get_runtime(1)
+    with pytest.raises(ConfigError, match="tensors"):
+        tensors_runtime([])
+    with pytest.raises(ConfigError, match="tensors"):
+        tensors_runtime([torch.zeros(1), torch.zeros(1, device="meta")])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ascend_dist.common.device.base import (
@@ -89,6 +90,7 @@ __all__ = [
     "get_runtime",
     "select_backend",
     "set_current_device",
+    "tensors_runtime",
     "split_descriptors",
     "validate_batch",
 ]
@@ -198,6 +200,20 @@ def get_runtime(device: DeviceSpec = None) -> DeviceRuntime:
             runtime = create_runtime(backend, device_index=index)
             _PROCESS.runtimes[index] = runtime
         return runtime
+
+
+def tensors_runtime(tensors: Iterable[Any]) -> DeviceRuntime:  # torch tensors: not imported here
+    """The runtime of the device ``tensors`` live on (a KV cache's layers, a model's parameters).
+
+    CPU tensors (the simulation) carry no index: they mean the current device.
+
+    Raises:
+        ConfigError: No tensors, or tensors on different devices.
+    """
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ConfigError("tensors", sorted(str(d) for d in devices), "tensors on exactly one device")
+    return get_runtime(devices.pop())
 
 
 def current_device_index() -> int:
