@@ -389,3 +389,29 @@ def test_hccl_update_with_a_hung_rpc_fails_within_its_deadline(registered: list[
         for e in engines:
             e.shutdown()
         client.pool.shutdown()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_npu_ipc_bad_tensor_name_is_refused_before_anything_is_loaded(registered: list[str], packed: bool) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import ManifestMismatch
+    from ascend_dist.weight_transfer.vllm_trainer import NPUIPCTrainerInitInfo
+
+    engines, models = _workers("npu_ipc", 1)
+    client = EngineClient(engines)
+    renamed = [*SPECS[:-1], ("layers.bogus.weight", *SPECS[-1][1:])]  # loaded last: the others went in first
+    info = NPUIPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=3000, layerwise_reload=False)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(LoadableModel(seed=5, specs=renamed))
+    )
+    try:
+        before = _digests(models[0])
+        with pytest.raises(ManifestMismatch, match=r"layers\.bogus\.weight"):
+            trainer.send_weights()
+        assert _digests(models[0]) == before
+    finally:
+        trainer.shutdown()
+        engines[0].shutdown()
+        client.pool.shutdown()

@@ -235,6 +235,7 @@ class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
     version: int = 1
     layerwise_reload: bool = True
+    validate_names: bool = True
 
 
 @dataclass
@@ -256,12 +257,19 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
         """Create the engine on the runtime of vLLM's ``device`` (its chip id names that device)."""
         super().__init__(config, vllm_config, device, model)
         self._sink = _ModelSink(self, layerwise=True)
-        self.worker = IpcWorker(self._sink, get_runtime(device))
+        self._validate_names = True
+        self.worker = IpcWorker(self._sink, get_runtime(device), validate=self._validate)
+
+    def _validate(self, manifest: Manifest) -> None:
+        """Before anything is loaded: every name must be one the model can load."""
+        if self._validate_names:
+            self._sink.validate_names(t.name for t in manifest.tensors)
         self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
         """Record the trainer's must-agree parameters."""
         self._sink.layerwise = init_info.layerwise_reload
+        self._validate_names = init_info.validate_names
         self.worker.init(
             msgspec.convert(
                 {

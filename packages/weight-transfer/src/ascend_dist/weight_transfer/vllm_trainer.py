@@ -211,17 +211,18 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
     layerwise_reload: bool = True
+    validate_names: bool = True
 
 
 class _ClientAdapter:
-    """Our `WeightSyncClient` over vLLM's client; adds ``layerwise_reload`` to the init payload."""
+    """Our `WeightSyncClient` over vLLM's client; adds the vLLM-only fields to the init payload."""
 
-    def __init__(self, client: VLLMWeightSyncClient, layerwise_reload: bool) -> None:
+    def __init__(self, client: VLLMWeightSyncClient, layerwise_reload: bool, validate_names: bool = True) -> None:
         self._client = client
-        self._layerwise = layerwise_reload
+        self._extra = {"layerwise_reload": layerwise_reload, "validate_names": validate_names}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._client.init_weight_transfer_engine({**init_info, "layerwise_reload": self._layerwise})
+        self._client.init_weight_transfer_engine({**init_info, **self._extra})
 
     def start_weight_update(self) -> None:
         self._client.start_weight_update()
@@ -244,8 +245,8 @@ class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTraine
         _base_init(self, client, source, is_sender, rank)
         self.init_info = init_info
         self.trainer = IpcTrainer(
-            _ClientAdapter(client, init_info.layerwise_reload), get_runtime(), packed=init_info.packed,
-            buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            _ClientAdapter(client, init_info.layerwise_reload, init_info.validate_names), get_runtime(),
+            packed=init_info.packed, buffer_size_bytes=init_info.packed_buffer_size_bytes,
         )  # fmt: skip
 
     @classmethod
