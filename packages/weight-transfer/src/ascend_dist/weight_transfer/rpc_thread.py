@@ -6,8 +6,10 @@ The broadcast trainer and vLLM's workers meet inside the same collectives, so th
 (``init_weight_transfer_engine``, ``update_weights``) runs while the trainer connects or
 broadcasts. Both run on threads here and the caller waits for the first decisive outcome:
 
-- the RPC fails first: its error is raised at once (as the cause of `EngineRpcFailed`); the
-  trainer's side is abandoned and ends by its own deadline, releasing what it built (``discard``);
+- the RPC fails first: the trainer's side gets a short grace (`LOCAL_GRACE_S`) to fail too (its
+  error, caused by the RPC's, is raised then); else the RPC's error is raised as the cause of
+  `EngineRpcFailed`, and the trainer's side is abandoned: it ends by its own deadline, releasing
+  what it built (``discard``);
 - the trainer's side fails: the RPC gets a short grace to answer, and its error, when it has one,
   becomes the cause of the trainer's error (the server's refusal usually explains the timeout);
 - the trainer's side succeeds: the RPC must answer within ``timeout_s``, else `DeadlineExceeded`.
@@ -26,12 +28,16 @@ from ascend_dist.common.device import current_device_index, set_current_device
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.weight_transfer.errors import EngineRpcFailed
 
-__all__ = ["RPC_GRACE_S", "beside_rpc"]
+__all__ = ["LOCAL_GRACE_S", "RPC_GRACE_S", "beside_rpc"]
 
 T = TypeVar("T")
 
 RPC_GRACE_S = 10.0
 """How long, after the trainer's side failed, to wait for the RPC's own answer (its error is the cause)."""
+
+
+LOCAL_GRACE_S = 5.0
+"""How long, after the RPC failed, the trainer's side may take to fail too (its error is then raised)."""
 
 
 class _Call(Generic[T]):
@@ -111,6 +117,11 @@ def beside_rpc(
             if left <= 0:
                 break
             changed.wait(left)
+    if not mine.done and call.error is not None:
+        # The trainer's side usually fails within moments of the engines (the same vote or collective)
+        # and says more (ManifestRejected quoting every worker): give it a short grace first.
+        with changed:
+            changed.wait_for(lambda: mine.done, timeout=LOCAL_GRACE_S)
     if not mine.done:
         mine.abandon(discard)
         if call.error is not None:
