@@ -82,3 +82,17 @@ def test_stateless_group_arguments_are_forwarded() -> None:
     comm = NPUCommunicator(pg, global_ranks=[5], global_world_size=8, current_device=lambda: 0)
     assert (comm.global_rank, comm.global_world_size, comm.ranks) == (5, 8, [5])
     assert comm.all2all_manager is not None and comm.all2all_manager.world_size == 1
+
+
+def test_device_is_vllms_local_rank_not_the_current_device(gloo_world: dist.ProcessGroup) -> None:
+    """Issue 25 item 2: vLLM's GroupCoordinator passes ``<device>:<local rank>``; that index wins over a
+    current device that is still 0 (a thread that never called set_device)."""
+    from ascend_dist.hccl_ctypes.vllm_communicator import NPUCommunicator
+
+    # "npu" needs torch_npu to parse; any indexed accelerator device exercises the same rule
+    comm = NPUCommunicator(cpu_group=gloo_world, device=torch.device("cuda", 3), current_device=lambda: 0)
+    assert comm.device == 3
+    comm.destroy()
+    comm = NPUCommunicator(cpu_group=gloo_world, device=torch.device("cpu"), current_device=lambda: 5)
+    assert comm.device == 5  # no index: the current device
+    comm.destroy()

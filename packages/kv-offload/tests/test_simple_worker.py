@@ -86,3 +86,19 @@ def test_store_waits_for_compute_and_load_reports_request(rt: CpuSimRuntime) -> 
     assert worker.get_finished(set()) == (None, {"req-1"})
     assert torch.equal(k[6], k[1]) and torch.equal(v[6], v[1])
     worker.shutdown()
+
+
+def test_a_worker_without_a_runtime_copies_on_its_ranks_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25 item 2: the runtime taken at registration was device 0's on every rank."""
+    from ascend_dist.common.device import DEVICE_ENV, close_runtime, get_runtime, set_current_device
+
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    close_runtime()
+    try:
+        set_current_device(2)  # vLLM's worker for local rank 2 (CPU tensors carry no device index)
+        worker = SimpleOffloadWorker(None, HostCapacity.from_device(8, 8 * 128, 4 * 128), timeout_s=5.0)
+        worker.register_kv_caches({"layer0": (torch.zeros(8, 64, dtype=torch.int8),)}, 8)
+        assert worker.runtime is get_runtime(2) and worker.runtime.device_index == 2
+        worker.shutdown()
+    finally:
+        close_runtime()

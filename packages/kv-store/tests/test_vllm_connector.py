@@ -145,6 +145,32 @@ def test_second_instance_loads_first_instances_prefix(model_dir, mooncake_master
         b.close()
 
 
+def test_reset_cache_fences_kv_of_older_weights(model_dir, mooncake_master, kvtools) -> None:
+    """Issue 25 item 5: without reset_cache (vLLM counted None as success) the pool kept serving KV
+    computed under the weights before an update."""
+    a = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=1)
+    b = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=2)
+    try:
+        prompt = list(range(300, 370))  # 4 full chunks + 6 tokens
+        a.scheduler.add_request(a.request("ra", prompt))
+        a.step()
+        a.worker._worker.drain(20)
+        assert a.worker._worker.stats.saved_keys == 4
+        connector = b.scheduler.connector
+        assert isinstance(connector, AscendStoreConnector)
+        assert connector.get_num_new_matched_tokens(b.request("before", prompt), 0)[0] == 64  # control: a hit
+        assert b.scheduler.reset_prefix_cache(reset_connector=True)  # what vLLM does after a weight update
+        assert connector.get_num_new_matched_tokens(b.request("after", prompt), 0)[0] == 0
+        # KV b computes under its new weights is pooled under the new epoch and found again
+        b.scheduler.add_request(b.request("rb", prompt))
+        b.step()
+        b.worker._worker.drain(20)
+        assert connector.get_num_new_matched_tokens(b.request("again", prompt), 0)[0] == 64
+    finally:
+        a.close()
+        b.close()
+
+
 def test_layerwise_mode_through_the_connector(model_dir, mooncake_master, kvtools) -> None:
     cfg = {"use_layerwise": True}
     a = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port(), **cfg), seed=6)

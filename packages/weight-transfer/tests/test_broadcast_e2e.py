@@ -167,15 +167,17 @@ def test_start_twice_and_update_without_start_are_typed_errors(
         trainer.shutdown()
 
 
+@pytest.mark.parametrize("collective", ["gloo", "hccl"])
 def test_worker_dying_mid_update_is_named_and_survivor_keeps_previous_weights(
-    spawn_workers: Callable[..., list[WorkerProcess]],
+    spawn_workers: Callable[..., list[WorkerProcess]], collective: str
 ) -> None:
+    """On the HCCL path too (issue 25 item 4: its typed collective errors skipped the heartbeat check)."""
     import time
 
     workers = spawn_workers(2, SPECS)
     # worker index 1 (group rank 2) exits after its 3rd data buffer of an update
     trainer = _connect(workers, packed=True, buffer=4096, layout=[(0, 1, 0), (1, 1, 0)], die_after=3,
-                       op_timeout_s=5.0)  # fmt: skip
+                       op_timeout_s=5.0, collective=collective)  # fmt: skip
     try:
         survivor = workers[0]
         small = SPECS[:2]  # update 1 fits in 3 buffers: everyone commits it
@@ -206,3 +208,4 @@ def test_worker_dying_mid_update_is_named_and_survivor_keeps_previous_weights(
             trainer.send(synthetic_weights(SPECS, 3))
     finally:
         trainer.shutdown()
+        close_runtime()  # the hccl trainer's communicator ran on this process's runtime: stop its threads

@@ -92,3 +92,39 @@ def test_pick_handle_rewrites_the_device_index() -> None:
     assert picked.device_index == 0 and picked.payload == b"x"
     with pytest.raises(ConfigError, match=r"one of \['h-5'\]"):
         pick_handle({"h-5": _handle(b"x")}, "h-4", 0)
+
+
+def test_unknown_names_follows_vllms_renaming_rules() -> None:
+    from ascend_dist.weight_transfer.model_names import unknown_names
+
+    class PPMissingLayer(torch.nn.Module):  # vLLM's placeholder for another pipeline stage's layer
+        pass
+
+    class Mapper:  # the part of vLLM's WeightsMapper the check uses
+        def apply_list(self, names: list[str]) -> list[str]:
+            return [n.replace("visual.", "vision.") for n in names if not n.startswith("dropped.")]
+
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.qkv_proj = torch.nn.Linear(2, 6)
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = torch.nn.Module()
+    model.mlp.experts.register_parameter("w13_weight", torch.nn.Parameter(torch.zeros(1)))
+    model.vision = torch.nn.Linear(2, 2)
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), PPMissingLayer()])
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    model.hf_to_vllm_mapper = Mapper()
+    good = [
+        "attn.qkv_proj.weight",  # directly
+        "attn.q_proj.weight",  # packed
+        "attn.v_proj.bias",
+        "visual.weight",  # through the mapper
+        "dropped.anything",  # the mapper drops it
+        "mlp.experts.3.gate_proj.weight",  # fused experts
+        "layers.0.weight",
+        "layers.1.weight",  # another pipeline stage's layer
+        "attn.rotary_emb.inv_freq",  # skipped by vLLM's loaders
+    ]
+    assert unknown_names(model, good) == []
+    bad = ["attn.q_prj.weight", "layers.0.wieght", "mlp.expert.0.w", "layers.2.weight", "lm_head.weight"]
+    assert unknown_names(model, [*good, *bad]) == bad

@@ -26,26 +26,35 @@ SPECS = synthetic_specs(12, 24 * 1024, dtypes=("float32", "bfloat16", "float16")
 
 
 class LoadableModel(torch.nn.Module):
-    """A model with vLLM's ``load_weights`` surface (copies by parameter name)."""
+    """A model with vLLM's ``load_weights`` surface: one parameter per checkpoint name, as in vLLM's
+    models (``layers.0.weight`` is ``model.layers[0].weight``), copied by name like their loaders."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, specs: list[Any] = SPECS) -> None:
         super().__init__()
-        self.params = torch.nn.ParameterDict()
-        weights = synthetic_weights(SPECS, seed) if seed is not None else None
-        for i, (name, dtype, shape) in enumerate(SPECS):
+        self.specs = specs
+        weights = synthetic_weights(specs, seed) if seed is not None else None
+        for i, (name, dtype, shape) in enumerate(specs):
             value = weights[i][1] if weights else torch.zeros(shape, dtype=getattr(torch, dtype))
-            self.params[name.replace(".", "_")] = torch.nn.Parameter(value.clone(), requires_grad=False)
+            *path, leaf = name.split(".")
+            module: torch.nn.Module = self
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(value.clone(), requires_grad=False))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
         loaded = set()
         with torch.no_grad():
             for name, tensor in weights:
-                self.params[name.removeprefix("params.").replace(".", "_")].copy_(tensor)
+                params[name].copy_(tensor)  # an unknown name raises KeyError here, as vLLM's loaders do
                 loaded.add(name)
         return loaded
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, self.params[name.replace(".", "_")]) for name, _, _ in SPECS]
+        params = dict(self.named_parameters())
+        return [(name, params[name]) for name, _, _ in self.specs]
 
 
 def _vllm_config(dp_index: int) -> Any:
@@ -269,5 +278,140 @@ def test_npu_ipc_refused_finish_names_the_recovery_and_a_second_finish_closes_vl
         for (_, got), (_, want) in zip(models[0].named_tensors(), trainer_model.named_tensors(), strict=True):
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
     finally:
+        engines[0].shutdown()
+        client.pool.shutdown()
+
+
+def _digests(model: LoadableModel) -> list[bytes]:
+    return [t.detach().reshape(-1).view(torch.uint8).clone().numpy().tobytes() for _, t in model.named_tensors()]
+
+
+def test_hccl_bad_tensor_name_is_refused_before_the_vote_and_every_worker_keeps_its_weights(
+    registered: list[str],
+) -> None:
+    """Issue 25 item 4: a name the model cannot load used to pass the vote and fail inside vLLM's loader
+    (after some parameters were written, or with layers left on the meta device)."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import ManifestRejected
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    engines, models = _workers("hccl", 2)
+    client = EngineClient(engines)
+    renamed = [*SPECS[:-1], ("layers.bogus.weight", *SPECS[-1][1:])]  # the last tensor under a wrong name
+    bad_source = LoadableModel(seed=8, specs=renamed)
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
+                               layerwise_reload=False)  # fmt: skip
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(bad_source))
+    try:
+        before = [_digests(m) for m in models]
+        with pytest.raises(ManifestRejected, match=r"layers\.bogus\.weight"):
+            trainer.send_weights()
+        assert [_digests(m) for m in models] == before  # not one parameter written on any worker
+        good = LoadableModel(seed=9)
+        trainer.source = ModuleSource(good)  # the same group: the next correct update lands
+        trainer.send_weights()
+        assert all(_digests(m) == _digests(good) for m in models)
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()
+
+
+def test_a_loader_failure_after_the_vote_is_a_typed_error_naming_its_cause(registered: list[str]) -> None:
+    from ascend_dist.weight_transfer.errors import LoadFailed
+
+    engines, _ = _workers("hccl", 1)
+    sink = engines[0]._sink
+    sink.layerwise = False
+    with pytest.raises(LoadFailed, match="KeyError") as info:
+        sink.load_weights([("layers.nope.weight", torch.zeros(1))])
+    assert isinstance(info.value.__cause__, KeyError)
+    engines[0].shutdown()
+
+
+def test_hccl_init_surfaces_the_servers_own_error_as_the_cause(registered: list[str]) -> None:
+    """Issue 25 item 4: the init RPC's error was dropped; only the trainer's join timeout was raised."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.common.errors import AscendDistError
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    class RefusingServer(EngineClient):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            raise ValueError("server: init_info.world_size does not match the deployment")
+
+    client = RefusingServer([None])  # never reached: the server refuses before calling a worker
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, op_timeout_s=2.0, layerwise_reload=False)
+    try:
+        with pytest.raises(AscendDistError) as raised:  # no worker joins: the trainer's join times out
+            WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=1)))
+        cause = raised.value.__cause__
+        assert isinstance(cause, ValueError) and "does not match the deployment" in str(cause)
+    finally:
+        client.pool.shutdown()
+
+
+def test_hccl_update_with_a_hung_rpc_fails_within_its_deadline(registered: list[str]) -> None:
+    """Issue 25 item 4: a server that never answers update_weights hung send_weights forever."""
+    import threading
+    import time
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.common.errors import AscendDistError
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    release = threading.Event()
+
+    class HungServer(EngineClient):
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            release.wait(60)  # never answers while the test runs
+
+    engines, models = _workers("hccl", 1)
+    client = HungServer(engines)
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, op_timeout_s=2.0, layerwise_reload=False)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=1)))
+    try:
+        before = _digests(models[0])
+        t0 = time.monotonic()
+        with pytest.raises(AscendDistError):
+            trainer.send_weights()
+        assert time.monotonic() - t0 < 2.0 * 3 + 2.0  # the broadcast's deadline, the heartbeat probe, the grace
+        assert _digests(models[0]) == before
+    finally:
+        release.set()
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_npu_ipc_bad_tensor_name_is_refused_before_anything_is_loaded(registered: list[str], packed: bool) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import ManifestMismatch
+    from ascend_dist.weight_transfer.vllm_trainer import NPUIPCTrainerInitInfo
+
+    engines, models = _workers("npu_ipc", 1)
+    client = EngineClient(engines)
+    renamed = [*SPECS[:-1], ("layers.bogus.weight", *SPECS[-1][1:])]  # loaded last: the others went in first
+    info = NPUIPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=3000, layerwise_reload=False)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(LoadableModel(seed=5, specs=renamed))
+    )
+    try:
+        before = _digests(models[0])
+        with pytest.raises(ManifestMismatch, match=r"layers\.bogus\.weight"):
+            trainer.send_weights()
+        assert _digests(models[0]) == before
+    finally:
+        trainer.shutdown()
         engines[0].shutdown()
         client.pool.shutdown()

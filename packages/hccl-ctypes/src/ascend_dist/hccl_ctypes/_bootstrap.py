@@ -24,7 +24,15 @@ from ascend_dist.hccl_ctypes._collectives import LibraryCollectives
 from ascend_dist.hccl_ctypes._lib import CollectiveLibrary
 from ascend_dist.hccl_ctypes.dialects import Dialect
 
-__all__ = ["device_context", "init_library", "library_configured", "normalise_device", "ready_check", "wait_work"]
+__all__ = [
+    "device_context",
+    "device_index_of",
+    "init_library",
+    "library_configured",
+    "normalise_device",
+    "ready_check",
+    "wait_work",
+]
 
 
 def wait_work(work: dist.Work | None, timeout_s: float, what: str) -> None:
@@ -40,6 +48,22 @@ def wait_work(work: dist.Work | None, timeout_s: float, what: str) -> None:
 def library_configured(dialect: Dialect, library_path: str | None) -> bool:
     """Whether a library was asked for explicitly (an argument or the dialect's env var)."""
     return bool(library_path or os.environ.get(dialect.env_var))
+
+
+def device_index_of(device: int | str | torch.device | None) -> int | None:
+    """The device index ``device`` names explicitly (``3``, ``"npu:3"``); None when it names none."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    if isinstance(device, str):  # parsed here: plain torch rejects "npu:3" until torch_npu is imported
+        _, sep, text = device.partition(":")
+        if sep and not text.isdigit():
+            raise ConfigError("device", device, "an index or a device such as 'npu:0'")
+        return int(text) if sep else None
+    if isinstance(device, torch.device):
+        return device.index
+    raise ConfigError("device", device, "an index or a device such as 'npu:0'")
 
 
 def normalise_device(runtime: DeviceRuntime, device: int | str | torch.device | None) -> torch.device:
@@ -59,7 +83,7 @@ def normalise_device(runtime: DeviceRuntime, device: int | str | torch.device | 
         raise ConfigError("device", device, f"an index or a {kind} device") from None
     if dev.type != kind:
         raise ConfigError("device", device, f"a {kind} device (the {runtime.name} runtime)")
-    return dev
+    return torch.device("cpu") if kind == "cpu" else dev  # CPU tensors carry no index; the runtime's is simulated
 
 
 def ready_check(group: Any, world_size: int, timeout_s: float) -> None:

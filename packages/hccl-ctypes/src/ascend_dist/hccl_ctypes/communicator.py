@@ -41,7 +41,13 @@ import torch.distributed as dist
 from ascend_dist.common.device import DeviceRuntime, Stream, get_runtime
 from ascend_dist.common.errors import ConfigError, format_allowed
 from ascend_dist.hccl_ctypes import _collectives
-from ascend_dist.hccl_ctypes._bootstrap import init_library, library_configured, normalise_device, ready_check
+from ascend_dist.hccl_ctypes._bootstrap import (
+    device_index_of,
+    init_library,
+    library_configured,
+    normalise_device,
+    ready_check,
+)
 from ascend_dist.hccl_ctypes._collectives import Collectives, CpuGroup, GlooCollectives
 from ascend_dist.hccl_ctypes._lib import CollectiveLibrary
 from ascend_dist.hccl_ctypes._validate import check_peer, check_same, check_tensor
@@ -97,11 +103,13 @@ class PyHcclCommunicator:
         Args:
             group: A CPU (gloo) process group, registered with torch.distributed or not (a
                 ``ProcessGroupGloo`` on a store); its ranks are the communicator's ranks.
-            device: Device of the tensors: an index or ``"npu:0"``; None: the runtime's device.
+            device: Device of the tensors: an index or ``"npu:0"``; None: the runtime's device. With
+                no ``runtime``, the process's runtime of this device (None: the current device).
             library_path: The collective library; None: the dialect's env var, then its default name.
             backend: ``"auto"``, ``"library"`` or ``"gloo"`` (see the module docstring).
             dialect: `HCCL` or `NCCL`; None: NCCL on a cuda runtime, else HCCL.
-            runtime: The device runtime; None: the process-wide one.
+            runtime: The device runtime; None: the process's runtime of ``device``. An explicit
+                device index must be the runtime's (never enqueue on another device's stream).
             init_timeout_s: Deadline of the id exchange and of the arrival check.
             op_timeout_s: Deadline of each gloo operation (the library bounds its own waits).
 
@@ -114,7 +122,13 @@ class PyHcclCommunicator:
             raise ConfigError("backend", backend, format_allowed(_BACKENDS))
         self.rank, self.world_size = _collectives.group_rank_size(group)
         self.group: Any = group  # a ProcessGroup or a gloo Backend: only its own methods are called
-        self.runtime = runtime if runtime is not None else get_runtime()
+        # The runtime of the tensors' device: its streams are where the operations are enqueued.
+        self.runtime = runtime if runtime is not None else get_runtime(device)
+        requested = device_index_of(device)
+        if requested is not None and requested != self.runtime.device_index:
+            raise ConfigError(
+                "device", device, f"the runtime's device {self.runtime.name}:{self.runtime.device_index} (or None)"
+            )
         self.dialect = dialect or (NCCL if self.runtime.name == "cuda" else HCCL)
         self.device = normalise_device(self.runtime, device)
         self.init_timeout_s = init_timeout_s
@@ -126,6 +140,7 @@ class PyHcclCommunicator:
         self._collectives: Collectives | None = None
         self._streams: list[Stream] = []
         self._destroyed = False
+        self._released = False  # the engine was closed: queued simulated ops refuse to run
         self._lock = threading.Lock()
         if self.world_size == 1:
             self.disabled_reason = "world size 1: collectives are computed locally"
@@ -192,6 +207,8 @@ class PyHcclCommunicator:
 
         def run() -> None:  # the CPU simulation: run in order on the stream's worker thread
             with self._lock:  # never two ops of one communicator at once in this process
+                if self._released:  # destroy gave up waiting for this op: never touch a released engine
+                    raise CommunicatorClosed("the communicator was destroyed while this operation was queued")
                 fn(0)
 
         if collective and target.query():
@@ -330,18 +347,39 @@ class PyHcclCommunicator:
 
         Idempotent: a second call does nothing. Not collective, but do not destroy while a peer may
         still be inside a collective with this rank.
+
+        Raises:
+            DeadlineExceeded: A stream did not drain within ``timeout_s``. An operation still queued
+                on a simulated stream then fails with `CommunicatorClosed` instead of running; on a
+                device stream the native communicator is leaked (never freed under a queued op).
         """
         if self._destroyed:
             return
         self._destroyed = True
+        streams, self._streams = list(self._streams), []
         try:
-            for stream in self._streams:
+            for stream in streams:
                 stream.synchronize(timeout_s)
-        finally:
-            self._streams.clear()
+        except BaseException:
+            # An operation may still be queued. Simulated streams run it under the lock and see
+            # `_released`, so the engine can go; a device stream already holds the native
+            # communicator in its queue, so freeing it would be a use after free: leak it instead.
+            if any(getattr(stream, "handle", None) is not None for stream in streams):
+                self._collectives = None
+                logger.error(
+                    "communicator rank %d: streams did not drain; the native communicator is leaked", self.rank
+                )
+                raise
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:  # after any op running now; queued ones then refuse (see `_launch`)
+            self._released = True
             engine, self._collectives = self._collectives, None
-            if engine is not None:
-                engine.close()
+        if engine is not None:
+            engine.close()
 
     def __enter__(self) -> PyHcclCommunicator:
         """Use as a context manager that calls `destroy` on exit."""

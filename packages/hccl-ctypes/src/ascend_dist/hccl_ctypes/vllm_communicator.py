@@ -27,13 +27,13 @@ from vllm.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
 
-from ascend_dist.common.device import get_runtime
+from ascend_dist.common.device import current_device_index
 
 __all__ = ["NPUCommunicator", "NoOpAll2AllManager"]
 
 
 def _runtime_device_index() -> int:
-    return get_runtime().device_index
+    return current_device_index()
 
 
 class NoOpAll2AllManager(All2AllManagerBase):
@@ -94,7 +94,8 @@ class NPUCommunicator(DeviceCommunicatorBase):
 
         Args:
             cpu_group: The group's CPU (gloo) process group.
-            device: vLLM's device for the group; replaced by the current device index.
+            device: vLLM's device for the group (``npu:<local rank>``); replaced by its index, or by
+                the current device index when it has none.
             device_group: The device process group (HCCL on Ascend) the collectives run on.
             unique_name: vLLM's group name (``"tp:0"``, ``"ep:0"``, ...).
             global_ranks: Global ranks of a stateless group (forwarded to the base).
@@ -111,6 +112,9 @@ class NPUCommunicator(DeviceCommunicatorBase):
             global_world_size=global_world_size,
             use_all2all=use_all2all,
         )
-        self.device = current_device()  # type: ignore[assignment]  # vllm-ascend's groups expect an int index
+        # vllm-ascend's groups expect an int index. vLLM passes "npu:<local rank>": that rank's device,
+        # which a thread that never called set_device would not see as current.
+        index = device.index if isinstance(device, torch.device) and device.type != "cpu" else None
+        self.device = index if index is not None else current_device()  # type: ignore[assignment]
         self.ca_comm = None
         self.all2all_manager = NoOpAll2AllManager(cpu_group)

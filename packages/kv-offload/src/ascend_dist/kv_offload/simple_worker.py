@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from ascend_dist.common.device import DeviceRuntime, Event, get_runtime
+from ascend_dist.common.device import DeviceRuntime, Event, tensors_runtime
 from ascend_dist.common.errors import DeadlineExceeded, LayoutError
 from ascend_dist.kv_offload.block_views import BlockView, dedup_views, generic_block_view, logical_block_bytes
 from ascend_dist.kv_offload.capacity import HostCapacity
@@ -174,7 +174,8 @@ class SimpleOffloadWorker:
 
         Args:
             runtime: the device runtime (may be replaced until ``register_kv_caches``); None: the
-                process-wide one, taken at registration (so a worker given its own never starts it).
+                process's runtime of the caches' device, taken at registration (so a worker given its
+                own never starts it).
             capacity: host blocks per rank.
             timeout_s: deadline of the flush on preemption and of shutdown.
             block_level_errors: report a failed load's device blocks (one KV-cache group, where
@@ -204,8 +205,8 @@ class SimpleOffloadWorker:
     ) -> None:
         """Build the views, allocate ``num_cpu_blocks`` host rows per view, start the copy thread."""
         views = simple_block_views(kv_caches, num_blocks)
-        if self.runtime is None:
-            self.runtime = get_runtime()
+        if self.runtime is None:  # the caches' device: each rank copies on its own device's streams
+            self.runtime = tensors_runtime(v.tensor for v in views)
         self.transfers = OffloadWorker(self.runtime, views, num_chunks=self.num_cpu_blocks)
         self._copier = _CopyThread()
 

@@ -58,7 +58,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from ascend_dist.common.device import DeviceRuntime, get_runtime
+from ascend_dist.common.device import DeviceRuntime, tensors_runtime
 from ascend_dist.common.errors import ConfigError, TransferError
 from ascend_dist.kv_offload.block_views import BlockView, canonical_block_views
 from ascend_dist.kv_offload.capacity import normalise_legacy_native_config
@@ -114,7 +114,11 @@ class NPUOffloadingWorker(OffloadingWorker):
             views.append(BlockView(tensor, t.page_size_bytes, int(tensor.stride(0)), tensor.data_ptr()))
         refs = [[GroupRef(r.tensor_idx, r.page_size_bytes) for r in group] for group in kv_caches.group_data_refs]
         self.worker = OffloadWorker(
-            runtime or get_runtime(), views, refs, num_chunks=num_chunks, blocks_per_chunk=blocks_per_chunk
+            runtime or tensors_runtime(v.tensor for v in views),
+            views,
+            refs,
+            num_chunks=num_chunks,
+            blocks_per_chunk=blocks_per_chunk,
         )
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:

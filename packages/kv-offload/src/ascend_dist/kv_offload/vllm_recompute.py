@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-from ascend_dist.common.device import DeviceRuntime, get_runtime
+from ascend_dist.common.device import DeviceRuntime, tensors_runtime
 from ascend_dist.kv_offload.block_views import BlockView, canonical_block_views, dedup_views
 from ascend_dist.kv_offload.capacity import HostCapacity, per_rank_capacity
 from ascend_dist.kv_offload.layouts import layer_parts
@@ -226,7 +226,10 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM maps block-level load errors back to requests only with one KV-cache group.
         single_group = len(self._kv_cache_config.kv_cache_groups) == 1
         self.worker = RecomputeWorker(
-            self.runtime or get_runtime(), dedup_views(views), self.capacity, block_level_errors=single_group
+            self.runtime or tensors_runtime(v.tensor for v in views),
+            dedup_views(views),
+            self.capacity,
+            block_level_errors=single_group,
         )
 
     def _wrk(self) -> RecomputeWorker:

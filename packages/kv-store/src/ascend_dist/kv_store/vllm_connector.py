@@ -23,6 +23,7 @@ Limits: requests with multimodal inputs or prompt embeddings are not pooled (tok
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -122,9 +123,11 @@ def _compute_event_recorder() -> Callable[[], ComputeEvent] | None:
     return lambda: runtime.current_stream().record_event()
 
 
-def _salt(request: Request) -> str:
+def _salt(request: Request, weights_epoch: str = "") -> str:
     lora = request.lora_request.lora_name if request.lora_request is not None else ""
-    return f"{lora}\x00{request.cache_salt or ''}"
+    base = f"{lora}\x00{request.cache_salt or ''}"
+    # After a reset_cache (a weight update) the epoch joins every key: KV of older weights never matches.
+    return f"{base}\x00{weights_epoch}" if weights_epoch else base
 
 
 def _poolable(request: Request) -> bool:
@@ -161,6 +164,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._client: LookupClient | None = None
         self._server: LookupServer | None = None
         self._requests: dict[str, Request] = {}
+        # "" until the first reset_cache, so instances started on the same weights share keys.
+        self._weights_epoch = ""
+        self._request_epoch: dict[str, str] = {}  # the epoch a request was (re)scheduled under
         if role == KVConnectorRole.SCHEDULER:
             self._client = LookupClient(
                 self._spec.compat_hash(),
@@ -313,9 +319,25 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         prompt = request.prompt_token_ids
         assert prompt is not None
+        self._request_epoch[request.request_id] = self._weights_epoch
         return self._scheduler.get_num_new_matched_tokens(
-            request.request_id, prompt, request.num_tokens, num_computed_tokens, salt=_salt(request)
+            request.request_id, prompt, request.num_tokens, num_computed_tokens, salt=self._salt(request)
         )
+
+    def _salt(self, request: Request) -> str:
+        return _salt(request, self._request_epoch.get(request.request_id, self._weights_epoch))
+
+    def reset_cache(self) -> bool:
+        """Fence the pool's KV computed under older weights (vLLM calls this after a weight update).
+
+        Pool entries cannot be deleted from every instance reliably, so they are made unreachable:
+        a fresh random epoch joins the keys of every request scheduled from now on (requests
+        re-enter through `get_num_new_matched_tokens` when vLLM preempts them for the reset). A
+        random epoch, not a counter: another instance's epoch 1 may hold other weights.
+        """
+        self._weights_epoch = secrets.token_hex(8)
+        logger.info("AscendStoreConnector: pool keys fenced with weights epoch %s", self._weights_epoch)
+        return True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Arm the load once vLLM allocated the request's blocks."""
@@ -339,7 +361,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     r.block_ids,
                     r.num_computed_tokens,
                     so.num_scheduled_tokens.get(r.req_id, 0),
-                    salt=_salt(req) if req else "",
+                    salt=self._salt(req) if req else "",
                 )
             )
         running: list[RunningRequest] = []
@@ -361,7 +383,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         computed,
                         scheduled,
                         all_token_ids=tokens,
-                        salt=_salt(req),
+                        salt=self._salt(req),
                     )
                 )
             else:
@@ -372,6 +394,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         step = self._scheduler.build_meta(StepInput(new, running, frozenset(so.finished_req_ids), preempted))
         for req_id in so.finished_req_ids:
             self._requests.pop(req_id, None)
+            self._request_epoch.pop(req_id, None)
         return AscendStoreConnectorMetadata(step)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from ascend_dist.common.errors import AscendDistError, ProtocolError, TransferError
 
-__all__ = ["ManifestMismatch", "ManifestRejected", "UpdateAborted", "UpdateStateError", "WorkerLost"]
+__all__ = [
+    "EngineRpcFailed",
+    "LoadFailed",
+    "ManifestMismatch",
+    "ManifestRejected",
+    "UpdateAborted",
+    "UpdateStateError",
+    "WorkerLost",
+]
 
 
 class ManifestMismatch(ProtocolError):
@@ -53,3 +61,20 @@ class WorkerLost(UpdateAborted):
         """Record the lost ranks in the error and its message."""
         super().__init__(message, peer=",".join(str(r) for r in ranks))
         self.ranks = ranks
+
+
+class LoadFailed(TransferError):
+    """The model's own loader failed after every rank committed the update (its error is the cause).
+
+    The names were checked against the model at the vote, so this is a loader fault (a wrong shape
+    for a sharded parameter, a quantisation loader error). The model may hold some new and some old
+    weights, or layers left on the meta device by vLLM's layer-wise reload. Degrade: do not serve
+    from this engine; send a complete update again or restart it.
+    """
+
+
+class EngineRpcFailed(TransferError):
+    """The engines' side of an init or update (the client's RPC) failed; the server's error is the cause.
+
+    Degrade: read the cause (the engine names what it refused), fix it and call init or send again.
+    """

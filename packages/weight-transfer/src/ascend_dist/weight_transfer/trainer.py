@@ -29,7 +29,7 @@ from ascend_dist.weight_transfer.collective import (
     gloo_collective,
     lost_ranks,
 )
-from ascend_dist.weight_transfer.errors import ManifestRejected, UpdateAborted, WorkerLost
+from ascend_dist.weight_transfer.errors import ManifestMismatch, ManifestRejected, UpdateAborted, WorkerLost
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -189,19 +189,28 @@ class BroadcastTrainer:
             )
         except ManifestRejected:
             raise  # refused at the vote: the group is intact
-        except AscendDistError as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"[:200]
-            raise
-        except RuntimeError as exc:
-            self._broken = str(exc).splitlines()[0][:200]
-            lost = lost_ranks(self.group.store, range(1, self.group.world_size), interval_s=self._heartbeat_interval_s)
+        except (AscendDistError, RuntimeError) as exc:
+            # The HCCL path fails with typed errors (CollectiveError, DeadlineExceeded) and gloo with
+            # RuntimeError: either way a dead worker is the likely cause, so ask the heartbeats first.
+            typed = isinstance(exc, AscendDistError)
+            self._broken = (f"{type(exc).__name__}: {exc}" if typed else str(exc).splitlines()[0])[:200]
+            lost = () if isinstance(exc, ManifestMismatch) else self._lost_workers()
             if lost:
                 raise WorkerLost(
                     f"update {update_id}: worker ranks {list(lost)} stopped responding ({self._broken}); "
                     "no worker committed the update",
                     ranks=lost,
                 ) from exc
+            if typed:
+                raise
             raise UpdateAborted(f"update {update_id} failed: {self._broken}; no worker committed") from exc
+
+    def _lost_workers(self) -> tuple[int, ...]:
+        try:
+            return lost_ranks(self.group.store, range(1, self.group.world_size), interval_s=self._heartbeat_interval_s)
+        except (RuntimeError, OSError) as exc:  # the store itself failed: report the transfer's error, not this
+            logger.warning("heartbeat check after a failed update failed: %s", exc)
+            return ()
 
     def shutdown(self) -> None:
         """Destroy the communicator and free the pipeline buffers; idempotent.

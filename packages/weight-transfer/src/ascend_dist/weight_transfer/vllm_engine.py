@@ -38,13 +38,16 @@ from vllm.distributed.weight_transfer.base import (
 from ascend_dist.common.device import get_runtime
 from ascend_dist.common.errors import ProtocolError
 from ascend_dist.weight_transfer.collective import gloo_collective, hccl_collective
+from ascend_dist.weight_transfer.errors import LoadFailed, ManifestMismatch
 from ascend_dist.weight_transfer.ipc_worker import IpcWorker
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
     DEFAULT_NUM_BUFFERS,
     IpcParams,
+    Manifest,
 )
+from ascend_dist.weight_transfer.model_names import unknown_names
 from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
 
 if TYPE_CHECKING:
@@ -69,7 +72,32 @@ class _ModelSink:
         self._engine = engine
         self.layerwise = layerwise
 
+    def validate_names(self, names: Iterable[str]) -> None:
+        """Refuse (before the commit vote) names the current model cannot load.
+
+        Raises:
+            ManifestMismatch: Names the model has no parameter for (the first few are quoted).
+        """
+        unknown = unknown_names(self._engine.model, names)
+        if unknown:
+            shown = ", ".join(repr(n) for n in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ManifestMismatch(
+                f"{len(unknown)} tensor name(s) match no parameter of the model: {shown}{more} "
+                "(a model whose loader renames otherwise: init with validate_names=False)"
+            )
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+        """Load through the model's own loader; its failure is a typed `LoadFailed` naming the cause."""
+        try:
+            return self._load(weights)
+        except Exception as exc:
+            raise LoadFailed(
+                f"the model's loader failed after the update was committed: {type(exc).__name__}: {exc}; "
+                "its weights may be mixed: send a complete update again or restart the engine"
+            ) from exc
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         model = self._engine.model
@@ -104,6 +132,7 @@ class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
     packed_direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES
     op_timeout_s: float = 300.0
     layerwise_reload: bool = True
+    validate_names: bool = True
 
 
 @dataclass
@@ -146,13 +175,22 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
         """Create the engine (positional arguments, as the factory calls it)."""
         super().__init__(config, vllm_config, device, model)
         self._sink = _ModelSink(self, layerwise=True)
-        self.worker = BroadcastWorker(self._sink, device=device, collective_factory=_device_factory(device))
+        self._validate_names = True
+        self.worker = BroadcastWorker(
+            self._sink, device=device, collective_factory=_device_factory(device), validate=self._validate
+        )
+
+    def _validate(self, manifest: Manifest) -> None:
+        """Before the commit vote: every name must be one the model can load."""
+        if self._validate_names:
+            self._sink.validate_names(t.name for t in manifest.tensors)
 
     def init_transfer_engine(self, init_info: HCCLWeightTransferInitInfo) -> None:
         """Join the trainer's group as ``rank_offset + dp_index * replica_size + rank``."""
         pc = self.parallel_config
         rank = worker_group_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
         self._sink.layerwise = init_info.layerwise_reload
+        self._validate_names = init_info.validate_names
         self.worker.init(
             master_address=init_info.master_address, master_port=init_info.master_port, rank=rank,
             world_size=init_info.world_size, packed=init_info.packed,
@@ -167,7 +205,7 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
     def update_weights(self, update_info: dict[str, Any]) -> None:  # vLLM passes a JSON dict
         """Parse, receive and apply one update, then synchronise the device."""
         self.receive_weights(self.parse_update_info(update_info))
-        get_runtime().synchronize()
+        get_runtime(self.device).synchronize()
 
     def receive_weights(self, update_info: HCCLWeightTransferUpdateInfo) -> None:
         """Receive one update and load it into the model once every rank has all of it."""
@@ -197,6 +235,7 @@ class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
     version: int = 1
     layerwise_reload: bool = True
+    validate_names: bool = True
 
 
 @dataclass
@@ -215,15 +254,22 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
     def __init__(
         self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
     ) -> None:
-        """Create the engine; the device identity comes from the process's device runtime."""
+        """Create the engine on the runtime of vLLM's ``device`` (its chip id names that device)."""
         super().__init__(config, vllm_config, device, model)
         self._sink = _ModelSink(self, layerwise=True)
-        self.worker = IpcWorker(self._sink, get_runtime())
+        self._validate_names = True
+        self.worker = IpcWorker(self._sink, get_runtime(device), validate=self._validate)
+
+    def _validate(self, manifest: Manifest) -> None:
+        """Before anything is loaded: every name must be one the model can load."""
+        if self._validate_names:
+            self._sink.validate_names(t.name for t in manifest.tensors)
         self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
         """Record the trainer's must-agree parameters."""
         self._sink.layerwise = init_info.layerwise_reload
+        self._validate_names = init_info.validate_names
         self.worker.init(
             msgspec.convert(
                 {
@@ -243,7 +289,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
     def update_weights(self, update_info: dict[str, Any]) -> None:  # vLLM passes a JSON dict
         """Apply one IPC message, then synchronise the device."""
         self.receive_weights(self.parse_update_info(update_info))
-        get_runtime().synchronize()
+        get_runtime(self.device).synchronize()
 
     def receive_weights(self, update_info: NPUIPCWeightTransferUpdateInfo) -> None:
         """Open this chip's handles and load (packed: stage, load after the last chunk)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -44,6 +43,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
+from ascend_dist.weight_transfer.rpc_thread import beside_rpc
 from ascend_dist.weight_transfer.trainer import BroadcastTrainer
 from ascend_dist.weight_transfer.vllm_engine import _device_factory
 
@@ -121,6 +121,7 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     packed_direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES
     op_timeout_s: float = 300.0
     layerwise_reload: bool = True
+    validate_names: bool = True
 
 
 class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
@@ -151,20 +152,25 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
             "packed_buffer_size_bytes": init_info.packed_buffer_size_bytes,
             "packed_num_buffers": init_info.packed_num_buffers, "op_timeout_s": init_info.op_timeout_s,
             "packed_direct_threshold_bytes": init_info.packed_direct_threshold_bytes,
-            "layerwise_reload": init_info.layerwise_reload,
+            "layerwise_reload": init_info.layerwise_reload, "validate_names": init_info.validate_names,
         }  # fmt: skip
         runtime = get_runtime()
         device = "cpu" if runtime.name == "cpu" else f"{runtime.name}:{runtime.device_index}"
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-init") as pool:
-            future = pool.submit(client.init_weight_transfer_engine, payload)
-            engine.trainer = BroadcastTrainer.connect(
+
+        def connect() -> BroadcastTrainer:
+            return BroadcastTrainer.connect(
                 init_info.master_address, init_info.master_port, init_info.world_size, device=device,
                 collective_factory=_device_factory(torch.device(device)),
                 op_timeout_s=init_info.op_timeout_s, packed=init_info.packed,
                 buffer_size_bytes=init_info.packed_buffer_size_bytes, num_buffers=init_info.packed_num_buffers,
                 direct_threshold_bytes=init_info.packed_direct_threshold_bytes,
             )  # fmt: skip
-            future.result(timeout=init_info.op_timeout_s)
+
+        engine.trainer = beside_rpc(
+            "init_weight_transfer_engine", lambda: client.init_weight_transfer_engine(payload), connect,
+            timeout_s=init_info.op_timeout_s, local_timeout_s=max(init_info.op_timeout_s, 60.0) * 2 + 10.0,
+            discard=lambda trainer: trainer.shutdown(),
+        )  # fmt: skip
         return engine
 
     def send_weights(self) -> None:
@@ -182,15 +188,12 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         update = {"names": [t.name for t in manifest.tensors], "dtype_names": [t.dtype for t in manifest.tensors],
                   "shapes": [list(t.shape) for t in manifest.tensors]}  # fmt: skip
         self.client.start_weight_update()
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-update")
-        try:
-            future = pool.submit(self.client.update_weights, update)
-            self.trainer.send(_iter_full(self.source), manifest)
-            future.result(timeout=info.op_timeout_s)
-        finally:
-            # The broadcast either completed (the RPC returns promptly) or failed (the workers fail
-            # too, within op_timeout_s): the RPC thread ends either way; wait for it, bounded.
-            pool.shutdown(wait=True, cancel_futures=True)
+        trainer, source = self.trainer, self.source
+        beside_rpc(
+            "update_weights", lambda: self.client.update_weights(update),
+            lambda: trainer.send(_iter_full(source), manifest), timeout_s=info.op_timeout_s,
+            local_timeout_s=info.op_timeout_s * 3 + 10.0,  # its collectives are bounded by op_timeout_s each
+        )  # fmt: skip
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
@@ -208,17 +211,18 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
     layerwise_reload: bool = True
+    validate_names: bool = True
 
 
 class _ClientAdapter:
-    """Our `WeightSyncClient` over vLLM's client; adds ``layerwise_reload`` to the init payload."""
+    """Our `WeightSyncClient` over vLLM's client; adds the vLLM-only fields to the init payload."""
 
-    def __init__(self, client: VLLMWeightSyncClient, layerwise_reload: bool) -> None:
+    def __init__(self, client: VLLMWeightSyncClient, layerwise_reload: bool, validate_names: bool = True) -> None:
         self._client = client
-        self._layerwise = layerwise_reload
+        self._extra = {"layerwise_reload": layerwise_reload, "validate_names": validate_names}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._client.init_weight_transfer_engine({**init_info, "layerwise_reload": self._layerwise})
+        self._client.init_weight_transfer_engine({**init_info, **self._extra})
 
     def start_weight_update(self) -> None:
         self._client.start_weight_update()
@@ -241,8 +245,8 @@ class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTraine
         _base_init(self, client, source, is_sender, rank)
         self.init_info = init_info
         self.trainer = IpcTrainer(
-            _ClientAdapter(client, init_info.layerwise_reload), get_runtime(), packed=init_info.packed,
-            buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            _ClientAdapter(client, init_info.layerwise_reload, init_info.validate_names), get_runtime(),
+            packed=init_info.packed, buffer_size_bytes=init_info.packed_buffer_size_bytes,
         )  # fmt: skip
 
     @classmethod

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ascend_dist.common.errors import AscendDistError, ConfigError
 from ascend_dist.weight_transfer.broadcast import Phases, receive_update
@@ -27,7 +27,7 @@ from ascend_dist.weight_transfer.collective import (
     TransferGroup,
     gloo_collective,
 )
-from ascend_dist.weight_transfer.errors import ManifestRejected, UpdateAborted
+from ascend_dist.weight_transfer.errors import LoadFailed, ManifestRejected, UpdateAborted
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -41,9 +41,17 @@ from ascend_dist.weight_transfer.session import Session, SessionState, WeightSin
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BroadcastWorker", "worker_group_rank"]
+__all__ = ["BroadcastWorker", "Stoppable", "worker_group_rank"]
 
 logger = logging.getLogger(__name__)
+
+
+class Stoppable(Protocol):
+    """A worker's liveness publisher (`Heartbeat`): `stop` joins its thread or raises."""
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop publishing; raises `DeadlineExceeded` when its thread does not end."""
+        ...
 
 
 def worker_group_rank(rank_offset: int, data_parallel_index: int, replica_world_size: int, rank_in_replica: int) -> int:
@@ -78,6 +86,7 @@ class BroadcastWorker:
         collective_factory: CollectiveFactory = gloo_collective,
         validate: Callable[[Manifest], None] | None = None,
         heartbeat_interval_s: float = 0.2,
+        heartbeat_factory: Callable[[Any, int, float], Stoppable] = Heartbeat,
     ) -> None:
         """Create an engine that is not yet in a group.
 
@@ -87,6 +96,7 @@ class BroadcastWorker:
             collective_factory: Builds the data plane (`gloo_collective` on CPU, `hccl_collective`).
             validate: Optional check of each manifest against the model before any byte is received.
             heartbeat_interval_s: Liveness interval published to the trainer.
+            heartbeat_factory: Starts the liveness publisher ``(store, rank, interval_s)``.
         """
         import torch
 
@@ -95,10 +105,11 @@ class BroadcastWorker:
         self._factory = collective_factory
         self._validate = validate
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat_factory = heartbeat_factory
         self.session = Session("hccl weight transfer")
         self._group: TransferGroup | None = None
         self._comm: Collective | None = None
-        self._heartbeat: Heartbeat | None = None
+        self._heartbeat: Stoppable | None = None
         self._broken: str | None = None
         self.packed = True
         self.buffer_size_bytes = DEFAULT_BUFFER_SIZE_BYTES
@@ -146,7 +157,7 @@ class BroadcastWorker:
         )
         self._release()
         group = TransferGroup.join(master_address, master_port, rank, world_size, timeout_s=op_timeout_s)
-        self._heartbeat = Heartbeat(group.store, rank, self._heartbeat_interval_s)
+        self._heartbeat = self._heartbeat_factory(group.store, rank, self._heartbeat_interval_s)
         self._group = group
         self._comm = self._factory(group, self.device)
         self._broken = None
@@ -175,6 +186,7 @@ class BroadcastWorker:
             ManifestRejected: The trainer sends something else, or the metadata is malformed (lists
                 of different lengths, an unknown dtype); the difference is named; nothing changed.
             UpdateAborted: The update did not complete on every rank; the model keeps its weights.
+            LoadFailed: The sink's loader failed after every rank committed (cause attached).
         """
         self.session.require("update")
         try:
@@ -218,13 +230,14 @@ class BroadcastWorker:
             update_id, phases = receive_update(
                 comm, expected, self.sink, reject=reject, refuse=refuse, validate=self._validate, pool=self._pool
             )
-        except ManifestRejected:
-            raise  # refused at the vote: the group is intact
-        except AscendDistError as exc:
+        except (ManifestRejected, LoadFailed):
+            raise  # refused at the vote, or the model's loader failed after it: the group is intact
+        except UpdateAborted as exc:
             self._broken = f"{type(exc).__name__}: {exc}"[:200]
             raise
-        except RuntimeError as exc:  # the collective failed: the group is unusable from now on
-            self._broken = str(exc).splitlines()[0][:200]
+        except (AscendDistError, RuntimeError) as exc:  # the collective failed: the group is unusable from now on
+            # gloo raises RuntimeError, the HCCL path CollectiveError / DeadlineExceeded: one typed outcome
+            self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             raise UpdateAborted(f"weight update aborted on worker rank {group.rank}: {self._broken}") from exc
         self.last_update_id, self.last_phases = update_id, phases
         return phases
@@ -236,13 +249,15 @@ class BroadcastWorker:
 
     def _release(self) -> None:
         self._pool.clear()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._comm is not None:
-            self._comm.destroy()
-            self._comm = None
+        heartbeat, self._heartbeat = self._heartbeat, None
+        comm, self._comm = self._comm, None
         self._group = None
+        try:
+            if heartbeat is not None:
+                heartbeat.stop()
+        finally:  # a heartbeat that would not stop must not leak the communicator
+            if comm is not None:
+                comm.destroy()
 
     def shutdown(self) -> None:
         """Stop the heartbeat, destroy the communicator, leave the group; idempotent."""

@@ -87,11 +87,18 @@ class CpuSimRuntime:
     device_index: int = 0
 
     def __init__(
-        self, *, manual: bool = False, copy_latency_s: float = 0.0, wait_timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        *,
+        manual: bool = False,
+        copy_latency_s: float = 0.0,
+        wait_timeout_s: float = DEFAULT_TIMEOUT_S,
+        device_index: int = 0,
     ) -> None:
         """Create the runtime and its compute stream.
 
         Args:
+            device_index: The simulated device this runtime stands for (IPC handles carry it), so
+                several ranks of one host can each run on their own simulated device.
             manual: No worker threads; streams advance only through `SimStream.step`.
             copy_latency_s: Seconds each native copy call (<= 4096 descriptors) sleeps first.
             wait_timeout_s: How long a stream blocked on an event waits before failing with
@@ -104,6 +111,9 @@ class CpuSimRuntime:
             raise ConfigError("copy_latency_s", copy_latency_s, "a non-negative number of seconds")
         if wait_timeout_s <= 0:
             raise ConfigError("wait_timeout_s", wait_timeout_s, "a positive number of seconds")
+        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+            raise ConfigError("device_index", device_index, "a non-negative device index")
+        self.device_index = device_index
         self._core = SimCore(manual=manual, wait_timeout_s=wait_timeout_s)
         self._copy_latency_s = copy_latency_s
         self._local = threading.local()

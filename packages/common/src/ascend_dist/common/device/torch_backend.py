@@ -42,7 +42,7 @@ from ascend_dist.common.device.base import (  # noqa: E402
 from ascend_dist.common.device.ipc import IpcHandle  # noqa: E402
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, DeviceError, DeviceUnavailable  # noqa: E402
 
-__all__ = ["TorchDeviceRuntime", "TorchEvent", "TorchStream"]
+__all__ = ["TorchDeviceRuntime", "TorchEvent", "TorchStream", "current_device_index", "set_current_device_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,16 @@ def _device_module(name: str) -> Any:  # torch.cuda or torch.npu; the latter has
     except (ImportError, OSError, RuntimeError) as exc:
         raise DeviceUnavailable(f"torch_npu present but unusable: {type(exc).__name__}: {exc}") from exc
     return torch.npu  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def current_device_index(name: str) -> int:
+    """The calling thread's current device of ``torch.npu`` / ``torch.cuda`` (0 until ``set_device``)."""
+    return int(_device_module(name).current_device())
+
+
+def set_current_device_index(name: str, index: int) -> None:
+    """Make device ``index`` the calling thread's current device."""
+    _device_module(name).set_device(index)
 
 
 class TorchEvent:

@@ -1,0 +1,46 @@
+"""`beside_rpc`: the engines' RPC beside the trainer's side, both bounded, both errors kept."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ascend_dist.common.errors import DeadlineExceeded
+from ascend_dist.weight_transfer.errors import EngineRpcFailed
+from ascend_dist.weight_transfer.rpc_thread import beside_rpc
+
+
+def _refuse() -> None:
+    raise ValueError("engine: refused")
+
+
+def test_the_trainers_error_wins_when_it_follows_the_rpcs_and_carries_it_as_cause() -> None:
+    """The RPC's refusal arrived first and hid the trainer's more precise error (a race seen under load)."""
+
+    def local() -> None:
+        time.sleep(0.3)  # the trainer's vote completes just after the engine's RPC failed
+        raise KeyError("trainer: rejected by rank 1")
+
+    with pytest.raises(KeyError, match="rank 1") as raised:
+        beside_rpc("update_weights", _refuse, local, timeout_s=5, local_timeout_s=10)
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_an_rpc_failure_alone_is_engine_rpc_failed_and_the_result_is_discarded() -> None:
+    discarded: list[str] = []
+    with pytest.raises(EngineRpcFailed, match="engine: refused") as raised:
+        beside_rpc("init", _refuse, lambda: "group", timeout_s=5, local_timeout_s=10, discard=discarded.append)
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert discarded == ["group"]
+
+
+def test_a_hung_rpc_is_a_deadline_and_success_returns_the_trainers_result() -> None:
+    release = threading.Event()
+    try:
+        with pytest.raises(DeadlineExceeded, match="update_weights did not return"):
+            beside_rpc("update_weights", lambda: release.wait(30), lambda: 1, timeout_s=0.3, local_timeout_s=10)
+    finally:
+        release.set()
+    assert beside_rpc("update_weights", lambda: None, lambda: 7, timeout_s=5, local_timeout_s=10) == 7
