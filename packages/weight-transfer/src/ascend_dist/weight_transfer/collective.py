@@ -320,11 +320,11 @@ def hccl_collective(group: TransferGroup, device: torch.device) -> Collective:
 
     Builds a stateless gloo group over the store (never registered with torch.distributed) for the
     root-info exchange, then ``ascend_dist.hccl_ctypes.PyHcclCommunicator`` on it with the
-    process-wide device runtime: the HCCL (NCCL) library on an NPU (GPU); on the CPU runtime the
+    runtime of ``device``: the HCCL (NCCL) library on an NPU (GPU); on the CPU runtime the
     library when ``HCCL_SO_PATH`` is set, else the communicator's gloo engine (what the CPU tests run).
 
     Raises:
-        ConfigError: ``device`` does not belong to the process-wide runtime.
+        ConfigError: ``device`` does not belong to this process's backend.
         DeadlineExceeded: A rank did not build its communicator within the group's ``init_timeout_s``.
     """
     import torch.distributed as dist
@@ -335,7 +335,7 @@ def hccl_collective(group: TransferGroup, device: torch.device) -> Collective:
     prefix = dist.PrefixStore("wt/bootstrap", group.store)  # pyright: ignore[reportPrivateImportUsage]
     join = datetime.timedelta(seconds=group.init_timeout_s)  # connecting the mesh waits for every rank
     bootstrap = dist.ProcessGroupGloo(prefix, group.rank, group.world_size, join)
-    runtime = get_runtime()
+    runtime = get_runtime(device)  # its own device, not the thread's current one
     comm = PyHcclCommunicator(
         bootstrap, device=device, runtime=runtime, init_timeout_s=group.init_timeout_s, op_timeout_s=group.op_timeout_s
     )
