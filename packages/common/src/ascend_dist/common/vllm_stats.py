@@ -92,7 +92,7 @@ class AscendPromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
         vllm_config: VllmConfig,
-        metric_types: dict[type, type],
+        metric_types: Any,
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
         channels: tuple[Channel, ...],
@@ -101,6 +101,8 @@ class AscendPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)  # type: ignore[arg-type]
         self.channels = tuple(dict.fromkeys(channels))
         self._families: dict[tuple[Channel, str], Any] = {}
+        histogram: Any = self._histogram_cls  # vLLM's Histogram (or a test's, bound to its own registry)
+        counter: Any = self._counter_cls
         for channel in self.channels:
             prefix, directional = _FAMILIES[channel]
             extra = ["direction"] if directional else []
@@ -109,20 +111,20 @@ class AscendPromMetrics(KVConnectorPromMetrics):
                 ("bytes_transferred", "Histogram of bytes transferred per transfer", BYTES_BUCKETS),
                 ("num_descriptors", "Histogram of number of descriptors per transfer", DESCRIPTOR_BUCKETS),
             ):
-                self._families[channel, name] = self._histogram_cls(
+                self._families[channel, name] = histogram(
                     name=f"{prefix}_{name}",
                     documentation=f"{doc} ({channel} KV cache transfers of ascend-dist connectors).",
                     buckets=buckets,
                     labelnames=[*labelnames, *extra],
                 )
-            self._families[channel, "failed"] = self._counter_cls(
+            self._families[channel, "failed"] = counter(
                 name=f"{prefix}_num_failed_transfers",
                 documentation=f"Number of failed {channel} KV cache transfers of ascend-dist connectors, by kind.",
                 labelnames=[*labelnames, *extra, "kind"],
             )
         if "pool" in self.channels:
             for key in ("hit", "miss"):
-                self._families["pool", key] = self._counter_cls(
+                self._families["pool", key] = counter(
                     name=f"vllm:ascend_pool_{key}_tokens",
                     documentation=f"Prompt tokens the KV pool lookup {'found' if key == 'hit' else 'did not find'}.",
                     labelnames=labelnames,
@@ -187,7 +189,7 @@ class TransferStatsReporting:
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
-        metric_types: dict[type, type],
+        metric_types: Any,
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:

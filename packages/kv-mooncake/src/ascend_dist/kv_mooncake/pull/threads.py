@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from ascend_dist.common.errors import TransferError
+from ascend_dist.common.errors import DeadlineExceeded, LeaseExpired
 from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
@@ -80,8 +80,9 @@ class Receiver:
         clock: Callable[[], float] = time.monotonic,
         pcp_rank: int = 0,
         use_mla: bool = False,
+        on_failure: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
-        """Start the pool (threads are created on demand)."""
+        """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats)."""
         self._config = config
         self._pcp_rank = pcp_rank
         self._use_mla = use_mla
@@ -94,6 +95,7 @@ class Receiver:
         self._engine = engine
         self._reformat = reformat
         self._clock = clock
+        self._on_failure = on_failure
         self._peers = PeerClient(config, handshake, tp_rank)
         self._pool = ThreadPoolExecutor(max_workers=config.recv_workers, thread_name_prefix=f"kv-pull-{tp_rank}")
         self._lock = threading.Lock()  # guards the table and the load errors
@@ -223,6 +225,7 @@ class Receiver:
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
             logger.error("request %s: pull from %s:%d failed: %s", request_id, meta.remote_host, port, exc)
+            self._on_failure(exc)
             self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
             self._fail(pull)
         finally:
@@ -239,7 +242,7 @@ class Receiver:
         # Before reading, P must confirm it still holds this request's blocks: params replayed after
         # D consumed them, or aimed at a request P already freed, would read reused blocks.
         if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
-            raise TransferError(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
+            raise LeaseExpired(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
         batch = task_batch(
             self._cache,
             agent,
@@ -319,6 +322,7 @@ class Receiver:
                     pull.request_id,
                     self._config.pull_timeout_s,
                 )
+                self._on_failure(DeadlineExceeded(f"request {pull.request_id}: pull_timeout_s passed"))
                 for ids in pull.meta.local_block_ids:
                     self._errors.update(ids)
             return self._requests.take_finished(now)
