@@ -326,3 +326,52 @@ def test_hostile_kv_transfer_params_through_vllms_scheduler(model_dir: Path, cap
         assert isinstance(pull, MooncakeConnectorV1) and pull._scheduler is not None and pull._scheduler.tracked == 0
     finally:
         sched.shutdown()
+
+
+def test_childrens_transfer_stats_reach_vllms_log_and_prometheus(model_dir: Path) -> None:
+    from ascend_dist.testing.vllm_stats import read_back
+
+    port = free_port_range(1)
+    p = Side(make_config(model_dir, "kv_producer", "P-mstats", port), seed=5)
+    d_config = make_config(model_dir, "kv_consumer", "D-mstats", port)
+    d = Side(d_config, seed=6)
+    try:
+        assert d.worker.get_kv_connector_stats() is None  # control: no child moved anything
+        req_p = request("p-req", 40, {"do_remote_decode": True}, p.hasher)
+        p_blocks = blocks(p.pool, 3)
+        p.sched.update_state_after_alloc(req_p, p_blocks, 0)
+        p.step()
+        req_p.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = p.sched.request_finished_all_groups(req_p, (p_blocks.get_block_ids()[0],))
+        p.step()
+        req_d = request("d-req", 40, params, d.hasher)
+        assert d.sched.get_num_new_matched_tokens(req_d, 0) == (40, True)
+        d_blocks = blocks(d.pool, 3)
+        d.sched.update_state_after_alloc(req_d, d_blocks, 40)
+        d.step()
+        wait_for(lambda: d.worker.get_finished(set())[1], "d-req")
+        stats = d.worker.get_kv_connector_stats()
+        assert stats is not None and set(stats.data) == {"MooncakeConnectorV1"}
+        out = read_back(d_config, stats.to_dict())
+        moved = sum(len(d.block(b)) for b in d_blocks.get_block_ids()[0])
+        assert out.sample("vllm:mooncake_bytes_transferred_sum") == moved
+        assert "p2p load: Num successful transfers" in out.lines[0]
+    finally:
+        d.close()
+        p.close()
+
+
+def test_two_of_our_children_share_one_metrics_registration(model_dir: Path) -> None:
+    from ascend_dist.testing.vllm_stats import read_back
+
+    config = make_config(model_dir, "kv_consumer", "D-shared", free_port_range(1))
+    store = {
+        "kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "ascend_dist.kv_store.vllm_connector",
+    }  # fmt: skip
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector_extra_config["connectors"].append(store)
+    # vLLM's MultiConnector would register vllm:* names once per child class: a duplicate-timeseries error.
+    out = read_back(config, {"AscendStoreConnector": {"ascend_dist_stats": 1, "pool_hit_tokens": 16}})
+    assert out.sample("vllm:ascend_pool_hit_tokens_total") == 16
+    assert out.sample("vllm:mooncake_bytes_transferred_sum") is None  # control: no p2p transfer in the payload

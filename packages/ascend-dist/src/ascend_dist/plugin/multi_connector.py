@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector, MultiKVConnectorMetadata
 
 from ascend_dist.common.errors import ConfigError
@@ -45,6 +46,7 @@ from ascend_dist.plugin._multi_rules import (
     merge_finished_params,
     merge_transfer_results,
 )
+from ascend_dist.plugin.multi_stats import children_prom_metrics, children_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -246,6 +248,23 @@ class AscendMultiConnector(MultiConnector):
             per_child.append((r.finished_sending, r.finished_recving, r.failed_recving))
         sending, recving, failed = merge_transfer_results(per_child, self._saves)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """The children's stats by class name (ours recognised by their payload, see `multi_stats`)."""
+        return children_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """The children's metrics; ours share one registration (see `multi_stats`)."""
+        children = cls._get_connector_classes_and_configs(vllm_config)
+        return children_prom_metrics(children, vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Union of every child's failed block ids."""

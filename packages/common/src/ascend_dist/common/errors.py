@@ -21,12 +21,15 @@ __all__ = [
     "IncompatiblePeer",
     "InvalidTransition",
     "LayoutError",
+    "LeaseExpired",
     "MessageTooLarge",
     "NativeLibraryError",
+    "PeerUnreachable",
     "ProtocolError",
     "RegionError",
     "StoreError",
     "TransferError",
+    "TransferRefused",
     "TransferTimeout",
     "format_allowed",
 ]
@@ -127,6 +130,18 @@ class TransferError(AscendDistError, RuntimeError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A transfer missed its deadline; handled like any other `TransferError`."""
+
+
+class LeaseExpired(TransferError):
+    """The peer no longer holds the blocks to transfer (its lease ran out or it freed them); recompute."""
+
+
+class PeerUnreachable(TransferError, ConnectionError):
+    """The peer's address did not answer at all; handled like any other `TransferError`."""
+
+
+class TransferRefused(TransferError):
+    """The peer answered but refused the transfer (mismatch, unknown request); handled like any other."""
 
 
 class StoreError(AscendDistError, RuntimeError):

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ascend_dist.common.vllm_stats import TransferStatsReporting
 from ascend_dist.kv_store.assembly import build_scheduler, build_worker
 from ascend_dist.kv_store.backends.factory import create_backend_or_unavailable
 from ascend_dist.kv_store.config.config import PoolConfig
@@ -134,8 +135,10 @@ def _poolable(request: Request) -> bool:
     return request.prompt_token_ids is not None and not request.mm_features
 
 
-class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
+class AscendStoreConnector(TransferStatsReporting, KVConnectorBase_V1, SupportsHMA):
     """The AscendStore KV-cache pool as a vLLM v1 KV connector."""
+
+    stats_channels = ("pool",)  # the scheduler records lookups' hit and miss tokens (vllm:ascend_pool_*)
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -167,6 +170,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # "" until the first reset_cache, so instances started on the same weights share keys.
         self._weights_epoch = ""
         self._request_epoch: dict[str, str] = {}  # the epoch a request was (re)scheduled under
+        self._lookup_misses: dict[str, int] = {}  # request -> prompt tokens the last lookup did not find
         if role == KVConnectorRole.SCHEDULER:
             self._client = LookupClient(
                 self._spec.compat_hash(),
@@ -320,9 +324,12 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         prompt = request.prompt_token_ids
         assert prompt is not None
         self._request_epoch[request.request_id] = self._weights_epoch
-        return self._scheduler.get_num_new_matched_tokens(
+        hit, is_async = self._scheduler.get_num_new_matched_tokens(
             request.request_id, prompt, request.num_tokens, num_computed_tokens, salt=self._salt(request)
         )
+        # vLLM may ask again before it allocates: the stats count the answer it acts on (update_state_after_alloc).
+        self._lookup_misses[request.request_id] = max(0, request.num_prompt_tokens - num_computed_tokens - (hit or 0))
+        return hit, is_async
 
     def _salt(self, request: Request) -> str:
         return _salt(request, self._request_epoch.get(request.request_id, self._weights_epoch))
@@ -343,6 +350,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """Arm the load once vLLM allocated the request's blocks."""
         assert self._scheduler is not None
         self._requests[request.request_id] = request
+        miss = self._lookup_misses.pop(request.request_id, None)
+        if miss is not None:  # a poolable request the pool was asked about
+            self.transfer_stats.record_pool_lookup(num_external_tokens, miss)
         self._scheduler.update_state_after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -400,6 +410,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks while saves of this request may still be running."""
         assert self._scheduler is not None
+        self._lookup_misses.pop(request.request_id, None)
         return self._scheduler.request_finished(request.request_id), None
 
     def request_finished_all_groups(
@@ -407,6 +418,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """HMA variant of `request_finished` (same rule for every group)."""
         assert self._scheduler is not None
+        self._lookup_misses.pop(request.request_id, None)
         return self._scheduler.request_finished(request.request_id), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -26,11 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.vllm_stats import TransferStatsReporting
 from ascend_dist.kv_mooncake.core.admission import ParamsGate, Preview
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout
 from ascend_dist.kv_mooncake.core.kv_views import label_kv_caches
 from ascend_dist.kv_mooncake.core.messages import prompt_digest
 from ascend_dist.kv_mooncake.core.request import SchedRequest
+from ascend_dist.kv_mooncake.core.stats_engine import CountingEngine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -251,8 +253,12 @@ class _Worker(Protocol):
     def shutdown(self) -> None: ...
 
 
-class MooncakeAdapterBase(KVConnectorBase_V1, SupportsHMA):
-    """What every kv-mooncake adapter shares: the `KVCacheConfig` check, the gate slot, the result report.
+class MooncakeAdapterBase(TransferStatsReporting, KVConnectorBase_V1, SupportsHMA):
+    """What every kv-mooncake adapter shares: the `KVCacheConfig` check, the gate slot, the result report, the stats.
+
+    Stats (`TransferStatsReporting`, channel ``p2p``): the workers' engine is a
+    `core.stats_engine.CountingEngine` around the process-wide one (`counting_engine`), so each
+    engine batch call is one transfer in vLLM's ``vllm:mooncake_*`` metrics.
 
     Subclasses say where D's failed requests and failed blocks come from (`_failed_recving`,
     `_load_error_blocks`); `get_transfer_results` and `get_block_ids_with_load_errors` then apply
@@ -276,6 +282,12 @@ class MooncakeAdapterBase(KVConnectorBase_V1, SupportsHMA):
         self._num_blocks = kv_cache_config.num_blocks
         self._num_groups = len(groups)
         self._gate: ParamsGate | None = None  # set by the scheduler role
+
+    stats_channels = ("p2p",)
+
+    def counting_engine(self, make_engine: Callable[[], Any]) -> CountingEngine:
+        """The engine to hand this adapter's worker: ``make_engine()``'s, recorded in this connector's stats."""
+        return CountingEngine(make_engine, self.transfer_stats)
 
     def _failed_recving(self, recving: set[str] | None) -> set[str]:
         """D's requests among ``recving`` whose load failed (taken: reported once)."""

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ascend_dist.common.errors import DeadlineExceeded, TransferError, TransferTimeout
+from ascend_dist.common.errors import DeadlineExceeded, LeaseExpired, TransferError, TransferTimeout
 from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
@@ -69,7 +69,7 @@ def done_sender(pcp_rank: int, shard: int) -> str:
     return f"pcp{pcp_rank}/{shard}"
 
 
-class NotHeld(TransferError):
+class NotHeld(LeaseExpired):
     """P answered that it no longer holds the request's blocks (P is alive: not a breaker trip)."""
 
 
@@ -107,8 +107,9 @@ class Receiver:
         clock: Callable[[], float] = time.monotonic,
         pcp_rank: int = 0,
         use_mla: bool = False,
+        on_failure: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
-        """Start the pool (threads are created on demand)."""
+        """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats)."""
         self._config = config
         self._pcp_rank = pcp_rank
         self._use_mla = use_mla
@@ -121,6 +122,7 @@ class Receiver:
         self._engine = engine
         self._reformat = reformat
         self._clock = clock
+        self._on_failure = on_failure
         self._peers = PeerClient(config, handshake, tp_rank)
         self._lanes = Lanes(config.recv_workers, config.peer_retry_s, clock=clock)
         self._lock = threading.Lock()  # guards the table and the load errors
@@ -295,6 +297,7 @@ class Receiver:
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
             logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, port, exc)
+            self._on_failure(exc)
             self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
             self._fail(pull)
             if _peer_stopped_answering(exc):
@@ -432,6 +435,7 @@ class Receiver:
                     pull.request_id,
                     self._config.pull_timeout_s,
                 )
+                self._on_failure(DeadlineExceeded(f"request {pull.request_id}: pull_timeout_s passed"))
                 for ids in pull.meta.local_block_ids:
                     self._errors.update(ids)
                 for task in pull.tasks:

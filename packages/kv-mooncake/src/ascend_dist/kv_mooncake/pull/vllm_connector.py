@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.engine import get_engine
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     SchedRequestAdapter,
     StepMetadata,
@@ -134,6 +135,7 @@ class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
             self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, TransferParams.__struct_fields__)
         else:
             model = vllm_config.model_config
+            cfg = self._pull_config
             tp_rank, pp_rank, pcp_rank = parallel_ranks()
             self._worker = PullWorker(
                 self._pull_config,
@@ -142,6 +144,8 @@ class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
                 pcp_rank=pcp_rank,
                 num_kv_heads=model.get_total_num_kv_heads(),
                 use_mla=bool(model.use_mla),
+                engine=(engine := self.counting_engine(lambda: get_engine(cfg.host, cfg.protocol))),
+                on_failure=engine.failure_sink("load"),
             )
 
     # ---- scheduler side -------------------------------------------------------------------------

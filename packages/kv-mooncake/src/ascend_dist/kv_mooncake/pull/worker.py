@@ -8,7 +8,7 @@ with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -54,6 +54,7 @@ class PullWorker:
         num_kv_heads: int,
         use_mla: bool = False,
         engine: Reader | None = None,
+        on_failure: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         """Create the worker (nothing is started until `register_kv_caches`).
 
@@ -65,6 +66,7 @@ class PullWorker:
             num_kv_heads: Total KV heads of the model (ignored with ``use_mla``).
             use_mla: MLA latent cache (one replicated "head").
             engine: The transfer engine; default the process-wide Mooncake engine.
+            on_failure: Called with the error of each of D's failed pull tasks (the connector's stats).
         """
         topo = config.prefill if config.is_producer else config.decode
         if not 0 <= tp_rank < topo.tp_size:
@@ -80,6 +82,7 @@ class PullWorker:
         self._pp_rank = pp_rank
         self._heads = 1 if use_mla else num_kv_heads
         self._engine = engine
+        self._on_failure = on_failure
         self._regions: RegisterRegions | None = None
         self._server: RpcServer | None = None
         self._receiver: Receiver | None = None
@@ -251,6 +254,7 @@ class PullWorker:
                 reformat=self._reformat,
                 pcp_rank=self._pcp_rank,
                 use_mla=self._use_mla,
+                on_failure=self._on_failure,
             )
 
     def _handle(self, payload: bytes) -> bytes:

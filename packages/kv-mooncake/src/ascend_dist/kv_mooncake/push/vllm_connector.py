@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.engine import get_engine
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     SchedRequestAdapter,
     StepMetadata,
@@ -160,6 +161,7 @@ class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, Layerwi
         if self._scheduler is not None:
             raise ConfigError("role", "SCHEDULER", "WORKER for register_kv_caches")
         parts, layout = read_kv_caches(kv_caches, self._vllm_config)
+        cfg = self._lw_config
         ratio = self._lw_config.parallel_infos(1 if self._use_mla else self._heads, self._use_mla)[0].pd_head_ratio
         self._worker = LayerwiseWorker(
             self._lw_config,
@@ -168,6 +170,7 @@ class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, Layerwi
             num_kv_heads=self._heads,
             use_mla=self._use_mla,
             all_to_all=_all_to_all(ratio) if self._lw_config.is_producer else None,
+            engine=self.counting_engine(lambda: get_engine(cfg.host, cfg.protocol)),
         )
         groups = [[n for n in g if n in parts] for g in self._groups]
         self._worker.register_kv_caches(

@@ -118,7 +118,10 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
             self._gate = ParamsGate(type(self).__name__, lambda rid, raw, n: check(external_id(rid), raw, n), known)
             return
         side = "Prefill" if self._sfa.is_producer else "Decode"
-        backend = make_backend(self._sfa.transfer_backend, self._sfa.host, protocol=self._sfa.protocol, role=side)
+        sfa = self._sfa
+        backend = self.counting_engine(
+            lambda: make_backend(sfa.transfer_backend, sfa.host, protocol=sfa.protocol, role=side)
+        )
         if self._sfa.is_producer:
             self._producer = ProducerWorker(self._sfa, tp_rank=parallel_ranks()[0], backend=backend)
         else:
