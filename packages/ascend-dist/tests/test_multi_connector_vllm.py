@@ -104,6 +104,7 @@ class Side:
 
     def step(self) -> MultiKVConnectorMetadata:
         meta = self.sched.build_connector_meta(SchedulerOutput.make_empty())
+        self.worker.handle_preemptions(meta)  # vLLM's runner order
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # type: ignore[arg-type]
         for name in LAYERS:  # the forward's per-layer hooks reach both children
@@ -194,8 +195,8 @@ def test_preempted_request_is_restored_by_the_offload_child(model_dir: Path) -> 
         assert d.sched.update_state_before_preempt(req, [ids], 40)
         d.pool.free_blocks(first.blocks[0])
         meta = d.sched.build_connector_meta(SchedulerOutput.make_empty())
+        d.worker.handle_preemptions(meta)  # vLLM's runner order; the recompute child stores synchronously here
         d.worker.bind_connector_metadata(meta)
-        d.worker.handle_preemptions(meta)  # the recompute child stores synchronously here
         for k, v in d.caches.values():
             k.fill_(0)
             v.fill_(0)  # another request overwrites every block

@@ -360,8 +360,8 @@ class Loop:
         out = self.sched.schedule()
         meta = out.kv_connector_metadata
         for shard in self.shards:  # the hooks before the forward pass, on every worker, in vLLM's order
+            shard.conn.handle_preemptions(meta)  # vLLM's runner order: before the binding
             shard.conn.bind_connector_metadata(meta)
-            shard.conn.handle_preemptions(meta)
         # A reused block is first overwritten here in a real engine (nothing may read it after the
         # preemption flush above): the sentinel stands for that write, before loads are submitted.
         self._poison_waiting()

@@ -103,6 +103,7 @@ class Instance:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, AscendStoreConnectorMetadata)
+        self.worker.handle_preemptions(meta)  # vLLM's runner order
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # type: ignore[arg-type]
         for name in LAYERS if layerwise else ():  # what vLLM's maybe_transfer_kv_layer does per layer
@@ -376,6 +377,7 @@ def test_hybrid_model_async_load_failure_is_reported_by_request_and_recomputed(
         assert out.num_scheduled_tokens == {}
         for key in pool_keys(b, bad):  # evicted between the lookup and the load (force: the lookup leased them)
             admin.remove(key, True)
+        b.worker.handle_preemptions(out.kv_connector_metadata)
         b.worker.bind_connector_metadata(out.kv_connector_metadata)
         b.worker.start_load_kv(None)  # type: ignore[arg-type]
         b.worker.wait_for_save()
@@ -430,6 +432,7 @@ def test_one_group_async_load_failure_still_reports_blocks(model_dir, mooncake_m
         b.scheduler.add_request(b.request("b1", prompt))
         out = b.scheduler.schedule()
         assert admin.remove(pool_keys(b, prompt)[1], True) == 0  # the second chunk is gone before the load
+        b.worker.handle_preemptions(out.kv_connector_metadata)
         b.worker.bind_connector_metadata(out.kv_connector_metadata)
         b.worker.start_load_kv(None)  # type: ignore[arg-type]
         b.worker.clear_connector_metadata()
@@ -611,6 +614,7 @@ class RunnerInstance:
 
         before_ids = self._allocated()
         out = self.scheduler.schedule()
+        self.worker.handle_preemptions(out.kv_connector_metadata)  # vLLM's runner: first, before the zeroing
         # vLLM zeroes only with new_block_ids_to_zero (Mamba, mixed precision); any allocation may
         # hold stale bytes, so overwrite every block this step allocated: the load must come after.
         self._zero(sorted(self._allocated() - before_ids))

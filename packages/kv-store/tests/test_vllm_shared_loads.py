@@ -155,6 +155,7 @@ class Runner:
         """One engine step; ``on_alloc(out)`` runs once vLLM allocated the step's blocks, before any load."""
         before_ids = self._allocated()
         out = self.scheduler.schedule()
+        self.worker.handle_preemptions(out.kv_connector_metadata)  # vLLM's runner: first, before the zeroing
         self.fill(sorted(self._allocated() - before_ids))  # new blocks hold stale bytes: the load comes after
         if on_alloc is not None:
             on_alloc(out)

@@ -191,6 +191,7 @@ class Side:
         """Build the scheduler's metadata for ``out`` (checking its type), bind it and start the worker's loads."""
         meta = self.sched.build_connector_meta(out)
         assert isinstance(meta, self.meta_type)
+        self.worker.handle_preemptions(meta)  # vLLM's runner calls it first, every step
         self.worker.bind_connector_metadata(meta)
         # Our connectors never read the forward context; the tests have no model to build one from.
         self.worker.start_load_kv(cast("Any", None))

@@ -120,8 +120,8 @@ class OffloadScenario:
         before = (k[ids].clone(), v[ids].clone())
         accepted = manager.update_state_before_preempt("A", [ids], 60)
         meta = manager.build_meta()
+        worker.handle_preemptions(meta)  # vLLM's runner order: before the binding
         worker.bind_connector_metadata(meta)
-        worker.handle_preemptions(meta)
         k[ids] = 7  # request B's forward writes the reused blocks
         v[ids] = 7
         manager.update_connector_output([], worker.build_connector_worker_meta())

@@ -298,6 +298,8 @@ class Instance:
         """One engine step in the model runner's call order (see the module docstring)."""
         out = self.sched.schedule()
         result = StepResult()
+        # vLLM's runner: handle_preemptions first, every step, before it zeroes or copies new blocks.
+        self.worker.handle_preemptions(out.kv_connector_metadata)  # type: ignore[arg-type]
         for r in out.scheduled_new_reqs:
             result.new_blocks[r.req_id] = (r.num_computed_tokens, list(r.block_ids[0]))
         for t in tensors(self.caches) if out.new_block_ids_to_zero else ():
