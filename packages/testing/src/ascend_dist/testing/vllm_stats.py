@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 __all__ = ["LABELNAMES", "Readback", "read_back"]
 
 LABELNAMES = ["model_name", "engine"]
-_LABELVALUES = {0: ["tiny", "0"]}
+_LABELVALUES: dict[int, list[object]] = {0: ["tiny", "0"]}
 
 
 @dataclass
