@@ -111,8 +111,8 @@ def prefill(inst: Instance, req_id: str, prompt: list[int], blocks: list[int]) -
     return need
 
 
-def test_layer_objects_round_trip_between_instances(mooncake_master, kvtools) -> None:
-    a, b = Instance(mooncake_master, kvtools, 1), Instance(mooncake_master, kvtools, 2)
+def test_layer_objects_round_trip_between_instances(long_lease_master, kvtools) -> None:
+    a, b = Instance(long_lease_master, kvtools, 1), Instance(long_lease_master, kvtools, 2)
     try:
         prompt = list(range(9000, 9070))  # 4 whole chunks
         assert prefill(a, "a", prompt, [1, 2, 3, 4, 5]) == 0
@@ -130,8 +130,8 @@ def test_layer_objects_round_trip_between_instances(mooncake_master, kvtools) ->
         b.close()
 
 
-def test_loads_prefetch_and_saves_do_not_block(mooncake_master, kvtools) -> None:
-    a, b = Instance(mooncake_master, kvtools, 3), Instance(mooncake_master, kvtools, 4)
+def test_loads_prefetch_and_saves_do_not_block(long_lease_master, kvtools) -> None:
+    a, b = Instance(long_lease_master, kvtools, 3), Instance(long_lease_master, kvtools, 4)
     try:
         prompt = list(range(7000, 7064))
         need, _ = a.scheduler.get_num_new_matched_tokens("a", prompt, 64, 0)
@@ -168,10 +168,10 @@ def test_loads_prefetch_and_saves_do_not_block(mooncake_master, kvtools) -> None
         b.close()
 
 
-def test_missing_layer_object_is_a_miss_and_a_load_error(mooncake_master, kvtools) -> None:
+def test_missing_layer_object_is_a_miss_and_a_load_error(long_lease_master, kvtools) -> None:
     from mooncake.store import MooncakeDistributedStore
 
-    a, b = Instance(mooncake_master, kvtools, 5), Instance(mooncake_master, kvtools, 6)
+    a, b = Instance(long_lease_master, kvtools, 5), Instance(long_lease_master, kvtools, 6)
     admin = MooncakeDistributedStore()
     assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_master.address) == 0
     try:

@@ -79,6 +79,7 @@ def _many_pieces(writer: MooncakeBackend, reader: MooncakeBackend, prefix: str, 
     return keys, [[dst.ctypes.data + o for o in row] for row in offsets], sizes, src, dst
 
 
+@pytest.mark.timeout(240)  # Mooncake's own failure path for the 4,608-piece get takes ~30-60 s
 def test_mooncake_tcp_fails_a_get_of_more_than_2048_pieces_per_peer(long_lease_master) -> None:
     """4,608 pieces in one get from a peer fail with -800 (never silently); 2,048 load byte-exact."""
     writer, reader = backend_for(long_lease_master), backend_for(long_lease_master, contribute_memory=False)

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.testing.ports import free_port
 from ascend_dist.weight_transfer.collective import TransferGroup
+
+from .conftest import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp*")
 

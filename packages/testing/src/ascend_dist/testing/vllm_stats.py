@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+if TYPE_CHECKING:  # prometheus_client comes with vLLM: imported where used, like vLLM itself
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["LABELNAMES", "Readback", "read_back"]
 
@@ -19,12 +20,18 @@ LABELNAMES = ["model_name", "engine"]
 _LABELVALUES: dict[int, list[object]] = {0: ["tiny", "0"]}
 
 
+def _registry() -> CollectorRegistry:
+    from prometheus_client import CollectorRegistry
+
+    return CollectorRegistry()
+
+
 @dataclass
 class Readback:
     """What vLLM made of the payloads: its log lines and a registry with our metrics."""
 
     lines: list[str] = field(default_factory=list)
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    registry: CollectorRegistry = field(default_factory=_registry)
 
     def sample(self, name: str, **labels: str) -> float | None:
         """One sample's value (None: never observed), with the engine labels filled in."""
@@ -33,6 +40,7 @@ class Readback:
 
 def read_back(vllm_config: Any, *payloads: dict[str, Any] | None) -> Readback:
     """Feed ``payloads`` (None ones skipped, as vLLM skips them) to vLLM's logging and Prometheus objects."""
+    from prometheus_client import Counter, Gauge, Histogram
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 
     out = Readback()
