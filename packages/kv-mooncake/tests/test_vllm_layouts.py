@@ -164,7 +164,7 @@ def test_heads_outside_blocks_are_refused_at_registration(model_dir: Path) -> No
         side.close()
 
 
-def test_p_and_d_on_different_layouts_are_refused_naming_both(
+def test_p_and_d_on_different_layouts_are_refused_naming_the_field(
     model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     port = free_port_range(1)
@@ -175,7 +175,8 @@ def test_p_and_d_on_different_layouts_are_refused_naming_both(
         d.register()
         with caplog.at_level(logging.ERROR, logger="ascend_dist.kv_mooncake.pull.threads"):
             assert _pull(p, d, "m") == {21, 22, 23}  # nothing read; vLLM recomputes
-        assert "layout differs (local='kv/LBNHC', remote='kv/LBHNC')" in caplog.text
+        # D names the field and its own layout; P's value is never disclosed to the asker (wire v3).
+        assert "layout differs (local='kv/LBNHC', remote='(not disclosed)')" in caplog.text
     finally:
         d.close()
         p.close()

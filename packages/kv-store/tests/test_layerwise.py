@@ -173,7 +173,7 @@ def test_missing_layer_object_is_a_miss_and_a_load_error(long_lease_master, kvto
 
     a, b = Instance(long_lease_master, kvtools, 5), Instance(long_lease_master, kvtools, 6)
     admin = MooncakeDistributedStore()
-    assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_master.address) == 0
+    assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", long_lease_master.address) == 0
     try:
         prompt = list(range(3000, 3064))
         prefill(a, "a", prompt, [1, 2, 3, 4])

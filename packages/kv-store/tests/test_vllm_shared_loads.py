@@ -247,12 +247,12 @@ def prompt_of(base: int, chunks: int, block: int, tail: int) -> list[int]:
 
 @pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_requests_sharing_pooled_chunks_in_one_step(tmp_path, mooncake_master, kvtools, mode, count) -> None:
+def test_requests_sharing_pooled_chunks_in_one_step(tmp_path, long_lease_master, kvtools, mode, count) -> None:
     """Two or three requests over A's chunks, own blocks (prefix caching off): every block holds A's bytes."""
     shape, chunks = SMALL, 3
-    a = Runner(make_config(tmp_path, shape, mooncake_master.address, kvtools.free_port(), prefix_caching=True,
+    a = Runner(make_config(tmp_path, shape, long_lease_master.address, kvtools.free_port(), prefix_caching=True,
                            **MODES[mode]), shape, seed=41)  # fmt: skip
-    b = Runner(make_config(tmp_path, shape, mooncake_master.address, kvtools.free_port(), prefix_caching=False,
+    b = Runner(make_config(tmp_path, shape, long_lease_master.address, kvtools.free_port(), prefix_caching=False,
                            **MODES[mode]), shape, seed=42)  # fmt: skip
     try:
         base = 40_000 + 1000 * list(MODES).index(mode) + 100 * count

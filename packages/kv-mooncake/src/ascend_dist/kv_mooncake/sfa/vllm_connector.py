@@ -119,9 +119,10 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
             return
         side = "Prefill" if self._sfa.is_producer else "Decode"
         sfa = self._sfa
-        backend = self.counting_engine(
-            lambda: make_backend(sfa.transfer_backend, sfa.host, protocol=sfa.protocol, role=side)
-        )
+        # Built now, not on first use: a backend this host cannot run (memfabric without the Ascend
+        # driver) must refuse at start, not at the first transfer.
+        engine = make_backend(sfa.transfer_backend, sfa.host, protocol=sfa.protocol, role=side)
+        backend = self.counting_engine(lambda: engine)
         if self._sfa.is_producer:
             self._producer = ProducerWorker(self._sfa, tp_rank=parallel_ranks()[0], backend=backend)
         else:
