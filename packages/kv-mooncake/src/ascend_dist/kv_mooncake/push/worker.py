@@ -7,7 +7,9 @@ Runs in: every worker process (one per TP x PCP rank). Order of calls (vLLM v1 m
 
 * **D** binds its ROUTER at ``kv_port + dp·pcp·tp + pcp_rank·tp + tp_rank`` (host only), answers
   `GetMeta` with its block addresses and records `LayerDone` / `PushDone` in a `LayerReceiver`.
-* **P** plans each request's writes at ``start_load_kv`` (fetching D's metadata once per endpoint),
+* **P** waits at ``start_load_kv`` until the previous steps' pushes have read their blocks (vLLM
+  writes a layer's KV before ``wait_for_layer_load``, so the per-layer gate alone comes too late for
+  reallocated blocks), plans each request's writes (fetching D's metadata once per endpoint),
   and at each ``save_kv_layer`` closes the layer's reuse gate and queues the layer to the
   `SendThread`, so the push of layer ``i`` overlaps the compute of layer ``i+1``. With
   ``pd_head_ratio > 1`` it first gathers the layer's blocks and runs the all-to-all (`reshard`) into
@@ -268,10 +270,12 @@ class LayerwiseWorker:
         return self._replies.encode(Ack(unknown=[] if known else [msg.request_id]))
 
     def start_load_kv(self, meta: LayerwiseMetadata) -> None:
-        """Apply one step's metadata: D starts waiting, P plans this step's writes.
+        """Apply one step's metadata: D starts waiting; P waits for earlier pushes, then plans this step's writes.
 
         Raises:
             ConfigError: Called before `register_kv_caches`.
+            DeadlineExceeded: P: an earlier layer was still being pushed after ``gate_timeout_s``.
+            TransferError: P: the send thread died with layers queued.
         """
         if not self._names:
             raise ConfigError("register_kv_caches", "not called", "called before start_load_kv")
