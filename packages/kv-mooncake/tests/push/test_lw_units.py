@@ -180,6 +180,18 @@ def test_receiver_counts_distinct_senders_and_reports_failures_with_blocks() -> 
     assert len(rx) == 0
 
 
+def test_receiver_counts_a_layer_reported_twice_by_one_sender_once() -> None:
+    """A repeated LayerDone (same sender, same layer) must not advance the layer count the failure names."""
+    clock = _Clock()
+    rx = LayerReceiver(3, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=clock)
+    rx.expect(RecvReqMeta(request_id="int-d", transfer_id="d", block_ids=[[7]]))
+    for _ in range(2):
+        rx.on_layer_done(LayerDone(sender="p0", layers=[0], request_ids=["d"], trans_count=1))
+    clock.now = 1.5
+    _, _, reasons = rx.take_finished()
+    assert "layer 1 did not arrive" in reasons["int-d"], reasons
+
+
 def test_receiver_failed_done_and_first_layer_deadline() -> None:
     clock = _Clock()
     rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=clock)

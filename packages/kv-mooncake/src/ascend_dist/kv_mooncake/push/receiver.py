@@ -146,6 +146,8 @@ class LayerReceiver:
                     self._states.advance(tid, RecvState.RECEIVING)
                 for layer in msg.layers:
                     senders = req.layers.setdefault(layer, set())
+                    if msg.sender in senders:  # a repeated report (retried RPC) is no new arrival
+                        continue
                     senders.add(msg.sender)
                     if len(senders) == req.trans_count:
                         req.layers_complete += 1
