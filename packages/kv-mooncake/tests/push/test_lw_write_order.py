@@ -115,3 +115,32 @@ def test_next_request_in_freed_blocks_never_reaches_d_as_the_previous_one(p_tp: 
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_p_arriving_after_d_gave_up_never_writes_into_the_recomputed_blocks() -> None:
+    """D's first-layer deadline passes before P starts (P's first forward slow under load): vLLM recomputes
+    the request in the same blocks, so P's late push must not land there (it did: wrong tokens on D)."""
+    port = free_port_range(1)
+    extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+    shape: dict[str, Any] = {"layers": 2, "heads": 2, "head_dim": 16, "block_size": 16}
+    ms = CollectingMetaserver()
+    d_cfg = LayerwiseConfig.from_kv_transfer_config(
+        engine_id="lD", kv_role="kv_consumer", kv_port=port, extra={**extra, "first_layer_timeout_s": 0.3}
+    )
+    p_cfg = LayerwiseConfig.from_kv_transfer_config(engine_id="lP", kv_role="kv_producer", kv_port=port, extra=extra)
+    d = LwInstance(d_cfg, Model(**shape, num_blocks=24), engine=MooncakeEngine("127.0.0.1"), metaserver=ms)
+    p = LwInstance(p_cfg, Model(**shape, num_blocks=11), engine=MooncakeEngine("127.0.0.1"))
+    try:
+        d.announce("L", 64)
+        params = ms.take("L")
+        assert d.wait_recv({"L"}, timeout_s=10.0)  # D gave up: every block is a load error
+        for i in range(d.model.layers):  # vLLM recomputes the request into the same blocks
+            d._write_layer("L", 99, i)
+        p.prefill(params, 64, seed=1)  # P arrives late and pushes
+        p.wait_idle()
+        time.sleep(0.3)  # the notifier's messages and anything still in flight
+        assert d.verify("L", 99) > 0  # D's recomputed KV, never P's late bytes
+    finally:
+        p.shutdown()
+        d.shutdown()

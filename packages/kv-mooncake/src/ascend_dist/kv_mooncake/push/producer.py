@@ -27,6 +27,7 @@ from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_r
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
 from ascend_dist.kv_mooncake.core.messages import TensorMeta
+from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.plan import (
@@ -138,6 +139,15 @@ class Producer:
             plan = self._plan(idx, req)
             if plan is not None:
                 self._step.append((req, plan))
+        # D's fence: claim every request this rank writes in this step before the first write; D
+        # answers the ones it gave up on (their blocks may be recomputed) and those are not written.
+        claims: dict[Endpoint, list[str]] = {}
+        for _, plan in self._step:
+            for endpoint in dict.fromkeys(t.endpoint for t in plan.tasks):
+                if self.sender.failure(plan.transfer_id) is None:
+                    claims.setdefault(endpoint, []).append(plan.transfer_id)
+        for endpoint, ids in claims.items():
+            self.sender.claim(endpoint, ids)
 
     def _plan(self, idx: int, req: SendReqMeta) -> RequestPlan | None:
         prm = req.params

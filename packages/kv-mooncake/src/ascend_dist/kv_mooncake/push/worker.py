@@ -37,7 +37,7 @@ from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, t
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, PushDone, reply_codec, request_codec
+from ascend_dist.kv_mooncake.push.messages import CHANNEL, Claim, LayerDone, PushDone, reply_codec, request_codec
 from ascend_dist.kv_mooncake.push.producer import STAGING_SLOTS, LayerTable, Producer
 from ascend_dist.kv_mooncake.push.receiver import LayerReceiver
 from ascend_dist.kv_mooncake.push.reshard import AllToAll
@@ -214,7 +214,10 @@ class LayerwiseWorker:
             layers=self._metas,
         )
         self._receiver = LayerReceiver(
-            len(self._names), first_layer_timeout_s=c.first_layer_timeout_s, layer_timeout_s=c.layer_timeout_s
+            len(self._names),
+            first_layer_timeout_s=c.first_layer_timeout_s,
+            layer_timeout_s=c.layer_timeout_s,
+            fence_timeout_s=c.fence_timeout_s,
         )
         self._server = RpcServer(
             c.host, self.handshake_port, self._handle, max_bytes=c.max_message_bytes, name=f"kv-lw-d{self._tp_rank}"
@@ -263,6 +266,8 @@ class LayerwiseWorker:
         if isinstance(msg, GetMeta):
             refused = admit(self._handshake, self._config.engine_id, msg)
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._agent))
+        if isinstance(msg, Claim):
+            return self._replies.encode(Ack(unknown=self._receiver.on_claim(msg.sender, msg.request_ids)))
         if isinstance(msg, LayerDone):
             return self._replies.encode(Ack(unknown=self._receiver.on_layer_done(msg)))
         assert isinstance(msg, PushDone)
