@@ -223,6 +223,17 @@ def test_receiver_fences_a_failed_request_until_every_claimant_ended() -> None:
     assert rx.take_finished()[0] == {"int-h"}
 
 
+def test_receiver_reports_a_request_failed_before_this_worker_knew_it() -> None:
+    """P's failed PushDone arrives before the step announcing the request: vLLM must still see it fail."""
+    rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=_Clock())
+    rx.on_claim("p0", ["e"])
+    assert rx.on_done(PushDone(sender="p0", request_id="e", trans_count=1, ok=False, reason="boom"))
+    assert rx.take_finished() == (set(), set(), {})
+    rx.expect(RecvReqMeta(request_id="int-e", transfer_id="e", block_ids=[[8, 9]]))
+    done, errors, reasons = rx.take_finished()
+    assert done == {"int-e"} and errors == {8, 9} and "boom" in reasons["int-e"]
+
+
 def test_receiver_failed_done_and_first_layer_deadline() -> None:
     clock = _Clock()
     rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=clock)

@@ -100,7 +100,7 @@ class LayerReceiver:
         self._states: StateTable[RecvState] = StateTable(RECV_TRANSITIONS, name="lw-recv")
         self._done: list[str] = []
         self._failed: dict[str, tuple[str, list[list[int]]]] = {}
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._tombstones: OrderedDict[str, str] = OrderedDict()  # failed ids -> reason not yet reported
 
     @property
     def pending(self) -> int:
@@ -118,11 +118,16 @@ class LayerReceiver:
             tid = meta.transfer_id
             req = self._reqs.get(tid)
             if req is None:
-                if tid in self._tombstones:  # already failed (e.g. its announcement): nothing more to do
+                if tid in self._tombstones:  # already failed (e.g. its announcement)
+                    unreported = self._tombstones[tid]
+                    if unreported:  # failed before this worker knew the request: vLLM must still hear it
+                        self._tombstones[tid] = ""
+                        self._failed[meta.request_id] = (unreported, meta.block_ids)
                     return
                 req = self._reqs[tid] = _Req()
                 self._states.add(tid, RecvState.WAITING)
-            elif self._states.state(tid) is RecvState.FENCING:
+            elif self._states.state(tid) is RecvState.FENCING:  # reported when the fence is released
+                req.request_id, req.block_ids = meta.request_id, meta.block_ids or req.block_ids
                 return
             elif self._states.state(tid) is RecvState.EARLY:
                 self._states.advance(tid, RecvState.RECEIVING if req.layers else RecvState.WAITING)
@@ -234,7 +239,7 @@ class LayerReceiver:
                 sum(len(x) for x in req.block_ids),
             )
             self._failed[req.request_id] = (reason, req.block_ids)
-        self._tombstones[tid] = None
+        self._tombstones[tid] = "" if req.request_id else reason  # reason: still to report at `expect`
         while len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
         self._cond.notify_all()
