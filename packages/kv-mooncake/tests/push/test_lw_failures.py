@@ -21,7 +21,8 @@ def _all_blocks(pair: Any, rid: str) -> set[int]:
 
 @pytest.mark.timeout(60)
 def test_p_killed_mid_forward_fails_the_request_within_the_layer_deadline(make_lw_pair: Callable[..., Any]) -> None:
-    pair = make_lw_pair(p_procs=True, layers=8, d_extra={"layer_timeout_s": 1.0})
+    # The dead P had claimed the request: D holds the failure for fence_timeout_s (P cannot say it ended).
+    pair = make_lw_pair(p_procs=True, layers=8, d_extra={"layer_timeout_s": 1.0, "fence_timeout_s": 0.5})
     pair.d.announce("k0", 64)
     params = pair.metaserver.take("k0")
     pair.send_prefill(params, 64, seed=1, compute_s=0.3)

@@ -180,6 +180,60 @@ def test_receiver_counts_distinct_senders_and_reports_failures_with_blocks() -> 
     assert len(rx) == 0
 
 
+def test_receiver_counts_a_layer_reported_twice_by_one_sender_once() -> None:
+    """A repeated LayerDone (same sender, same layer) must not advance the layer count the failure names."""
+    clock = _Clock()
+    rx = LayerReceiver(3, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=clock)
+    rx.expect(RecvReqMeta(request_id="int-d", transfer_id="d", block_ids=[[7]]))
+    for _ in range(2):
+        rx.on_layer_done(LayerDone(sender="p0", layers=[0], request_ids=["d"], trans_count=1))
+    clock.now = 1.5
+    _, _, reasons = rx.take_finished()
+    assert "layer 1 did not arrive" in reasons["int-d"], reasons
+
+
+def test_receiver_fences_a_failed_request_until_every_claimant_ended() -> None:
+    """D gave up, but a claimant may still write: the failure (and vLLM's recompute) waits for its PushDone."""
+    clock = _Clock()
+    rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, fence_timeout_s=10.0, clock=clock)
+    rx.expect(RecvReqMeta(request_id="int-f", transfer_id="f", block_ids=[[3, 4]]))
+    assert rx.on_claim("p0", ["f"]) == [] and rx.on_claim("p1", ["f"]) == []
+    rx.on_layer_done(LayerDone(sender="p0", layers=[0], request_ids=["f"], trans_count=2))
+    clock.now = 1.5  # p1 never reported layer 0: D gives up
+    assert rx.take_finished() == (set(), set(), {})  # held: p0 and p1 may still write
+    assert rx.on_claim("p0", ["f"]) == ["f"]  # no new writes
+    assert rx.on_layer_done(LayerDone(sender="p1", layers=[0], request_ids=["f"], trans_count=2)) == ["f"]
+    assert rx.on_done(PushDone(sender="p0", request_id="f", trans_count=2, ok=False, reason="told")) is False
+    assert rx.take_finished() == (set(), set(), {})  # p1 has not ended yet
+    rx.on_done(PushDone(sender="p1", request_id="f", trans_count=2, ok=True))
+    done, errors, reasons = rx.take_finished()
+    assert done == {"int-f"} and errors == {3, 4} and "layer 0 did not arrive" in reasons["int-f"]
+    assert rx.on_claim("p0", ["f"]) == ["f"] and len(rx) == 0
+    # Unclaimed: reported at once, and a late claim is refused (the late P writes nothing).
+    rx.expect(RecvReqMeta(request_id="int-g", transfer_id="g", block_ids=[[5]]))
+    clock.now = 7.0
+    assert rx.take_finished()[0] == {"int-g"}
+    assert rx.on_claim("p0", ["g"]) == ["g"]
+    # A claimant that never ends: reported after fence_timeout_s.
+    rx.expect(RecvReqMeta(request_id="int-h", transfer_id="h", block_ids=[[6]]))
+    rx.on_claim("p0", ["h"])
+    clock.now = 12.5
+    assert rx.take_finished()[0] == set()
+    clock.now = 22.6
+    assert rx.take_finished()[0] == {"int-h"}
+
+
+def test_receiver_reports_a_request_failed_before_this_worker_knew_it() -> None:
+    """P's failed PushDone arrives before the step announcing the request: vLLM must still see it fail."""
+    rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=_Clock())
+    rx.on_claim("p0", ["e"])
+    assert rx.on_done(PushDone(sender="p0", request_id="e", trans_count=1, ok=False, reason="boom"))
+    assert rx.take_finished() == (set(), set(), {})
+    rx.expect(RecvReqMeta(request_id="int-e", transfer_id="e", block_ids=[[8, 9]]))
+    done, errors, reasons = rx.take_finished()
+    assert done == {"int-e"} and errors == {8, 9} and "boom" in reasons["int-e"]
+
+
 def test_receiver_failed_done_and_first_layer_deadline() -> None:
     clock = _Clock()
     rx = LayerReceiver(2, first_layer_timeout_s=5.0, layer_timeout_s=1.0, clock=clock)

@@ -42,6 +42,8 @@ class LayerwiseConfig(ConnectorConfig):
             announced (P's queueing and prefill scheduling included).
         layer_timeout_s: D fails a request when its next layer does not arrive within this
             long after the previous one.
+        fence_timeout_s: D's longest hold of a failed request whose P senders claimed it but have
+            not ended (sent `PushDone`): vLLM recomputes into its blocks only after that.
         gate_timeout_s: P's longest wait for a layer's earlier push before its storage is reused.
         rpc_timeout_s: Deadline of one side-channel attempt.
         rpc_retries: Attempts per side-channel request.
@@ -51,6 +53,7 @@ class LayerwiseConfig(ConnectorConfig):
 
     first_layer_timeout_s: float = option(120.0, seconds())
     layer_timeout_s: float = option(30.0, seconds())
+    fence_timeout_s: float = option(30.0, seconds())
     gate_timeout_s: float = option(60.0, seconds())
     rpc_timeout_s: float = option(1.0, seconds())
     rpc_retries: int = option(3, ints(1, 10))

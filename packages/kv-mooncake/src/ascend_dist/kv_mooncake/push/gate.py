@@ -8,7 +8,10 @@ P frees a request's blocks when the request ends on P, while its last layers may
 flight to D; the next forward could overwrite that storage before the engine read it. The gate is
 keyed by *storage slot* (each distinct tensor base address), so layers sharing storage share a gate.
 Upstream only waits on it when composed with a store connector; here the producer's own
-``wait_for_layer_load`` waits (cheap when nothing is pending).
+``wait_for_layer_load`` waits (cheap when nothing is pending). That per-layer wait alone is not
+enough under vLLM: its forward writes a layer's KV (``unified_kv_cache_update``) BEFORE calling
+``wait_for_layer_load``, so the producer also waits for every slot (`wait_all`) when a step starts,
+before any of the step's writes.
 """
 
 from __future__ import annotations
@@ -87,19 +90,31 @@ class ReuseGate:
             TransferError: The send thread died while the layer was pending.
             DeadlineExceeded: The layer stayed pending for ``timeout_s``.
         """
-        deadline = time.monotonic() + timeout_s
-        next_log = time.monotonic() + _LOG_EVERY_S
-        for slot in self._layer_slots(layer):
-            ev = self._events[slot]
-            while not ev.wait(0.05):
-                if not self._alive():
-                    raise TransferError(f"send thread stopped while layer {layer} was pending")
-                now = time.monotonic()
-                if now >= deadline:
-                    raise DeadlineExceeded(f"layer {layer} still being pushed after {timeout_s} s")
-                if now >= next_log:
-                    logger.warning("layer %d: waiting for its previous push before reusing its storage", layer)
-                    next_log = now + _LOG_EVERY_S
+        self._wait_slots(self._layer_slots(layer), time.monotonic() + timeout_s, timeout_s, f"layer {layer}")
         with self._lock:
             errors = {self._errors[s] for s in self._layer_slots(layer) if s in self._errors}
         return "; ".join(sorted(errors)) or None
+
+    def wait_all(self, timeout_s: float) -> None:
+        """Block until every layer's storage may be overwritten (no push of any layer pending).
+
+        Raises:
+            TransferError: The send thread died while a layer was pending.
+            DeadlineExceeded: Some layer stayed pending for ``timeout_s``.
+        """
+        slots = tuple(sorted({s for layer_slots in self._slots.values() for s in layer_slots}))
+        self._wait_slots(slots, time.monotonic() + timeout_s, timeout_s, "a queued layer")
+
+    def _wait_slots(self, slots: Sequence[int], deadline: float, timeout_s: float, what: str) -> None:
+        next_log = time.monotonic() + _LOG_EVERY_S
+        for slot in slots:
+            ev = self._events[slot]
+            while not ev.wait(0.05):
+                if not self._alive():
+                    raise TransferError(f"send thread stopped while {what} was pending")
+                now = time.monotonic()
+                if now >= deadline:
+                    raise DeadlineExceeded(f"{what} still being pushed after {timeout_s} s")
+                if now >= next_log:
+                    logger.warning("%s: waiting for its previous push before reusing its storage", what)
+                    next_log = now + _LOG_EVERY_S

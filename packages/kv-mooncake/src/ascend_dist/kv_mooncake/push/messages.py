@@ -7,9 +7,13 @@ one request/reply exchange over `ascend_dist.common.zmq_server` per message:
 | request (P -> D) | reply (D -> P) |
 |---|---|
 | `GetMeta` (P's `Handshake`) | `MetaReply` (D's handshake + `AgentMetadata`) or `Refused` |
+| `Claim` (``sender`` will write these requests: each step, before its writes) | `Ack` (``unknown``: write none) |
 | `LayerDone` (these layers of these requests are in D's blocks) | `Ack` (``unknown``: ids D gave up on) |
 | `PushDone` (this ``sender`` finished a request, ``ok`` or failed with ``reason``) | `Ack` |
 
+A claim is D's fence: D only hands a failed request's blocks back to vLLM (which recomputes into
+them) once every sender that claimed it sent its `PushDone`, so no claimed write can land later;
+a sender that did not claim before D gave up is answered ``unknown`` and writes nothing.
 D counts a request as received when ``trans_count`` distinct senders sent ``PushDone(ok=True)``
 (duplicates from one sender do not over-count). The params carry `core.wire.WIRE_VERSION` too.
 Every field is bounded (ids, layer numbers, counts, list lengths) so a frame is refused before D
@@ -33,6 +37,7 @@ from ascend_dist.kv_mooncake.core.wire import Request as _Request
 
 __all__ = [
     "CHANNEL",
+    "Claim",
     "MAX_LAYERS",
     "LayerDone",
     "PushDone",
@@ -50,6 +55,13 @@ MAX_LAYERS = 4096
 """Largest layer count (and request ids per message) a layer-wise frame may name."""
 LayerNo = Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAYERS)]
 Senders = Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
+
+
+class Claim(_Request, frozen=True, kw_only=True, tag="push_claim"):
+    """P rank ``sender`` is about to write ``request_ids`` into D's blocks (D answers the ids it gave up on)."""
+
+    sender: WireText
+    request_ids: Annotated[list[WireText], msgspec.Meta(max_length=MAX_LAYERS)]
 
 
 class LayerDone(_Request, frozen=True, kw_only=True, tag="layer_done"):
@@ -79,7 +91,7 @@ class PushDone(_Request, frozen=True, kw_only=True, tag="push_done"):
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
-Request = GetMeta | LayerDone | PushDone
+Request = GetMeta | Claim | LayerDone | PushDone
 Reply = MetaReply | Refused | Ack
 
 CHANNEL = Channel("kv-mooncake/layerwise", Request, Reply)

@@ -1,11 +1,14 @@
 """P's per-step planning and per-layer save path of the layer-wise push.
 
 Runs in: P worker processes, on the model-runner thread (`LayerwiseWorker` delegates to it).
-``plan_step`` turns one step's `SendReqMeta` list into `RequestPlan`s (fetching each D endpoint's
-metadata once; a D that refuses or does not answer fails that request only); ``save_kv_layer``
-closes the layer's reuse gate and queues its writes to the `SendThread`. With ``pd_head_ratio > 1``
-it first gathers the layer's blocks and runs the all-to-all into a registered staging slot (a
-collective: every member calls it for the same layer, which the shared scheduler output ensures).
+``plan_step`` first waits until every layer queued in earlier steps was pushed (vLLM writes a
+layer's KV before the connector's per-layer gate, so a step must not start writing while older
+pushes still read its blocks), then turns the step's `SendReqMeta` list into `RequestPlan`s
+(fetching each D endpoint's metadata once; a D that refuses or does not answer fails that request
+only); ``save_kv_layer`` closes the layer's reuse gate and queues its writes to the `SendThread`.
+With ``pd_head_ratio > 1`` it first gathers the layer's blocks and runs the all-to-all into a
+registered staging slot (a collective: every member calls it for the same layer, which the shared
+scheduler output ensures).
 Head-major blocks (``[heads][tokens]``, vLLM's HND layouts) need no exchange: each P rank's whole
 block is one run of D's block, at its heads' offset, and is written from the cache directly.
 """
@@ -24,6 +27,7 @@ from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_r
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
 from ascend_dist.kv_mooncake.core.messages import TensorMeta
+from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.plan import (
@@ -117,12 +121,33 @@ class Producer:
         return self._sender
 
     def plan_step(self, send: Sequence[SendReqMeta]) -> None:
-        """Plan this step's writes (replaces the previous step's plans)."""
+        """Wait until every queued layer was pushed, then plan this step's writes (replacing the last step's).
+
+        vLLM writes a layer's KV (``unified_kv_cache_update``) BEFORE it calls ``wait_for_layer_load``,
+        so the reuse gate waited on there comes too late for blocks freed and reallocated since the
+        previous step: the step's first cache update could overwrite blocks a queued push has not
+        read yet, and D would receive the new request's bytes. Every push of earlier steps must
+        have read its blocks before this step's forward writes any.
+
+        Raises:
+            DeadlineExceeded: A queued layer was still being pushed after ``gate_timeout_s``.
+            TransferError: The send thread died with layers queued.
+        """
+        self.gate.wait_all(self._config.gate_timeout_s)
         self._step = []
         for idx, req in enumerate(send):
             plan = self._plan(idx, req)
             if plan is not None:
                 self._step.append((req, plan))
+        # D's fence: claim every request this rank writes in this step before the first write; D
+        # answers the ones it gave up on (their blocks may be recomputed) and those are not written.
+        claims: dict[Endpoint, list[str]] = {}
+        for _, plan in self._step:
+            for endpoint in dict.fromkeys(t.endpoint for t in plan.tasks):
+                if self.sender.failure(plan.transfer_id) is None:
+                    claims.setdefault(endpoint, []).append(plan.transfer_id)
+        for endpoint, ids in claims.items():
+            self.sender.claim(endpoint, ids)
 
     def _plan(self, idx: int, req: SendReqMeta) -> RequestPlan | None:
         prm = req.params

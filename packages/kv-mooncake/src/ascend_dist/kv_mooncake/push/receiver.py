@@ -8,7 +8,11 @@ has arrived once ``trans_count`` senders reported it. A request *fails* when a s
 failure, when its announcement failed, or when its next layer does not arrive in time
 (``first_layer_timeout_s`` after the announcement, then ``layer_timeout_s`` after each layer): it
 is then reported in ``finished_recving`` together with every one of its blocks as a load error
-(upstream left it in ``WAITING_FOR_REMOTE_KVS`` forever). Messages for a failed request are answered
+(upstream left it in ``WAITING_FOR_REMOTE_KVS`` forever). vLLM recomputes a failed request into
+the same blocks, so the report is fenced: a request some P sender claimed (`Claim`, sent before
+that sender's first write of each step) is held (``FENCING``) until each claimant sent its
+`PushDone`, bounded by ``fence_timeout_s``; claims arriving after D gave up are answered
+``unknown`` and P writes nothing. Messages for a failed request are answered
 ``unknown`` so P stops pushing it; messages that arrive before the request is expected are kept
 (bounded, for ``first_layer_timeout_s``).
 """
@@ -43,14 +47,16 @@ class RecvState(enum.Enum):
     EARLY = enum.auto()  # P's messages arrived before the step that announced it reached this worker
     WAITING = enum.auto()  # expected, no layer yet (deadline: first_layer_timeout_s)
     RECEIVING = enum.auto()  # layers arriving (deadline: layer_timeout_s after the last one)
+    FENCING = enum.auto()  # failed; held until every claimant's PushDone (its writes ended) or fence_timeout_s
     DONE = enum.auto()  # every sender finished: reported in finished_recving
     FAILED = enum.auto()  # reported in finished_recving with all its blocks as load errors
 
 
 RECV_TRANSITIONS: Final = {
-    RecvState.EARLY: frozenset({RecvState.WAITING, RecvState.RECEIVING, RecvState.FAILED}),
-    RecvState.WAITING: frozenset({RecvState.RECEIVING, RecvState.DONE, RecvState.FAILED}),
-    RecvState.RECEIVING: frozenset({RecvState.DONE, RecvState.FAILED}),
+    RecvState.EARLY: frozenset({RecvState.WAITING, RecvState.RECEIVING, RecvState.FENCING, RecvState.FAILED}),
+    RecvState.WAITING: frozenset({RecvState.RECEIVING, RecvState.DONE, RecvState.FENCING, RecvState.FAILED}),
+    RecvState.RECEIVING: frozenset({RecvState.DONE, RecvState.FENCING, RecvState.FAILED}),
+    RecvState.FENCING: frozenset({RecvState.FAILED}),
     RecvState.DONE: frozenset(),
     RecvState.FAILED: frozenset(),
 }
@@ -65,6 +71,10 @@ class _Req:
     layers: dict[int, set[str]] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
     layers_complete: int = 0
+    claimed: set[str] = field(default_factory=set)  # senders that announced writes (Claim)
+    ended: set[str] = field(default_factory=set)  # senders whose PushDone (ok or not) arrived: no more writes
+    reason: str = ""  # why it failed (FENCING)
+    fence_until: float = 0.0
 
 
 class LayerReceiver:
@@ -76,10 +86,12 @@ class LayerReceiver:
         *,
         first_layer_timeout_s: float,
         layer_timeout_s: float,
+        fence_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create an empty receiver; ``clock`` is injectable for tests."""
         self._num_layers = num_layers
+        self._fence_s = fence_timeout_s
         self._first_s = first_layer_timeout_s
         self._layer_s = layer_timeout_s
         self._clock = clock
@@ -88,7 +100,7 @@ class LayerReceiver:
         self._states: StateTable[RecvState] = StateTable(RECV_TRANSITIONS, name="lw-recv")
         self._done: list[str] = []
         self._failed: dict[str, tuple[str, list[list[int]]]] = {}
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._tombstones: OrderedDict[str, str] = OrderedDict()  # failed ids -> reason not yet reported
 
     @property
     def pending(self) -> int:
@@ -106,10 +118,17 @@ class LayerReceiver:
             tid = meta.transfer_id
             req = self._reqs.get(tid)
             if req is None:
-                if tid in self._tombstones:  # already failed (e.g. its announcement): nothing more to do
+                if tid in self._tombstones:  # already failed (e.g. its announcement)
+                    unreported = self._tombstones[tid]
+                    if unreported:  # failed before this worker knew the request: vLLM must still hear it
+                        self._tombstones[tid] = ""
+                        self._failed[meta.request_id] = (unreported, meta.block_ids)
                     return
                 req = self._reqs[tid] = _Req()
                 self._states.add(tid, RecvState.WAITING)
+            elif self._states.state(tid) is RecvState.FENCING:  # reported when the fence is released
+                req.request_id, req.block_ids = meta.request_id, meta.block_ids or req.block_ids
+                return
             elif self._states.state(tid) is RecvState.EARLY:
                 self._states.advance(tid, RecvState.RECEIVING if req.layers else RecvState.WAITING)
             req.request_id, req.block_ids = meta.request_id, meta.block_ids or req.block_ids
@@ -132,13 +151,25 @@ class LayerReceiver:
             self._states.add(transfer_id, RecvState.EARLY)
         return req
 
+    def on_claim(self, sender: str, request_ids: Collection[str]) -> list[str]:
+        """``sender`` is about to write these requests: record it; return the ids it must not write."""
+        unknown: list[str] = []
+        with self._cond:
+            for tid in request_ids:
+                req = self._entry(tid)
+                if req is None or self._states.state(tid) is RecvState.FENCING:
+                    unknown.append(tid)
+                    continue
+                req.claimed.add(sender)
+        return unknown
+
     def on_layer_done(self, msg: LayerDone) -> list[str]:
         """Record a layer of several requests from one sender; return the ids D does not wait for."""
         unknown: list[str] = []
         with self._cond:
             for tid in msg.request_ids:
                 req = self._entry(tid)
-                if req is None:
+                if req is None or self._states.state(tid) is RecvState.FENCING:
                     unknown.append(tid)
                     continue
                 req.trans_count = max(req.trans_count, msg.trans_count)
@@ -146,6 +177,8 @@ class LayerReceiver:
                     self._states.advance(tid, RecvState.RECEIVING)
                 for layer in msg.layers:
                     senders = req.layers.setdefault(layer, set())
+                    if msg.sender in senders:  # a repeated report (retried RPC) is no new arrival
+                        continue
                     senders.add(msg.sender)
                     if len(senders) == req.trans_count:
                         req.layers_complete += 1
@@ -159,6 +192,10 @@ class LayerReceiver:
             req = self._entry(msg.request_id)
             if req is None:
                 return False
+            req.ended.add(msg.sender)
+            if self._states.state(msg.request_id) is RecvState.FENCING:
+                self._release_fence(msg.request_id, req)
+                return False
             if not msg.ok:
                 self._fail(msg.request_id, f"P {msg.sender} reported failure: {msg.reason or 'no reason'}")
                 return True
@@ -168,7 +205,8 @@ class LayerReceiver:
             return True
 
     def _check_complete(self, tid: str, req: _Req) -> None:
-        if self._states.state(tid) is not RecvState.EARLY and req.trans_count and len(req.done) >= req.trans_count:
+        live = self._states.state(tid) in (RecvState.WAITING, RecvState.RECEIVING)
+        if live and req.trans_count and len(req.done) >= req.trans_count:
             del self._reqs[tid]
             self._states.advance(tid, RecvState.DONE)
             self._states.pop(tid)
@@ -176,6 +214,20 @@ class LayerReceiver:
             self._cond.notify_all()
 
     def _fail(self, tid: str, reason: str) -> None:
+        req = self._reqs[tid]
+        if req.claimed - req.ended and self._states.state(tid) is not RecvState.FENCING:
+            # A claimant may still write: vLLM must not recompute into the blocks before its PushDone.
+            self._states.advance(tid, RecvState.FENCING)
+            req.reason, req.fence_until = reason, self._clock() + self._fence_s
+            self._cond.notify_all()
+            return
+        self._finish_failed(tid, reason)
+
+    def _release_fence(self, tid: str, req: _Req) -> None:
+        if not req.claimed - req.ended:
+            self._finish_failed(tid, req.reason)
+
+    def _finish_failed(self, tid: str, reason: str) -> None:
         req = self._reqs.pop(tid)
         self._states.advance(tid, RecvState.FAILED)
         self._states.pop(tid)
@@ -187,7 +239,7 @@ class LayerReceiver:
                 sum(len(x) for x in req.block_ids),
             )
             self._failed[req.request_id] = (reason, req.block_ids)
-        self._tombstones[tid] = None
+        self._tombstones[tid] = "" if req.request_id else reason  # reason: still to report at `expect`
         while len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
         self._cond.notify_all()
@@ -200,6 +252,18 @@ class LayerReceiver:
                 if now - req.since > self._first_s:  # pushed to us but never announced here
                     del self._reqs[tid]
                     self._states.pop(tid)
+                continue
+            if state is RecvState.FENCING:
+                if now > req.fence_until:
+                    left = sorted(req.claimed - req.ended)
+                    logger.error(
+                        "request %s: P sender(s) %s never ended after D gave up; reporting it after %.1f s anyway "
+                        "(a write still in flight from them could land in the recomputed blocks)",
+                        tid,
+                        left[:4],
+                        self._fence_s,
+                    )
+                    self._finish_failed(tid, req.reason)
                 continue
             limit = self._layer_s if state is RecvState.RECEIVING else self._first_s
             if now - req.since > limit:
@@ -238,7 +302,7 @@ class LayerReceiver:
                 t
                 for t in transfer_ids
                 if (r := self._reqs.get(t)) is not None
-                and self._states.state(t) is not RecvState.EARLY
+                and self._states.state(t) in (RecvState.WAITING, RecvState.RECEIVING)
                 and len(r.layers.get(layer, ())) < max(r.trans_count, 1)
             ]
 

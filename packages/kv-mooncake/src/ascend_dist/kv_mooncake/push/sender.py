@@ -36,7 +36,7 @@ from ascend_dist.kv_mooncake.core.engine import Writer
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, TensorMeta, accept_reply
 from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import LayerDone, PushDone, Reply, Request
+from ascend_dist.kv_mooncake.push.messages import Claim, LayerDone, PushDone, Reply, Request
 from ascend_dist.kv_mooncake.push.plan import Pieces, block_runs, plain_pieces, resharded_pieces
 
 __all__ = ["MetaCache", "SendTask", "SendThread", "WriteItem"]
@@ -185,6 +185,23 @@ class SendThread:
         """Why a request failed on this rank, or None."""
         with self._lock:
             return self._failed.get(transfer_id)
+
+    def claim(self, endpoint: Endpoint, transfer_ids: Sequence[str]) -> None:
+        """Tell D this rank is about to write these requests (the forward thread, before the step's writes).
+
+        Ids D answers ``unknown`` (it gave up on them; vLLM may be recomputing into their blocks) and
+        every id when D does not answer are marked failed, so nothing of them is written.
+        """
+        reply = self._call(endpoint, Claim(sender=self._sender, request_ids=list(transfer_ids)))
+        if reply is None:
+            for tid in transfer_ids:
+                self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} unreachable")
+        elif isinstance(reply, Ack):
+            for tid in reply.unknown:
+                self.mark_failed(tid, "D no longer waits for the request")
+        else:
+            for tid in transfer_ids:
+                self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} answered a claim with {type(reply).__name__}")
 
     def submit(self, task: SendTask, timeout_s: float) -> None:
         """Queue a layer (the gate must already be closed).

@@ -7,7 +7,9 @@ Runs in: every worker process (one per TP x PCP rank). Order of calls (vLLM v1 m
 
 * **D** binds its ROUTER at ``kv_port + dp·pcp·tp + pcp_rank·tp + tp_rank`` (host only), answers
   `GetMeta` with its block addresses and records `LayerDone` / `PushDone` in a `LayerReceiver`.
-* **P** plans each request's writes at ``start_load_kv`` (fetching D's metadata once per endpoint),
+* **P** waits at ``start_load_kv`` until the previous steps' pushes have read their blocks (vLLM
+  writes a layer's KV before ``wait_for_layer_load``, so the per-layer gate alone comes too late for
+  reallocated blocks), plans each request's writes (fetching D's metadata once per endpoint),
   and at each ``save_kv_layer`` closes the layer's reuse gate and queues the layer to the
   `SendThread`, so the push of layer ``i`` overlaps the compute of layer ``i+1``. With
   ``pd_head_ratio > 1`` it first gathers the layer's blocks and runs the all-to-all (`reshard`) into
@@ -35,7 +37,7 @@ from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, t
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
-from ascend_dist.kv_mooncake.push.messages import CHANNEL, LayerDone, PushDone, reply_codec, request_codec
+from ascend_dist.kv_mooncake.push.messages import CHANNEL, Claim, LayerDone, PushDone, reply_codec, request_codec
 from ascend_dist.kv_mooncake.push.producer import STAGING_SLOTS, LayerTable, Producer
 from ascend_dist.kv_mooncake.push.receiver import LayerReceiver
 from ascend_dist.kv_mooncake.push.reshard import AllToAll
@@ -212,7 +214,10 @@ class LayerwiseWorker:
             layers=self._metas,
         )
         self._receiver = LayerReceiver(
-            len(self._names), first_layer_timeout_s=c.first_layer_timeout_s, layer_timeout_s=c.layer_timeout_s
+            len(self._names),
+            first_layer_timeout_s=c.first_layer_timeout_s,
+            layer_timeout_s=c.layer_timeout_s,
+            fence_timeout_s=c.fence_timeout_s,
         )
         self._server = RpcServer(
             c.host, self.handshake_port, self._handle, max_bytes=c.max_message_bytes, name=f"kv-lw-d{self._tp_rank}"
@@ -261,6 +266,8 @@ class LayerwiseWorker:
         if isinstance(msg, GetMeta):
             refused = admit(self._handshake, self._config.engine_id, msg)
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._agent))
+        if isinstance(msg, Claim):
+            return self._replies.encode(Ack(unknown=self._receiver.on_claim(msg.sender, msg.request_ids)))
         if isinstance(msg, LayerDone):
             return self._replies.encode(Ack(unknown=self._receiver.on_layer_done(msg)))
         assert isinstance(msg, PushDone)
@@ -268,10 +275,12 @@ class LayerwiseWorker:
         return self._replies.encode(Ack(unknown=[] if known else [msg.request_id]))
 
     def start_load_kv(self, meta: LayerwiseMetadata) -> None:
-        """Apply one step's metadata: D starts waiting, P plans this step's writes.
+        """Apply one step's metadata: D starts waiting; P waits for earlier pushes, then plans this step's writes.
 
         Raises:
             ConfigError: Called before `register_kv_caches`.
+            DeadlineExceeded: P: an earlier layer was still being pushed after ``gate_timeout_s``.
+            TransferError: P: the send thread died with layers queued.
         """
         if not self._names:
             raise ConfigError("register_kv_caches", "not called", "called before start_load_kv")
