@@ -164,3 +164,11 @@ class KVTools:
 def kvtools() -> KVTools:
     """Cache builders and a free-port helper."""
     return KVTools()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint directory for vLLM's configs (vLLM imported only when a test asks for it)."""
+    from ascend_dist.testing import vllm_builders
+
+    return vllm_builders.write_model_dir(tmp_path_factory.mktemp("tiny-llama"))

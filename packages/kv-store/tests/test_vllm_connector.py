@@ -22,8 +22,16 @@ vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from pool_vllm_support import (  # noqa: E402
+    BLOCK,
+    LAYERS,
+    NUM_BLOCKS,
+    Instance,
+    kv_cache_config,
+    make_config,
+)
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -34,88 +42,9 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from ascend_dist.common.errors import ConfigError  # noqa: E402
 from ascend_dist.kv_store.vllm_connector import (  # noqa: E402
     AscendStoreConnector,
-    AscendStoreConnectorMetadata,
     MooncakeConnectorStoreV1,
 )
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
-
-MODULE = "ascend_dist.kv_store.vllm_connector"
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-NUM_BLOCKS = vb.NUM_BLOCKS
-BLOCK = vb.BLOCK
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vb.write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def make_config(
-    model_dir: Path, master: str, port: int, name: str = "AscendStoreConnector", **extra: Any
-) -> VllmConfig:
-    store = {
-        "master_server_address": master,
-        "protocol": "tcp",
-        "global_segment_size": "32MB",
-        "local_buffer_size": "8MB",
-    }
-    ktc = KVTransferConfig(
-        kv_connector=name,
-        kv_role="kv_both",
-        kv_connector_module_path=MODULE,
-        kv_connector_extra_config={"backend": "mooncake", "store_config": store, "lookup_rpc_port": port, **extra},
-    )
-    return vb.cpu_vllm_config(model_dir, ktc)
-
-
-def kv_cache_config() -> KVCacheConfig:
-    return vb.kv_cache_config([(LAYERS, vb.attention_spec(2, 16))])
-
-
-class Instance:
-    """A vLLM scheduler plus a worker-role connector over CPU caches."""
-
-    def __init__(self, config: VllmConfig, seed: int, kcc: KVCacheConfig | None = None) -> None:
-        self.kcc = kcc or kv_cache_config()
-        self.hasher = vb.block_hasher(config, self.kcc)
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kcc)
-        gen = torch.Generator().manual_seed(seed)
-        self.caches = {
-            name: torch.randn(2, NUM_BLOCKS, BLOCK, 2, 16, generator=gen).to(torch.float16) for name in LAYERS
-        }
-        self.worker.register_kv_caches(self.caches)
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=self.kcc,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK,
-            log_stats=False,
-        )
-
-    def request(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
-        """A request as this instance's engine builds it (hashed with its block hasher)."""
-        return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), None, block_hasher=self.hasher)
-
-    def block(self, block_id: int) -> bytes:
-        return b"".join(self.caches[n][kv, block_id].numpy().tobytes() for n in LAYERS for kv in (0, 1))
-
-    def step(self, layerwise: bool = False) -> Any:
-        out = self.scheduler.schedule()
-        meta = out.kv_connector_metadata
-        assert isinstance(meta, AscendStoreConnectorMetadata)
-        self.worker.handle_preemptions(meta)  # vLLM's runner order
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)  # type: ignore[arg-type]
-        for name in LAYERS if layerwise else ():  # what vLLM's maybe_transfer_kv_layer does per layer
-            self.worker.wait_for_layer_load(name)
-            self.worker.save_kv_layer(name, self.caches[name], None)  # type: ignore[arg-type]
-        self.worker.wait_for_save()
-        self.worker.clear_connector_metadata()
-        return out
-
-    def close(self) -> None:
-        self.scheduler.connector.shutdown()  # type: ignore[union-attr]
-        self.worker.shutdown()
 
 
 def test_second_instance_loads_first_instances_prefix(model_dir, mooncake_master, kvtools) -> None:

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(300)]
 vllm = pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from test_vllm_connector import Instance, make_config, model_dir  # noqa: E402,F401
+from pool_vllm_support import Instance, make_config  # noqa: E402
 
 from ascend_dist.testing.vllm_stats import read_back  # noqa: E402
 
@@ -25,7 +25,7 @@ def _payload(inst: Instance) -> dict | None:
     return None if stats is None else stats.to_dict()
 
 
-def test_pool_misses_then_hits_reach_vllms_log_and_prometheus(model_dir, mooncake_master, kvtools) -> None:  # noqa: F811
+def test_pool_misses_then_hits_reach_vllms_log_and_prometheus(model_dir, mooncake_master, kvtools) -> None:
     config_a = make_config(model_dir, mooncake_master.address, kvtools.free_port())
     a = Instance(config_a, seed=1)
     b = Instance(make_config(model_dir, mooncake_master.address, kvtools.free_port()), seed=2)
