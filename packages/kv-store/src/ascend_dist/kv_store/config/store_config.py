@@ -95,6 +95,24 @@ def int_setting(extra: Mapping[str, object], key: str, default: int, *, low: int
     return value
 
 
+def _config_data(
+    source: str | os.PathLike[str] | Mapping[str, object] | None,
+    env: Mapping[str, str],
+    env_var: str,
+    what: str,
+    label: str,
+) -> dict[str, object]:
+    """A backend's settings: ``source`` itself (a mapping), the JSON file it names, or the one ``env_var`` names."""
+    if source is None:
+        path = env.get(env_var)
+        if not path:
+            raise ConfigError(env_var, path, f"the path of {what}")
+        return _read_json(path, env_var)
+    if isinstance(source, Mapping):
+        return dict(source)
+    return _read_json(source, label)
+
+
 def _read_json(path: str | os.PathLike[str], key: str) -> dict[str, object]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -177,15 +195,7 @@ class MooncakeStoreConfig:
                 is not a multiple of 1 GiB, or a wildcard or underivable ``local_hostname``.
         """
         env = os.environ if env is None else env
-        if source is None:
-            path = env.get("MOONCAKE_CONFIG_PATH")
-            if not path:
-                raise ConfigError("MOONCAKE_CONFIG_PATH", path, "the path of a mooncake.json file")
-            data = _read_json(path, "MOONCAKE_CONFIG_PATH")
-        elif isinstance(source, Mapping):
-            data = dict(source)
-        else:
-            data = _read_json(source, "mooncake config path")
+        data = _config_data(source, env, "MOONCAKE_CONFIG_PATH", "a mooncake.json file", "mooncake config path")
         master = env.get("MOONCAKE_MASTER") or data.get("master_server_address")
         if not isinstance(master, str) or not master:
             raise ConfigError("master_server_address", master, "'host:port' of mooncake_master (or MOONCAKE_MASTER)")
@@ -248,15 +258,7 @@ class YuanrongConfig:
                 not ``host:port``.
         """
         env = os.environ if env is None else env
-        if source is None:
-            path = env.get("YR_CONFIG_PATH")
-            if not path:
-                raise ConfigError("YR_CONFIG_PATH", path, "the path of the openYuanrong JSON config")
-            data = _read_json(path, "YR_CONFIG_PATH")
-        elif isinstance(source, Mapping):
-            data = dict(source)
-        else:
-            data = _read_json(source, "yuanrong config path")
+        data = _config_data(source, env, "YR_CONFIG_PATH", "the openYuanrong JSON config", "yuanrong config path")
         host, port = _host_port("worker_addr", _str(data, "worker_addr", ""))
         return cls(
             host=host,
