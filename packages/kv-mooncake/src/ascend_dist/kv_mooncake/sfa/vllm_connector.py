@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
-from ascend_dist.common.device import current_device_index, get_runtime
+from ascend_dist.common.device import current_device_index
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.device_fence import write_fence
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     MooncakeAdapterBase,
@@ -290,12 +291,7 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
 
     def _written_event(self) -> Callable[[], None] | None:
         """On a device: an event after the layer's KV write, waited for by the send thread. CPU: None."""
-        runtime = get_runtime(self.device_index)
-        if runtime.name == "cpu":
-            return None  # the write already happened on this thread
-        event = runtime.current_stream().record_event()
-        timeout_s = self._sfa.read_timeout_s
-        return lambda: event.synchronize(timeout=timeout_s)
+        return write_fence(self.device_index, self._sfa.read_timeout_s)
 
     def on_kv_cache_written(self, layer_name: str) -> None:
         """vllm-ascend's early hook right after the KV scatter: dispatch now, D's read overlaps attention."""
