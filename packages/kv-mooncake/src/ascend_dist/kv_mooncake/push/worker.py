@@ -243,7 +243,9 @@ class LayerwiseWorker:
                 metas=metas,
                 sender=f"{engine.session}/tp{self._tp_rank}.pcp{self._pcp_rank}",
                 transfer_timeout_s=transfer_timeout_ms() / 1000.0,
-                queue_size=0 if self._p.pd_head_ratio == 1 else STAGING_SLOTS,
+                # One step's layers at most: start_load_kv waits for every queued layer before the
+                # next forward; with resharding the staging slots bound it tighter.
+                queue_size=len(self._table.names) if self._p.pd_head_ratio == 1 else STAGING_SLOTS,
             )
 
         self._producer = Producer(
