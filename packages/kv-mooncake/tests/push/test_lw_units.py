@@ -11,7 +11,7 @@ import torch
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, LayoutError, ProtocolError, TransferError
 from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver
-from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
+from ascend_dist.kv_mooncake.core.mappings import ParallelInfo, get_cp_group, get_tp_rank_head_mapping, pd_head_ratio
 from ascend_dist.kv_mooncake.core.messages import TensorMeta
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
@@ -19,6 +19,7 @@ from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import LayerDone, PushDone, parse_push_params, request_codec
 from ascend_dist.kv_mooncake.push.plan import (
+    a2a_groups,
     a2a_member_index,
     as_descriptors,
     block_runs,
@@ -72,6 +73,30 @@ def test_tp2_to_tp1_both_ranks_send_every_block_to_d0_and_d_waits_for_two() -> N
         assert (task.local_block_ids, task.remote_block_ids, task.trans_count) == ((10, 11, 12), (5, 6, 7), 2)
         assert plan.done_to == ((Endpoint("h", 9000), 2),) and plan.chunk_finished
         assert a2a_member_index(rank, p, 2) == rank
+
+
+@pytest.mark.parametrize(("p_tp", "heads", "d_tp"), [(2, 2, 1), (4, 4, 2), (4, 2, 1), (4, 2, 2), (8, 4, 2), (8, 2, 1)])
+def test_all_to_all_groups_fill_one_d_rank_from_one_head_replica(p_tp: int, heads: int, d_tp: int) -> None:
+    """Each group's heads are exactly one D rank's heads, from one replica, in member order.
+
+    With more P ranks than heads the members are strided (replicas of a head are consecutive ranks);
+    the consecutive groups built before paired two replicas of the same head (4 ranks, 2 heads: ranks
+    0 and 1 both hold head 0), which exchanged the wrong slices or deadlocked.
+    """
+    ratio = pd_head_ratio(p_tp, d_tp, heads)
+    p = ParallelInfo(p_tp, pd_head_ratio=ratio)
+    groups = a2a_groups(p_tp, heads, ratio)
+    assert sorted(r for g in groups for r in g) == list(range(p_tp))
+    p_heads, d_heads = get_tp_rank_head_mapping(heads, p_tp), get_tp_rank_head_mapping(heads, d_tp)
+    replicas = [set(g) for g in get_cp_group(p_tp, heads, 1)]
+    for group in groups:
+        assert len(group) == ratio
+        assert [a2a_member_index(r, p, heads) for r in group] == list(range(ratio))
+        assert sorted(h for r in group for h in p_heads[r]) in d_heads.values()
+        assert any(set(group) <= rep for rep in replicas)
+    if p_tp > heads and ratio > 1:  # control: consecutive ranks hold the same head
+        consecutive = list(range(ratio))
+        assert sorted(h for r in consecutive for h in p_heads[r]) not in d_heads.values()
 
 
 def test_prefix_hit_and_chunk_windows() -> None:

@@ -33,6 +33,7 @@ from ascend_dist.kv_mooncake._demo.peer_serve import serve
 from ascend_dist.kv_mooncake._demo.push_synthetic import LwInstance
 from ascend_dist.kv_mooncake._demo.synthetic import Model
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.push.plan import a2a_groups
 from ascend_dist.kv_mooncake.push.reshard import AllToAll, GlooAllToAll
 
 __all__ = ["LwPeerProcess", "main"]
@@ -61,9 +62,9 @@ def _gloo(spec: dict[str, Any] | None, config: LayerwiseConfig, heads: int, mla:
     )
     ratio = config.parallel_infos(heads, mla)[0].pd_head_ratio
     mine = None
-    for first in range(0, world, ratio):  # every process creates every sub-group, in the same order
-        group = dist.new_group(list(range(first, first + ratio)))
-        if first <= rank < first + ratio:
+    for members in a2a_groups(world, heads, ratio):  # every process creates every sub-group, in the same order
+        group = dist.new_group(members)
+        if rank in members:
             mine = group
     return GlooAllToAll(mine)
 

@@ -38,6 +38,7 @@ __all__ = [
     "PushTask",
     "RequestPlan",
     "Pieces",
+    "a2a_groups",
     "a2a_member_index",
     "as_descriptors",
     "block_runs",
@@ -180,6 +181,29 @@ def a2a_member_index(tp_rank: int, p: ParallelInfo, num_heads: int) -> int:
     """This P rank's index ``j`` in its all-to-all group: ``(tp_rank // num_head_replica) mod ratio``."""
     replica = p.tp_size // num_heads if p.tp_size >= num_heads else 1
     return (tp_rank // replica) % p.pd_head_ratio
+
+
+def a2a_groups(p_tp: int, num_heads: int, ratio: int) -> list[list[int]]:
+    """P's all-to-all groups (TP ranks, each in member order), in the order every rank creates them.
+
+    A group is the ``ratio`` ranks of one head replica whose heads together fill one D rank: with
+    ``P_tp > H`` each head lives on ``P_tp / H`` consecutive ranks, so the members are strided by
+    that count (``P_tp = 8, H = 4, ratio 2``: ``[0, 2], [1, 3], [4, 6], [5, 7]``); otherwise they are
+    consecutive. Members of a group serve the same requests (the same replica window), so every one
+    of them enters each exchange. Member ``j`` of a group has `a2a_member_index` ``j``.
+
+    Raises:
+        ConfigError: ``ratio`` does not divide the ranks of one replica.
+    """
+    replica = p_tp // num_heads if p_tp >= num_heads else 1
+    per_replica = p_tp // replica
+    if ratio < 1 or per_replica % ratio:
+        raise ConfigError("pd_head_ratio", ratio, f"a divisor of P's {per_replica} ranks per head replica")
+    return [
+        [(g * ratio + j) * replica + i for j in range(ratio)]
+        for g in range(per_replica // ratio)
+        for i in range(replica)
+    ]
 
 
 def _check_same_len(local: TensorMeta, remote: TensorMeta, expected: int, name: str) -> None:

@@ -34,6 +34,7 @@ from ascend_dist.kv_mooncake.core.vllm_glue import (
 )
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.messages import PushParams
+from ascend_dist.kv_mooncake.push.plan import a2a_groups
 from ascend_dist.kv_mooncake.push.reshard import AllToAll, GlooAllToAll
 from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler, Scheduled
 from ascend_dist.kv_mooncake.push.step_metadata import LayerwiseMetadata
@@ -56,8 +57,8 @@ class MooncakeLayerwiseMetadata(StepMetadata[LayerwiseMetadata]):
     """vLLM's metadata object carrying this subpackage's `LayerwiseMetadata`."""
 
 
-def _all_to_all(ratio: int) -> AllToAll | None:
-    """The sub-group of ``ratio`` consecutive TP ranks this rank belongs to (collective: every rank calls)."""
+def _all_to_all(ratio: int, num_heads: int) -> AllToAll | None:
+    """This rank's all-to-all sub-group (`plan.a2a_groups`); collective: every TP rank creates every group."""
     if ratio <= 1:
         return None
     import torch.distributed as dist
@@ -65,9 +66,9 @@ def _all_to_all(ratio: int) -> AllToAll | None:
 
     tp = parallel_state.get_tp_group()
     mine = None
-    for first in range(0, len(tp.ranks), ratio):
-        group = dist.new_group(tp.ranks[first : first + ratio], backend="gloo")
-        if first <= tp.rank_in_group < first + ratio:
+    for members in a2a_groups(len(tp.ranks), num_heads, ratio):
+        group = dist.new_group([tp.ranks[k] for k in members], backend="gloo")
+        if tp.rank_in_group in members:
             mine = group
     return GlooAllToAll(mine)
 
@@ -173,7 +174,7 @@ class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, Layerwi
             pcp_rank=self._pcp_rank,
             num_kv_heads=self._heads,
             use_mla=self._use_mla,
-            all_to_all=_all_to_all(ratio) if self._lw_config.is_producer else None,
+            all_to_all=_all_to_all(ratio, self._heads) if self._lw_config.is_producer else None,
             engine=self.counting_engine(lambda: get_engine(cfg.host, cfg.protocol)),
         )
         groups = [[n for n in g if n in parts] for g in self._groups]
