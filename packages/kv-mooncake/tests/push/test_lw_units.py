@@ -371,3 +371,48 @@ def test_external_request_id_drops_only_vllms_suffix() -> None:
     assert external_request_id("chatcmpl-abc-0123abcd") == "chatcmpl-abc"
     assert external_request_id("cmpl-1") == "cmpl-1"  # no suffix (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
     assert external_request_id("req-0123ABCD") == "req-0123ABCD"  # not vLLM's lower-case hex
+
+
+class _NoWrites:
+    """Our `Writer` Protocol for a send thread that is never given a layer."""
+
+    session = "127.0.0.1:1"
+
+    def register(self, regions: Any) -> None:
+        pass
+
+    def unregister(self, regions: Any) -> None:
+        pass
+
+    def write(self, session: str, pieces: Any, *, timeout_s: float = 60.0) -> None:
+        raise AssertionError("no layer was queued")
+
+
+def test_send_thread_failure_memory_is_bounded() -> None:
+    """Failures of requests that never reach their last layer (aborted on P) used to stay forever."""
+    from ascend_dist.common.zmq_rpc import RpcClient
+    from ascend_dist.kv_mooncake.push.messages import CHANNEL, reply_codec
+    from ascend_dist.kv_mooncake.push.sender import FAILED_MEMORY, MetaCache, SendThread
+
+    client = RpcClient(timeout_s=1.0)
+    requests, replies = request_codec(1 << 20), reply_codec(1 << 20)
+    metas = MetaCache(client, requests, replies, CHANNEL.handshake(sender="p"), "P")
+    thread = SendThread(
+        _NoWrites(),
+        client=client,
+        requests=requests,
+        replies=replies,
+        gate=ReuseGate({0: [0]}, alive=lambda: True),
+        metas=metas,
+        sender="p",
+        transfer_timeout_s=1.0,
+    )
+    try:
+        for i in range(FAILED_MEMORY + 100):
+            thread.mark_failed(f"r{i}", "aborted")
+        assert thread.failure("r0") is None  # the oldest were forgotten
+        assert thread.failure(f"r{FAILED_MEMORY + 99}") == "aborted"
+        assert len(thread._failed) == FAILED_MEMORY
+    finally:
+        thread.close()
+        client.close()

@@ -242,3 +242,17 @@ def test_no_read_attempt_starts_after_p_budget(d: Any) -> None:
     assert isinstance(reply, ReadFailed) and "returned -1" in reply.error
     assert len(engine.reads) == 1  # control: without a budget read_retries=1 reads twice (test above)
     assert worker.get_block_ids_with_load_errors() == {10, 20}
+
+
+def test_greeted_senders_are_bounded_and_the_latest_still_served(d: Any) -> None:
+    """Every P restart greets under a new sender name; D kept each one forever."""
+    from ascend_dist.kv_mooncake.sfa.consumer import _PEER_MEMORY
+
+    worker, engine, ch = d
+    for i in range(_PEER_MEMORY + 20):
+        assert isinstance(ch.hello(f"P{i}/tp0"), HelloAck)
+    assert len(worker._peers) == _PEER_MEMORY
+    _add(worker, "r", (10,), (20,))
+    assert isinstance(ch.send(_ready("P0/tp0", 0, [ReadReq("r", [1], [2])], [])), ReadFailed)  # evicted: greet again
+    latest = ch.send(_ready(f"P{_PEER_MEMORY + 19}/tp0", 0, [ReadReq("r", [1], [2])], []))
+    assert isinstance(latest, ReadDone) and latest.failed == [] and engine.reads

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
+from ascend_dist.kv_mooncake.core.metaserver import DELIVERED_MEMORY, RetryingAnnouncer
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
 
 _CONTACT = ContactInfo(request_id="r", remote_engine_id="d", remote_host="127.0.0.1", remote_port=9, remote_tp_size=1)
@@ -62,7 +62,7 @@ def test_post_delivers_contact_json(client: RetryingAnnouncer) -> None:
     proxy = _Proxy()
     try:
         client.post("r", _CONTACT, proxy.url)
-        _wait(lambda: client.delivered == ["r"])
+        _wait(lambda: list(client.delivered) == ["r"])
         assert parse_contact(proxy.got[0]) == _CONTACT
     finally:
         proxy.close()
@@ -72,7 +72,7 @@ def test_http_error_counts_as_delivered(client: RetryingAnnouncer) -> None:
     proxy = _Proxy(status=500)
     try:
         client.post("r", _CONTACT, proxy.url)
-        _wait(lambda: client.delivered == ["r"])
+        _wait(lambda: list(client.delivered) == ["r"])
     finally:
         proxy.close()
 
@@ -83,10 +83,10 @@ def test_transport_failure_is_retried_until_the_proxy_comes_up(client: RetryingA
         port = probe.getsockname()[1]
     client.post("r", _CONTACT, f"http://127.0.0.1:{port}/v1/metaserver")
     time.sleep(0.5)  # a couple of failed rounds
-    assert client.delivered == []
+    assert not client.delivered
     proxy = _Proxy(port=port)
     try:
-        _wait(lambda: client.delivered == ["r"])
+        _wait(lambda: list(client.delivered) == ["r"])
         assert len(proxy.got) == 1
     finally:
         proxy.close()
@@ -101,7 +101,7 @@ def test_cancel_stops_the_retries(client: RetryingAnnouncer) -> None:
     proxy = _Proxy(port=port)
     try:
         time.sleep(0.6)
-        assert proxy.got == [] and client.delivered == []
+        assert proxy.got == [] and not client.delivered
     finally:
         proxy.close()
 
@@ -115,4 +115,28 @@ def test_close_stops_retrying_and_joins_the_thread() -> None:
     time.sleep(0.2)
     c.close()
     assert not c.running
-    assert c.delivered == []
+    assert not c.delivered
+
+
+class _CountingMetaserver:
+    """Our `Metaserver` Protocol: accepts every post at once."""
+
+    def __init__(self) -> None:
+        self.posts = 0
+
+    def post(self, url: str, payload: Any) -> None:
+        self.posts += 1
+
+
+def test_announcer_memory_stays_bounded_over_many_requests() -> None:
+    """It kept every delivered id forever (a leak over a long-running D); now the latest 1,024 and a count."""
+    sink = _CountingMetaserver()
+    announcer = RetryingAnnouncer(metaserver=sink)
+    try:
+        for i in range(DELIVERED_MEMORY + 500):
+            announcer.post(f"r{i}", _CONTACT, "http://127.0.0.1:1/unused")
+        _wait(lambda: announcer.delivered_count == DELIVERED_MEMORY + 500, timeout_s=20.0)
+        assert len(announcer.delivered) == DELIVERED_MEMORY and announcer.delivered[-1] == f"r{DELIVERED_MEMORY + 499}"
+        assert sink.posts == DELIVERED_MEMORY + 500
+    finally:
+        announcer.close()

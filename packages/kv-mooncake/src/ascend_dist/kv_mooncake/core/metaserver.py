@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,6 +41,8 @@ from ascend_dist.kv_mooncake.core.config import bool_field, opt_str_field
 __all__ = ["AsyncAnnouncer", "HttpMetaserver", "Metaserver", "RetryingAnnouncer", "TlsConfig", "ssl_context"]
 
 logger = logging.getLogger(__name__)
+
+DELIVERED_MEMORY = 1024  # delivered ids an announcer keeps (it used to keep every one)
 
 _TLS_KEYS = ("ssl_enable", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password")
 
@@ -264,7 +267,8 @@ class RetryingAnnouncer:
         self._pending: dict[str, tuple[str, dict[str, Any]]] = {}
         self._seq = 0
         self._closed = False
-        self.delivered: list[str] = []
+        self.delivered: deque[str] = deque(maxlen=DELIVERED_MEMORY)  # the latest, for logs and tests
+        self.delivered_count = 0
         self._thread = threading.Thread(target=self._run, name="sfa-metaserver", daemon=True)
         self._thread.start()
 
@@ -318,6 +322,7 @@ class RetryingAnnouncer:
                 if ok:
                     del self._pending[ext_id]
                     self.delivered.append(ext_id)
+                    self.delivered_count += 1
                 elif not self._closed:
                     self._schedule(ext_id, self._retry_s)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ from ascend_dist.kv_mooncake.push.plan import Pieces, block_runs, plain_pieces, 
 __all__ = ["MetaCache", "SendTask", "SendThread", "WriteItem"]
 
 logger = logging.getLogger(__name__)
+
+FAILED_MEMORY = 65536  # failed requests remembered per P rank
 
 _MAX_COALESCED = 64  # layers one notification may cover when the notifier lags behind the writes
 
@@ -162,7 +165,8 @@ class SendThread:
         self._sender = sender
         self._timeout_s = transfer_timeout_s
         self._queue: queue.Queue[SendTask | None] = queue.Queue(maxsize=queue_size)
-        self._failed: dict[str, str] = {}
+        # Popped when the request's last layer is notified; bounded, as an aborted request never gets there.
+        self._failed: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         # Notifications run on their own thread (FIFO, so a request's Done follows its LayerDones):
         # the next layer's write never waits for D's acknowledgement of the previous one.
@@ -181,6 +185,8 @@ class SendThread:
         """Stop pushing a request; its `Done` will report the failure."""
         with self._lock:
             self._failed.setdefault(transfer_id, reason)
+            while len(self._failed) > FAILED_MEMORY:
+                self._failed.popitem(last=False)
 
     def failure(self, transfer_id: str) -> str | None:
         """Why a request failed on this rank, or None."""

@@ -59,6 +59,7 @@ __all__ = ["ConsumerWorker"]
 logger = logging.getLogger(__name__)
 
 _GONE_MEMORY = 4096  # finished ext ids remembered, so late reads for them fail without waiting
+_PEER_MEMORY = 1024  # greeted senders remembered (a P rank evicted is refused until it greets again)
 # After a wait for destinations that never came, waits are skipped for this many times dest_wait_s:
 # ReadReady frames naming unknown requests can park D's only read thread for at most ~1/5 of the time.
 _VAIN_WAIT_BACKOFF = 4
@@ -106,7 +107,7 @@ class ConsumerWorker:
         self._requests: Codec[Request] = request_codec(config.max_message_bytes)
         self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
         self._dest: dict[str, DestLayer] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently greeted first, bounded
         self._recv: dict[str, _Recv] = {}
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._no_wait_until = 0.0  # monotonic: see _VAIN_WAIT_BACKOFF
@@ -195,6 +196,9 @@ class ConsumerWorker:
             return refused
         with self._cond:
             self._peers[msg.sender] = _Peer(msg.session, dict(msg.layers))
+            self._peers.move_to_end(msg.sender)
+            while len(self._peers) > _PEER_MEMORY:  # P restarts bring new sender names
+                self._peers.popitem(last=False)
         return HelloAck(receiver=f"{self._config.engine_id}/d{self._tp_rank}")
 
     def _check_layers(self, msg: Hello) -> None:
