@@ -63,9 +63,14 @@ def local(prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Prompt]
 
 
 def assert_same_output(got: Sequence[Completion], want: Sequence[Completion], *, atol: float = 2e-3) -> None:
-    """Greedy tokens equal, logprobs within ``atol``, for every prompt."""
+    """Greedy tokens equal, logprobs within ``atol``, for every prompt; the reference must have answered.
+
+    An empty or failed reference would make any empty answer "equal": refused.
+    """
+    assert want, "no reference outputs: the comparison proves nothing"
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert w.error is None and w.token_ids, f"prompt {i}: the reference has no tokens ({w.error})"
         assert g.error is None, f"prompt {i}: {g.error}"
         assert g.token_ids == w.token_ids, f"prompt {i}: tokens {g.token_ids} != reference {w.token_ids}"
         worst = max((abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)), default=0.0)
@@ -75,11 +80,19 @@ def assert_same_output(got: Sequence[Completion], want: Sequence[Completion], *,
 def assert_every_output_differs(got: Sequence[Completion], want: Sequence[Completion]) -> None:
     """The control: with the producer on other weights, no D output may equal the reference's.
 
-    One that does means D computed the prompt itself instead of using the transferred bytes.
+    One that does means D computed the prompt itself instead of using the transferred bytes. Both
+    outputs must be full answers of the same length: an empty, failed or cut-short output "differs"
+    without proving that the transferred bytes were used, so it is refused.
     """
+    assert want, "no reference outputs: the control proves nothing"
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert w.error is None and w.token_ids, f"prompt {i}: the reference has no tokens ({w.error})"
         assert g.error is None, f"prompt {i}: {g.error}"
+        assert len(g.token_ids) == len(w.token_ids), (
+            f"prompt {i}: {len(g.token_ids)} tokens against the reference's {len(w.token_ids)}: "
+            "a short answer differs without proving anything"
+        )
         assert g.token_ids != w.token_ids, f"prompt {i}: D's output equals the reference: it ignored the transfer"
 
 
