@@ -173,4 +173,6 @@ def test_host_memory_stays_within_the_configured_capacity(
     assert row.ratio <= 1.0 + RSS_TOLERANCE, (
         f"{connector} holds {row.host_bytes} B of host memory for {MEMORY_CAPACITY} B"
     )
-    assert row.ratio >= PRESENT_RATIO, f"{connector}: only {row.host_bytes} B of {MEMORY_CAPACITY} B: the host cache is not there"
+    assert row.ratio >= PRESENT_RATIO, (
+        f"{connector}: only {row.host_bytes} B of {MEMORY_CAPACITY} B: the host cache is not there"
+    )

@@ -9,6 +9,9 @@ P_tp < D_tp is refused by this connector's configuration (``decode.tp_size`` mus
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,6 +108,20 @@ def test_prefill_dead_before_pushing_decode_recomputes(
     assert elapsed < 45, f"D took {elapsed:.1f} s to give up on a P that never pushed"
 
 
+STRESS_WAVES = 3
+
+
+@contextlib.contextmanager
+def _busy_cpu() -> Iterator[None]:
+    """A process spinning a core for the block's duration (killed after it, even on failure)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait(10)
+
+
 def test_push_from_tp2_into_tp1(
     host: EngineHost, models: dict[str, Path], metaserver: Metaserver, reference: Engine
 ) -> None:
@@ -115,6 +132,13 @@ def test_push_from_tp2_into_tp1(
             prompts = make_prompts(7004)
             out = pushed_generate(p, d, prompts, metaserver)
             assert_same_output([r.decode for r in out], reference.generate(local(prompts)))
+            # The stress run (issue 24 item 1): wrong tokens came once under heavy CPU load (D gave
+            # up while P's late layer still landed). Waves with a spinning process beside the engines.
+            with _busy_cpu():
+                for wave in range(STRESS_WAVES):
+                    prompts = make_prompts(7100 + wave)
+                    out = pushed_generate(p, d, prompts, metaserver)
+                    assert_same_output([r.decode for r in out], reference.generate(local(prompts)))
         finally:
             p.close()
         other = spawn(host, models["b"], "kv_producer", "lw-P-tp2-other", p_tp=2, tp=2)
