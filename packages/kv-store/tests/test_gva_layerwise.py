@@ -116,6 +116,15 @@ def test_save_then_load_layer_by_layer_is_byte_exact(kvtools) -> None:
         ]
         # one window per block and layer, each piece (256 B) split into two packets: 3 blocks x 3 layers
         assert store.copies - copies == 9 and b.stats.loaded_keys == 3
+        saved, loaded = a.stats.transfer.take(), b.stats.transfer.take()
+        assert saved is not None and loaded is not None and not saved.failures and not loaded.failures
+        assert {t.direction for t in saved.transfers} == {"save"} and {t.direction for t in loaded.transfers} == {
+            "load"
+        }
+        assert sum(t.nbytes for t in saved.transfers) == sum(len(kvtools.block_bytes(src, x)) for x in (1, 2, 3))
+        assert sum(t.nbytes for t in loaded.transfers) == sum(len(kvtools.block_bytes(dst, x)) for x in (5, 6, 7))
+        # one call per copy window (9): its K and V pieces (512 B each) in packets of at most 200 B: 3 + 3
+        assert [(t.nbytes, t.descriptors) for t in loaded.transfers] == [(1024, 6)] * 9
         assert store.evict(keys) == keys  # every read lease was released after the last layer
     finally:
         a.close()
@@ -149,12 +158,16 @@ def test_failures_become_exact_load_errors_or_unpublished_objects(kvtools, faili
     cfg, (a, b) = _pair(store)
     try:
         a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
-        b.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8, seed=4), 8)
+        b_caches = kvtools.make(num_layers=3, num_blocks=8, seed=4)
+        b.register_kv_caches(b_caches, 8)
         prompt = list(range(48))
         _save(cfg, a, prompt, [1, 2, 3])
         need, meta = _load(cfg, b, prompt, [4, 5, 6])
         if failing == "save-copy":
             assert need == 0 and a.stats.saved_keys == 0  # nothing half-written was published
+            saved = a.stats.transfer.take()
+            assert saved is not None and not [t for t in saved.transfers if t.direction == "save"]  # no bytes
+            assert {(f.direction, f.kind.value) for f in saved.failures} == {("save", "other")}  # the copy's -1
             return
         assert need == 47
         if failing == "evicted":  # gone between the lookup and the load
@@ -166,6 +179,14 @@ def test_failures_become_exact_load_errors_or_unpublished_objects(kvtools, faili
             )
         _run_layers(b, meta, save=False)
         assert b.get_block_ids_with_load_errors() == ({5, 6} if failing == "evicted" else {4, 5, 6})
+        loaded = b.stats.transfer.take()
+        assert loaded is not None
+        moved = sum(t.nbytes for t in loaded.transfers)
+        kinds = {(f.kind.value, f.count) for f in loaded.failures}
+        if failing == "evicted":  # two objects gone before their lease; the first block's 3 layers moved
+            assert kinds == {("lease_expired", 2)} and moved == len(kvtools.block_bytes(b_caches, 4))
+        else:  # every copy failed: failures of every block, no bytes
+            assert {k for k, _ in kinds} == {"other"} and moved == 0
     finally:
         a.close()
         b.close()

@@ -6,8 +6,10 @@ Runs in: worker processes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from ascend_dist.common.transfer_stats import TransferStats
 
 __all__ = ["ComputeEvent", "RemovableBackend", "WorkerStats", "WorkerWaits"]
 
@@ -39,7 +41,7 @@ class RemovableBackend(Protocol):
 
 @dataclass
 class WorkerStats:
-    """Counters for tests, the demo and the benchmark."""
+    """Counters for tests, the demo and the benchmark; ``transfer``: each store call, for vLLM's connector stats."""
 
     loaded_keys: int = 0
     loaded_bytes: int = 0
@@ -51,6 +53,8 @@ class WorkerStats:
     dropped_keys: int = 0  # keys removed after an abandoned put (past the fence deadline) returned
     retried_keys: int = 0  # keys put again after their put failed
     unwritten_skipped: int = 0  # chunk saves skipped: their block failed to load this step (holds no chunk)
+    # every get/put/GVA copy (`pool_stats.record_call`); the connector reports it (`vllm_stats`)
+    transfer: TransferStats = field(default_factory=lambda: TransferStats("pool"))
 
 
 @dataclass(frozen=True)
