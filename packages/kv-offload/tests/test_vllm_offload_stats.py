@@ -10,6 +10,7 @@ registry) as vLLM's scheduler hands them on. Native: vLLM's own offloading stats
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,8 +20,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from offload_vllm_loop import FaultyRuntime  # noqa: E402
+from offload_vllm_loop import NATIVE, FaultyRuntime, Loop, make_config, write_model_dir  # noqa: E402
 from test_vllm_connectors import BLOCK, NUM_BLOCKS, _configs, _kv, _register  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from ascend_dist.common.device import CopyDirection, CpuSimRuntime  # noqa: E402
 from ascend_dist.testing import vllm_builders  # noqa: E402
@@ -122,3 +124,46 @@ def test_a_failed_restore_is_a_failure_and_moves_no_bytes() -> None:
     assert _failed(out, "load") == {"other": 1}  # a device copy error
     assert out.sample("vllm:ascend_offload_bytes_transferred_sum", direction="load") is None
     assert "offload load: Num failed transfers (other)=1" in out.lines[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class StatsScheduler(Scheduler):
+    """vLLM's Scheduler keeping each step's connector stats payload (what it puts in ``SchedulerStats``)."""
+
+    payloads: list[dict[str, Any]]
+
+    def make_stats(self, spec_decoding_stats: Any = None, kv_connector_stats: Any = None, *args: Any, **kw: Any) -> Any:
+        if kv_connector_stats is not None:
+            self.__dict__.setdefault("payloads", []).append(kv_connector_stats.to_dict())
+        return super().make_stats(spec_decoding_stats, kv_connector_stats, *args, **kw)
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.payloads = self.__dict__.get("payloads", []), []
+        return out
+
+
+def test_native_offload_reports_bytes_each_way_under_vllms_own_names(model_dir: Path) -> None:
+    """`AscendOffloadingConnector` keeps vLLM's OffloadingConnector stats: ``vllm:kv_offload_*`` (vLLM's names)."""
+    extra = {"spec_name": "NPUOffloadingSpec", "spec_module_path": NATIVE, "cpu_bytes_to_use": 1 << 20}
+    config = make_config(model_dir, "AscendOffloadingConnector", NATIVE, extra, 32)
+    loop = Loop(config, 32, scheduler_cls=StatsScheduler)
+    try:
+        loop.add("a", 100, 48)  # three full blocks: stored to host once computed
+        list(loop.run())
+        stored = read_back(config, *loop.sched.take())
+        again = loop.add("a2", 100, 48)
+        list(loop.run())
+        assert again.is_finished() and loop.verified == {"a2": 48}  # loaded from host, every byte checked
+        loaded = read_back(config, *loop.sched.take())
+        page = 2 * BLOCK * 1 * 4  # K and V of one block
+        assert stored.sample("vllm:kv_offload_store_bytes_total") == 3 * page  # device -> host
+        assert stored.sample("vllm:kv_offload_load_bytes_total") is None  # control: nothing loaded yet
+        assert loaded.sample("vllm:kv_offload_load_bytes_total") == 3 * page  # host -> device
+        assert loaded.sample("vllm:kv_offload_store_bytes_total") is None  # a2's blocks were already on host
+        assert loaded.sample("vllm:kv_offload_load_time_total") > 0
+    finally:
+        loop.close()
