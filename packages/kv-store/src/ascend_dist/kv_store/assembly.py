@@ -238,7 +238,7 @@ def build_worker(
             runtimes); the sending thread waits for it before reading the KV cache. None on CPU.
         waits: Deadlines of the worker's waits (defaults: `WorkerWaits`).
         transfer_stats: Where every store call is recorded (the connector's recorder, channel
-            ``pool``); None: a recorder of the worker's own (``worker.stats.transfer``).
+            ``pool``, which vLLM empties at every step); None: store calls are not recorded.
 
     Raises:
         ConfigError: Layer-wise mode for a model with several KV-cache groups, or with memcache
@@ -257,7 +257,7 @@ def build_worker(
     errors, events, stats = (
         LoadErrorRecorder(),
         EventCollector(),
-        WorkerStats(transfer=transfer_stats if transfer_stats is not None else TransferStats("pool")),
+        WorkerStats(transfer=transfer_stats),
     )
     sparse = coordinator is not None and coordinator.is_sparse
     guard = SaveGuard(preempt_wait_s=waits.preempt_s, fence_wait_s=waits.fence_s, retry_failed_puts=not sparse)

@@ -6,7 +6,7 @@ Runs in: worker processes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ascend_dist.common.transfer_stats import TransferStats
@@ -53,8 +53,9 @@ class WorkerStats:
     dropped_keys: int = 0  # keys removed after an abandoned put (past the fence deadline) returned
     retried_keys: int = 0  # keys put again after their put failed
     unwritten_skipped: int = 0  # chunk saves skipped: their block failed to load this step (holds no chunk)
-    # every get/put/GVA copy (`pool_stats.record_call`); the connector reports it (`vllm_stats`)
-    transfer: TransferStats = field(default_factory=lambda: TransferStats("pool"))
+    # every get/put/GVA copy (`pool_stats.record_call`), taken by the connector at each vLLM poll
+    # (`vllm_stats`); None: not recorded (nobody would take the rows: they would only accumulate)
+    transfer: TransferStats | None = None
 
 
 @dataclass(frozen=True)
