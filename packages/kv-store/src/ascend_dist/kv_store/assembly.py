@@ -254,11 +254,7 @@ def build_worker(
         raise ConfigError("use_layerwise", True, "false for models with several KV-cache groups")
     if layerwise and isinstance(backend, GvaBackend) and layout.pp_size * layout.pcp_size * layout.dcp_size > 1:
         raise ConfigError("use_layerwise", True, "false with memcache under PP or context parallelism")
-    errors, events, stats = (
-        LoadErrorRecorder(),
-        EventCollector(),
-        WorkerStats(transfer=transfer_stats),
-    )
+    errors, events, stats = LoadErrorRecorder(), EventCollector(), WorkerStats(transfer=transfer_stats)
     sparse = coordinator is not None and coordinator.is_sparse
     guard = SaveGuard(preempt_wait_s=waits.preempt_s, fence_wait_s=waits.fence_s, retry_failed_puts=not sparse)
     planner = ChunkPlanner(
