@@ -185,8 +185,11 @@ def test_pull_through_the_multi_connector_with_an_offload_child(model_dir: Path)
 
 
 def test_preempted_request_is_restored_by_the_offload_child(model_dir: Path) -> None:
+    from ascend_dist.testing.vllm_stats import read_back
+
     port = free_port_range(1)
-    d = Side(make_config(model_dir, "kv_consumer", "D-preempt", port, non_loader="empty"), seed=3)
+    d_config = make_config(model_dir, "kv_consumer", "D-preempt", port, non_loader="empty")
+    d = Side(d_config, seed=3)
     try:
         req = request("r", 40, {}, d.hasher)
         first = blocks(d.pool, 3)
@@ -213,6 +216,14 @@ def test_preempted_request_is_restored_by_the_offload_child(model_dir: Path) -> 
         assert recving == {"r"} and d.worker.get_block_ids_with_load_errors() == set()
         new_ids = again.get_block_ids()[0]
         assert d.block(new_ids[0]) + d.block(new_ids[1]) == saved
+        # the offload child's stats (issue 26) through the multi connector: its store and its restore
+        stats = d.worker.get_kv_connector_stats()
+        assert stats is not None and set(stats.data) == {"RecomputeCPUOffloadConnector"}  # the pull moved nothing
+        out = read_back(d_config, stats.to_dict())
+        moved = sum(len(d.block(b)) for b in ids)  # the three preempted blocks, every layer's K and V
+        assert out.sample("vllm:ascend_offload_bytes_transferred_sum", direction="save") == moved
+        assert out.sample("vllm:ascend_offload_bytes_transferred_sum", direction="load") == moved
+        assert out.sample("vllm:mooncake_bytes_transferred_sum") is None
     finally:
         d.close()
 

@@ -34,6 +34,7 @@ from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: 
 from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeHybridConnector  # noqa: E402
 from ascend_dist.testing import hostile as hr  # noqa: E402
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
+from ascend_dist.testing.vllm_stats import read_back  # noqa: E402
 
 MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
 ATTN = "model.layers.0.self_attn.attn"
@@ -119,7 +120,8 @@ def wait(fn: Any, rid: str, deadline: float) -> set[str]:
 def test_hybrid_attention_and_mamba_pull_through_vllm(model_dir: Path) -> None:
     port = free_port_range(1)
     p = Side(make_config(model_dir, "kv_producer", "P-hyb", port), seed=1)
-    d = Side(make_config(model_dir, "kv_consumer", "D-hyb", port), seed=2)
+    d_config = make_config(model_dir, "kv_consumer", "D-hyb", port)
+    d = Side(d_config, seed=2)
     try:
         assert isinstance(p.sched, MooncakeHybridConnector) and isinstance(d.worker, MooncakeHybridConnector)
         p.sched.set_xfer_handshake_metadata_pp_aware({(0, 0): None, (1, 0): None})  # PP-aware: stage 1 accepted
@@ -148,6 +150,13 @@ def test_hybrid_attention_and_mamba_pull_through_vllm(model_dir: Path) -> None:
         assert [d.attn_block(b) for b in (20, 21, 22)] == [p.attn_block(b) for b in (4, 5, 6)]
         assert d.state_block(25) == p.state_block(9) != p.state_block(8)
         assert wait(lambda: p.worker.get_finished(set())[0], "p-req", deadline) == {"p-req"}
+        # transfer stats (issue 26): D's reads, read back through vLLM's objects: the bytes of both groups
+        pulled = d.worker.get_kv_connector_stats()
+        assert pulled is not None and p.worker.get_kv_connector_stats() is None  # P is read, it reads nothing
+        out = read_back(d_config, pulled.to_dict())
+        moved = sum(len(d.attn_block(b)) for b in (20, 21, 22)) + len(d.state_block(25))
+        assert out.sample("vllm:mooncake_bytes_transferred_sum") == moved
+        assert "p2p load: Num successful transfers=" in out.lines[0]
     finally:
         d.close()
         p.close()

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.transfer_stats import TransferStats
 from ascend_dist.kv_store import NewRequest, PoolConfig, PoolSpec, StepInput, build_scheduler, build_worker
 from ascend_dist.kv_store.backends.gva import G2L, L2G, UNMATCHED_STATE, GvaBackend
 from ascend_dist.kv_store.backends.host_gva import HostGvaStore
@@ -42,8 +43,16 @@ class FailingCopies(HostGvaStore):
 
 def _pair(store: HostGvaStore, extra: dict | None = None):  # type: ignore[no-untyped-def]
     cfg = PoolConfig.from_extra({**GVA, **(extra or {})})
-    workers = [build_worker(SPEC, cfg, MemcacheBackend(store_factory=lambda: store)) for _ in range(2)]
+    workers = [
+        build_worker(SPEC, cfg, MemcacheBackend(store_factory=lambda: store), transfer_stats=TransferStats("pool"))
+        for _ in range(2)
+    ]
     return cfg, workers
+
+
+def _take(worker):  # type: ignore[no-untyped-def]
+    assert worker.stats.transfer is not None
+    return worker.stats.transfer.take()
 
 
 def _run_layers(worker, meta, *, layers=LAYERS, save=True) -> None:  # type: ignore[no-untyped-def]
@@ -116,6 +125,15 @@ def test_save_then_load_layer_by_layer_is_byte_exact(kvtools) -> None:
         ]
         # one window per block and layer, each piece (256 B) split into two packets: 3 blocks x 3 layers
         assert store.copies - copies == 9 and b.stats.loaded_keys == 3
+        saved, loaded = _take(a), _take(b)
+        assert saved is not None and loaded is not None and not saved.failures and not loaded.failures
+        assert {t.direction for t in saved.transfers} == {"save"} and {t.direction for t in loaded.transfers} == {
+            "load"
+        }
+        assert sum(t.nbytes for t in saved.transfers) == sum(len(kvtools.block_bytes(src, x)) for x in (1, 2, 3))
+        assert sum(t.nbytes for t in loaded.transfers) == sum(len(kvtools.block_bytes(dst, x)) for x in (5, 6, 7))
+        # one call per copy window (9): its K and V pieces (512 B each) in packets of at most 200 B: 3 + 3
+        assert [(t.nbytes, t.descriptors) for t in loaded.transfers] == [(1024, 6)] * 9
         assert store.evict(keys) == keys  # every read lease was released after the last layer
     finally:
         a.close()
@@ -149,12 +167,16 @@ def test_failures_become_exact_load_errors_or_unpublished_objects(kvtools, faili
     cfg, (a, b) = _pair(store)
     try:
         a.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8), 8)
-        b.register_kv_caches(kvtools.make(num_layers=3, num_blocks=8, seed=4), 8)
+        b_caches = kvtools.make(num_layers=3, num_blocks=8, seed=4)
+        b.register_kv_caches(b_caches, 8)
         prompt = list(range(48))
         _save(cfg, a, prompt, [1, 2, 3])
         need, meta = _load(cfg, b, prompt, [4, 5, 6])
         if failing == "save-copy":
             assert need == 0 and a.stats.saved_keys == 0  # nothing half-written was published
+            saved = _take(a)
+            assert saved is not None and not [t for t in saved.transfers if t.direction == "save"]  # no bytes
+            assert {(f.direction, f.kind.value) for f in saved.failures} == {("save", "other")}  # the copy's -1
             return
         assert need == 47
         if failing == "evicted":  # gone between the lookup and the load
@@ -166,6 +188,14 @@ def test_failures_become_exact_load_errors_or_unpublished_objects(kvtools, faili
             )
         _run_layers(b, meta, save=False)
         assert b.get_block_ids_with_load_errors() == ({5, 6} if failing == "evicted" else {4, 5, 6})
+        loaded = _take(b)
+        assert loaded is not None
+        moved = sum(t.nbytes for t in loaded.transfers)
+        kinds = {(f.kind.value, f.count) for f in loaded.failures}
+        if failing == "evicted":  # two objects gone before their lease; the first block's 3 layers moved
+            assert kinds == {("lease_expired", 2)} and moved == len(kvtools.block_bytes(b_caches, 4))
+        else:  # every copy failed: failures of every block, no bytes
+            assert {k for k, _ in kinds} == {"other"} and moved == 0
     finally:
         a.close()
         b.close()

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dist.common.errors import StoreError
+from ascend_dist.common.transfer_stats import Failure, FailureKind, TransferStats
 from ascend_dist.kv_store.backends.base import piece_cap
 from ascend_dist.kv_store.backends.memory import InMemoryBackend
 from ascend_dist.kv_store.backends.mooncake import MooncakeBackend
@@ -148,6 +149,45 @@ def test_puts_are_cut_at_the_cap() -> None:
     result = run_puts(store, ["a", "b", "c"], [[1, 2], [3, 4], [5, 6, 7, 8, 9]], [[1] * 2, [1] * 2, [1] * 5])
     assert [pieces for _, pieces in store.calls] == [4, 5]
     assert result.codes == [0, 0, -800]  # a single key over the cap: failed, never stored
+
+
+def test_each_call_is_recorded_with_the_bytes_of_the_keys_it_moved() -> None:
+    stats = TransferStats("pool")
+    store = HazardStore({"a": b"xyz", "c": b"q"}, cap=None)
+    result = run_gets(store, ["a", "b", "c"], [[1, 2], [3], [4]], [[2, 1], [5], [1]], stats)
+    assert result.codes == [0, -704, 0]
+    data = stats.take()
+    assert data is not None
+    assert [(t.direction, t.nbytes, t.descriptors) for t in data.transfers] == [("load", 4, 3)]  # b moved nothing
+    assert data.failures == [Failure("pool", "load", FailureKind.LEASE_EXPIRED, 1)]  # not found: evicted
+    assert stats.take() is None  # taken once
+
+
+def test_a_raising_call_is_a_failure_per_key_and_moves_no_bytes() -> None:
+    stats = TransferStats("pool")
+    store = HazardStore({"a": b"x", "b": b"y"}, cap=1, fail_calls=[0])
+    run_gets(store, ["a", "b"], [[1], [2]], [[1], [1]], stats)
+    data = stats.take()
+    assert data is not None
+    assert [(t.nbytes, t.descriptors) for t in data.transfers] == [(1, 1)]  # only the second call moved anything
+    assert data.failures == [Failure("pool", "load", FailureKind.PEER_UNREACHABLE, 1)]  # the store was unreachable
+
+
+def test_puts_are_recorded_as_saves_with_their_failed_keys() -> None:
+    stats = TransferStats("pool")
+    store = HazardStore({}, cap=4)
+    run_puts(store, ["a", "b", "c"], [[1, 2], [3, 4], [5, 6, 7, 8, 9]], [[1] * 2, [1] * 2, [1] * 5], stats)
+    data = stats.take()
+    assert data is not None
+    assert [(t.direction, t.nbytes, t.descriptors) for t in data.transfers] == [("save", 4, 4)]
+    assert data.failures == [Failure("pool", "save", FailureKind.PEER_UNREACHABLE, 1)]  # -800 TRANSFER_FAIL
+
+
+def test_a_store_that_moved_nothing_records_nothing() -> None:
+    stats = TransferStats("pool")
+    run_gets(HazardStore({}, cap=None), [], [], [], stats)
+    run_puts(HazardStore({}, cap=None), [], [], [], stats)
+    assert stats.take() is None
 
 
 def test_the_backends_declare_their_caps() -> None:

@@ -315,3 +315,36 @@ def test_partial_last_chunk_is_pooled_under_its_own_key(mooncake_master, kvtools
     finally:
         a.close()
         b.close()
+
+
+def test_loads_from_a_killed_master_are_peer_unreachable_failures_with_no_bytes(fresh_master, kvtools) -> None:
+    """Transfer stats (issue 26): the store's process is gone between the lookup and the load."""
+    from ascend_dist.common.transfer_stats import TransferStats
+
+    cfg = PoolConfig.from_extra({})
+    stats = TransferStats("pool")
+    worker = build_worker(SPEC, cfg, backend_for(fresh_master, retry_interval_s=30.0), transfer_stats=stats)
+    try:
+        caches = kvtools.make(num_blocks=16, seed=21)
+        worker.register_kv_caches(caches, 16)
+        scheduler = build_scheduler(SPEC, cfg, worker.safe_lookup)
+        prompt = list(range(7000, 7064))
+        scheduler.get_num_new_matched_tokens("a", prompt, 64, 0)
+        worker.wait_for_save(scheduler.build_meta(StepInput(new=[NewRequest("a", prompt, [[1, 2, 3, 4]], 0, 64)])))
+        worker.drain(10)
+        saved = stats.take()
+        assert saved is not None and not saved.failures
+        assert sum(t.nbytes for t in saved.transfers) == sum(len(kvtools.block_bytes(caches, b)) for b in (1, 2, 3, 4))
+        need, _ = scheduler.get_num_new_matched_tokens("b", prompt, 64, 0)
+        assert need == 63  # control: the pool holds the prompt
+        scheduler.update_state_after_alloc("b", [[5, 6, 7, 8]], need)
+        meta = scheduler.build_meta(StepInput(new=[NewRequest("b", prompt, [[5, 6, 7, 8]], 63, 1)]))
+        fresh_master.kill()
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == {5, 6, 7, 8}
+        failed = stats.take()
+        assert failed is not None and not failed.transfers  # nothing moved, nothing reported as moved
+        assert {(f.direction, f.kind.value) for f in failed.failures} == {("load", "peer_unreachable")}
+        assert sum(f.count for f in failed.failures) == 4  # one per object
+    finally:
+        worker.close()

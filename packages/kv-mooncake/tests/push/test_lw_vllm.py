@@ -39,6 +39,7 @@ from ascend_dist.kv_mooncake.push.vllm_connector import (  # noqa: E402
     MooncakeLayerwiseMetadata,
 )
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
+from ascend_dist.testing.vllm_stats import read_back  # noqa: E402
 
 blocks = vb.blocks
 request = vb.request
@@ -73,7 +74,8 @@ def test_layerwise_push_through_the_vllm_connector(model_dir: Path) -> None:
     url = f"http://127.0.0.1:{server.server_address[1]}/v1/metaserver"
     port = free_port_range(1)
     d = Side(make_config(model_dir, "kv_consumer", "D-lw", port), seed=2)
-    p = Side(make_config(model_dir, "kv_producer", "P-lw", port), seed=1)
+    p_config = make_config(model_dir, "kv_producer", "P-lw", port)
+    p = Side(p_config, seed=1)
     try:
         assert isinstance(d.sched, MooncakeLayerwiseConnector) and isinstance(p.worker, MooncakeLayerwiseConnector)
         # D: a 40-token prompt, 16 tokens already cached locally (block 20); P pushes the rest.
@@ -108,6 +110,13 @@ def test_layerwise_push_through_the_vllm_connector(model_dir: Path) -> None:
         assert d.block(20) != p.block(4)  # the prefix hit was not overwritten
         for name in LAYERS:
             p.worker.wait_for_layer_reuse(name)  # every push finished: the storage may be reused
+        # transfer stats (issue 26): P's pushes are its writes, read back through vLLM's objects
+        pushed = p.worker.get_kv_connector_stats()
+        assert pushed is not None and d.worker.get_kv_connector_stats() is None  # D reads nothing: P writes
+        out = read_back(p_config, pushed.to_dict())
+        assert out.sample("vllm:mooncake_bytes_transferred_sum") == len(d.block(21)) + len(d.block(22))
+        assert out.sample("vllm:mooncake_num_descriptors_sum") >= len(LAYERS)  # at least one per layer's push
+        assert "p2p save: Num successful transfers=" in out.lines[0]
     finally:
         d.close()
         p.close()

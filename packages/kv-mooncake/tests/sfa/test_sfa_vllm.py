@@ -38,6 +38,7 @@ from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: 
 from ascend_dist.kv_mooncake.sfa.vllm_connector import SfaRemoteD2HConnector, SfaRemoteD2HMetadata  # noqa: E402
 from ascend_dist.testing import hostile as hr  # noqa: E402
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
+from ascend_dist.testing.vllm_stats import read_back  # noqa: E402
 
 model_dir = support.model_dir  # the tiny MLA-like config directory fixture
 
@@ -126,6 +127,17 @@ def test_layerwise_remote_d2h_through_the_vllm_connector(model_dir: Path, metase
             assert torch.equal(pool[[7, 8, 9]], p_caches[MAIN[layer]][[3, 4, 5]])
             assert torch.equal(d_caches[INDEXER[layer]][[20, 21, 22]], p_caches[INDEXER[layer]][[11, 12, 13]])
         assert d_sched.request_finished(req_d, [7, 8, 9]) == (False, None)
+        # transfer stats (issue 26): D's reads from P's device (main KV into its host pool, indexer into its cache)
+        pulled = d_work.get_kv_connector_stats()
+        assert pulled is not None and p_work.get_kv_connector_stats() is None  # P is read, it reads nothing
+        out = read_back(d_cfg, pulled.to_dict())
+        moved = sum(
+            t[rows].numel() * t.element_size()
+            for layer in range(2)
+            for t, rows in ((d_work.host_pool[MAIN[layer]][0], [7, 8, 9]), (d_caches[INDEXER[layer]], [20, 21, 22]))
+        )
+        assert out.sample("vllm:mooncake_bytes_transferred_sum") == moved
+        assert "p2p load: Num successful transfers=" in out.lines[0]
     finally:
         for c in (p_work, d_work, p_sched, d_sched):
             c.shutdown()

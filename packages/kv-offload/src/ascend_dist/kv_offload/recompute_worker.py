@@ -15,11 +15,13 @@ import logging
 from collections.abc import Sequence
 
 from ascend_dist.common.device import DeviceRuntime
+from ascend_dist.common.errors import DeadlineExceeded
+from ascend_dist.common.transfer_stats import Direction, FailureKind, TransferStats
 from ascend_dist.kv_offload.block_views import BlockView
 from ascend_dist.kv_offload.capacity import HostCapacity, check_worker_capacity
 from ascend_dist.kv_offload.messages import NO_EVENT, RecomputeMetadata, RecomputeWorkerMeta
 from ascend_dist.kv_offload.offload_worker import OffloadWorker
-from ascend_dist.kv_offload.transfer import DEFAULT_WAIT_S
+from ascend_dist.kv_offload.transfer import DEFAULT_WAIT_S, TransferResult
 
 __all__ = ["RecomputeWorker"]
 
@@ -37,6 +39,7 @@ class RecomputeWorker:
         *,
         timeout_s: float = DEFAULT_WAIT_S,
         block_level_errors: bool = True,
+        stats: TransferStats | None = None,
     ) -> None:
         """Allocate the host blocks (the scheduler's count) and the two handlers.
 
@@ -48,6 +51,8 @@ class RecomputeWorker:
             block_level_errors: report a failed restore's device blocks (one KV-cache group, where
                 block ids name requests); False: report its requests (`take_failed_recving`), as
                 vLLM requires with several groups.
+            stats: where each store (``save``: device -> host) and restore (``load``: host -> device)
+                job is recorded (the connector's recorder, channel ``offload``); None: nowhere.
         """
         self.transfers = OffloadWorker(runtime, views, num_chunks=capacity.num_cpu_blocks + 1)
         check_worker_capacity(self.transfers.mirror.num_chunks - 1, capacity)
@@ -60,6 +65,7 @@ class RecomputeWorker:
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
         self._block_level_errors = block_level_errors
+        self._stats = stats
 
     def bind_connector_metadata(self, meta: RecomputeMetadata) -> None:
         """Take this step's plan."""
@@ -87,8 +93,14 @@ class RecomputeWorker:
             self._completed_stores[event] = 1
             return
         self.transfers.submit_store(event, meta.store_gpu_blocks, meta.store_cpu_blocks)
-        self.transfers.store.wait([event], self._timeout_s)
+        try:
+            self.transfers.store.wait([event], self._timeout_s)
+        except DeadlineExceeded:
+            if self._stats is not None:
+                self._stats.record_failure("save", FailureKind.TIMEOUT)
+            raise
         for result in self.transfers.store.get_finished():
+            self._record("save", result)
             if result.success:
                 self._completed_stores[result.job_id] = 1
             else:
@@ -115,6 +127,7 @@ class RecomputeWorker:
         done: set[str] = set()
         for result in self.transfers.load.get_finished():
             reqs = self._submitted_loads.pop(result.job_id, ())
+            self._record("load", result)
             if not result.success:
                 logger.warning("recompute load %d failed for %s: recompute them", result.job_id, list(reqs))
                 if self._block_level_errors:
@@ -123,6 +136,15 @@ class RecomputeWorker:
                     self._failed_recving.update(reqs)
             done.update(reqs)
         return done or None
+
+    def _record(self, direction: Direction, result: TransferResult) -> None:
+        """One finished job in the stats: its bytes, time and descriptors, or a failure (a copy error: ``other``)."""
+        if self._stats is None:
+            return
+        if result.success and result.transfer_time is not None:
+            self._stats.record_transfer(direction, result.transfer_time, result.transfer_size, result.num_descriptors)
+        else:
+            self._stats.record_failure(direction, FailureKind.OTHER)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device blocks whose restore failed since the last call (the scheduler recomputes them)."""

@@ -51,6 +51,7 @@ class TransferResult:
         failed_block_ids: the job's device block ids when it failed (loads: recompute these).
         failed_descriptor: index of the failing descriptor within the job, when known.
         error: text of the failure.
+        num_descriptors: copy descriptors the job submitted (after coalescing; 0 when it failed).
     """
 
     job_id: int
@@ -60,6 +61,7 @@ class TransferResult:
     failed_block_ids: tuple[int, ...] = ()
     failed_descriptor: int | None = None
     error: str | None = None
+    num_descriptors: int = 0
 
 
 @dataclass
@@ -236,7 +238,7 @@ class DirectionHandler:
                 f"completed while the stream still held an earlier copy error ({exc}): its copies are unproven",
             )  # fmt: skip
         seconds = job.start.elapsed_ms(job.end) / 1000.0
-        return TransferResult(job.job_id, True, job.num_bytes, seconds)
+        return TransferResult(job.job_id, True, job.num_bytes, seconds, num_descriptors=job.num_descriptors)
 
     def _clear_sticky(self) -> None:
         """The stream is idle: consume its sticky error so a later failure is seen afresh."""

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
 from ascend_dist.common.device import DeviceRuntime, tensors_runtime
+from ascend_dist.common.vllm_stats import TransferStatsReporting
 from ascend_dist.kv_offload.block_views import BlockView, canonical_block_views, dedup_views
 from ascend_dist.kv_offload.capacity import HostCapacity, per_rank_capacity
 from ascend_dist.kv_offload.layouts import layer_parts
@@ -95,8 +96,12 @@ def host_capacity(vllm_config: Any, kv_cache_config: Any) -> HostCapacity:
     return HostCapacity.from_device(int(kv_cache_config.num_blocks), total, per_rank)
 
 
-class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+class RecomputeCPUOffloadConnector(TransferStatsReporting, KVConnectorBase_V1, SupportsHMA):
     """Save a preempted request's KV to host memory; restore it when the request resumes."""
+
+    # ``offload`` (vllm:ascend_offload_* {direction}): the workers record each store (``save``,
+    # device -> host) and restore (``load``, host -> device) job: bytes, time, descriptors, failures
+    stats_channels = ("offload",)
 
     runtime: DeviceRuntime | None = None
     """Device runtime of the worker side (set before ``register_kv_caches``); None: the process-wide one."""
@@ -230,6 +235,7 @@ class RecomputeCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             dedup_views(views),
             self.capacity,
             block_level_errors=single_group,
+            stats=self.transfer_stats,
         )
 
     def _wrk(self) -> RecomputeWorker:

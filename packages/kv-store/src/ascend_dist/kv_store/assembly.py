@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.hashing import stable_hash
+from ascend_dist.common.transfer_stats import TransferStats
 from ascend_dist.kv_store.backends.base import PoolBackend
 from ascend_dist.kv_store.backends.gva import GvaBackend
 from ascend_dist.kv_store.config.config import PoolConfig
@@ -225,6 +226,7 @@ def build_worker(
     *,
     record_compute_event: Callable[[], ComputeEvent] | None = None,
     waits: WorkerWaits | None = None,
+    transfer_stats: TransferStats | None = None,
 ) -> KVPoolWorker:
     """The worker side of ``spec`` over ``backend``, with its transfer strategy chosen here, once.
 
@@ -235,6 +237,8 @@ def build_worker(
         record_compute_event: Records an event on the compute stream after the forward pass (device
             runtimes); the sending thread waits for it before reading the KV cache. None on CPU.
         waits: Deadlines of the worker's waits (defaults: `WorkerWaits`).
+        transfer_stats: Where every store call is recorded (the connector's recorder, channel
+            ``pool``, which vLLM empties at every step); None: store calls are not recorded.
 
     Raises:
         ConfigError: Layer-wise mode for a model with several KV-cache groups, or with memcache
@@ -250,7 +254,7 @@ def build_worker(
         raise ConfigError("use_layerwise", True, "false for models with several KV-cache groups")
     if layerwise and isinstance(backend, GvaBackend) and layout.pp_size * layout.pcp_size * layout.dcp_size > 1:
         raise ConfigError("use_layerwise", True, "false with memcache under PP or context parallelism")
-    errors, events, stats = LoadErrorRecorder(), EventCollector(), WorkerStats()
+    errors, events, stats = LoadErrorRecorder(), EventCollector(), WorkerStats(transfer=transfer_stats)
     sparse = coordinator is not None and coordinator.is_sparse
     guard = SaveGuard(preempt_wait_s=waits.preempt_s, fence_wait_s=waits.fence_s, retry_failed_puts=not sparse)
     planner = ChunkPlanner(

@@ -138,7 +138,9 @@ def _poolable(request: Request) -> bool:
 class AscendStoreConnector(TransferStatsReporting, KVConnectorBase_V1, SupportsHMA):
     """The AscendStore KV-cache pool as a vLLM v1 KV connector."""
 
-    stats_channels = ("pool",)  # the scheduler records lookups' hit and miss tokens (vllm:ascend_pool_*)
+    # ``pool`` (vllm:ascend_pool_*): the scheduler records lookups' hit and miss tokens, the workers
+    # every store get/put (GVA copy) with its bytes, time, pieces and failed keys by kind
+    stats_channels = ("pool",)
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -189,7 +191,13 @@ class AscendStoreConnector(TransferStatsReporting, KVConnectorBase_V1, SupportsH
                 global_rank=vllm_config.parallel_config.rank,
                 backend_config=store_cfg if isinstance(store_cfg, dict) else None,
             )
-            self._worker = build_worker(self._spec, self._cfg, backend, record_compute_event=_compute_event_recorder())
+            self._worker = build_worker(
+                self._spec,
+                self._cfg,
+                backend,
+                record_compute_event=_compute_event_recorder(),
+                transfer_stats=self.transfer_stats,
+            )
             if vllm_config.parallel_config.rank == 0:
                 self._server = LookupServer(
                     self._serve_lookup,

@@ -47,6 +47,7 @@ from ascend_dist.kv_store.transfer.layerwise_plan import (
     split_packets,
     stagger_us,
 )
+from ascend_dist.kv_store.transfer.pool_stats import record_call
 
 __all__ = ["GvaLayerwiseTransfers", "make_layer_transfers"]
 
@@ -216,7 +217,11 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
         except StoreError as exc:
             infos, found, codes = [], [], []
             log_once(logger, logging.WARNING, "GVA load preparation failed (%s)", exc, key="gva-lease")
+            record_call(self._stats.transfer, "load", 0.0, [[] for _ in keys], exc)  # unreachable: every key
         leased = {i for i, code in zip(found, codes, strict=True) if code == 0}
+        if infos:  # missing or resized: gone from the pool (Mooncake's -704); found but not leasable: -706
+            failed = {i: 0 if i in leased else -706 if i in found else -704 for i in range(len(keys))}
+            record_call(self._stats.transfer, "load", 0.0, [[] for _ in keys], list(failed.values()))
         missing: dict[str, list[int]] = {}
         for i, (p, _, _) in enumerate(items):
             if i not in leased:
@@ -296,16 +301,28 @@ class GvaLayerwiseTransfers(LayerwiseTransfers):
                 sizes += s
                 gvas += g
             packets = split_packets(gvas, addrs, sizes, self._packet)
+            began = time.perf_counter()
+            rc: int | StoreError
             try:
                 rc = self._gva.copy(
                     [p[0] for p in packets], [p[1] for p in packets], [p[2] for p in packets], direction
                 )
             except StoreError as exc:
-                rc = -1
+                rc = exc
                 log_once(logger, logging.WARNING, "GVA copy raised (%s)", exc, key=("gva-copy", direction))
+            self._record_copy(direction, time.perf_counter() - began, len(window), [p[2] for p in packets], rc)
             if rc != 0:
                 failed += window
         return failed
+
+    def _record_copy(self, direction: int, seconds: float, blocks: int, sizes: list[int], rc: int | StoreError) -> None:
+        """One copy call in the stats: all its blocks moved (its packets the descriptors), or each failed."""
+        way = "load" if direction == G2L else "save"
+        if rc == 0:
+            record_call(self._stats.transfer, way, seconds, [sizes], [0])
+        else:
+            codes = rc if isinstance(rc, StoreError) else [rc] * blocks
+            record_call(self._stats.transfer, way, seconds, [[] for _ in range(blocks)], codes)
 
     def _needs_layer_jobs(self) -> bool:
         # with shared buffers every layer's job also orders the buffer's reuse (see `_load_layer`)

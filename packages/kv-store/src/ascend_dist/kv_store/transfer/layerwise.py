@@ -394,7 +394,7 @@ class LayerwiseTransfers:
             )
             # a key twice in one get (two requests sharing a chunk in different blocks) would be
             # written only into its last destination: run_gets splits it into rounds, and caps pieces
-            result = run_gets(self._backend, keys, addrs, sizes)
+            result = run_gets(self._backend, keys, addrs, sizes, self._stats.transfer)
             if result.error is not None:
                 log_once(logger, logging.WARNING, "layer load failed (%s)", result.error, key="layer-load")
             if self._fenced(job):  # returned after the step's deadline: its blocks were reported already
@@ -471,7 +471,13 @@ class LayerwiseTransfers:
         self._stats.skipped_existing += len(unique) - len(todo)
         if not todo:
             return None
-        result = run_puts(self._backend, [keys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo])
+        result = run_puts(
+            self._backend,
+            [keys[i] for i in todo],
+            [addrs[i] for i in todo],
+            [sizes[i] for i in todo],
+            self._stats.transfer,
+        )
         if result.error is not None:
             log_once(logger, logging.WARNING, "layer put failed (%s); blocks stay local", result.error, key="layer-put")
         return keys, sizes, planned, {keys[i]: code for i, code in zip(todo, result.codes, strict=True)}

@@ -22,12 +22,15 @@ Rounds need no scratch memory and no device copy: every destination is written b
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from ascend_dist.common.errors import StoreError
+from ascend_dist.common.transfer_stats import Direction, TransferStats
 from ascend_dist.kv_store.backends.base import PoolBackend, piece_cap
+from ascend_dist.kv_store.transfer.pool_stats import record_call
 
 __all__ = ["STORE_ERROR", "StoreCall", "CallResults", "plan_gets", "run_gets", "run_puts", "split_by_pieces"]
 
@@ -120,14 +123,16 @@ def run_gets(
     keys: Sequence[str],
     addrs: Sequence[Sequence[int]],
     sizes: Sequence[Sequence[int]],
+    stats: TransferStats | None = None,
 ) -> CallResults:
     """Fetch every entry with `plan_gets`'s calls, in order; one code per entry of the input.
 
     A call that raises `StoreError` marks its entries `STORE_ERROR` and the next calls still run
-    (each is independent; a backend whose store is down raises at once).
+    (each is independent; a backend whose store is down raises at once). ``stats``: each call is
+    recorded there as a ``load`` (`pool_stats.record_call`).
     """
     calls, source = plan_gets(keys, addrs, sizes, piece_cap(backend))
-    out = _run(backend.get, backend.name, calls, keys=keys, addrs=addrs, sizes=sizes)
+    out = _run(backend.get, backend.name, calls, keys=keys, addrs=addrs, sizes=sizes, stats=stats, direction="load")
     return CallResults([out.codes[s] for s in source], out.error, out.calls)
 
 
@@ -136,10 +141,14 @@ def run_puts(
     keys: Sequence[str],
     addrs: Sequence[Sequence[int]],
     sizes: Sequence[Sequence[int]],
+    stats: TransferStats | None = None,
 ) -> CallResults:
-    """Store every entry (keys already distinct) in calls of at most the backend's piece cap; one code per entry."""
+    """Store every entry (keys already distinct) in calls of at most the backend's piece cap; one code per entry.
+
+    ``stats``: each call is recorded there as a ``save`` (`pool_stats.record_call`).
+    """
     calls = split_by_pieces(range(len(keys)), addrs, piece_cap(backend))
-    return _run(backend.put, backend.name, calls, keys=keys, addrs=addrs, sizes=sizes)
+    return _run(backend.put, backend.name, calls, keys=keys, addrs=addrs, sizes=sizes, stats=stats, direction="save")
 
 
 def _run(
@@ -150,19 +159,27 @@ def _run(
     keys: Sequence[str],
     addrs: Sequence[Sequence[int]],
     sizes: Sequence[Sequence[int]],
+    stats: TransferStats | None,
+    direction: Direction,
 ) -> CallResults:
     codes = [STORE_ERROR] * len(keys)
     error: StoreError | None = None
     for call in calls:
         idx = call.entries
+        call_sizes = [sizes[i] for i in idx]
+        start = time.perf_counter()
         try:
-            got = op([keys[i] for i in idx], [addrs[i] for i in idx], [sizes[i] for i in idx])
+            got = op([keys[i] for i in idx], [addrs[i] for i in idx], call_sizes)
         except StoreError as exc:
             error = error or exc
+            record_call(stats, direction, time.perf_counter() - start, call_sizes, exc)
             continue
+        seconds = time.perf_counter() - start
         if len(got) != len(idx):  # a store answering for other keys must not pass as done
             error = error or StoreError(f"{name} answered {len(got)} codes for {len(idx)} keys")
+            record_call(stats, direction, seconds, call_sizes, [STORE_ERROR] * len(idx))  # kind: other
             continue
         for i, code in zip(idx, got, strict=True):
             codes[i] = int(code)
+        record_call(stats, direction, seconds, call_sizes, [codes[i] for i in idx])
     return CallResults(codes, error, len(calls))

@@ -69,7 +69,7 @@ class WholeRequestIO:
             return
         addrs = tuple(a for _, b, _ in parts for a in b.addrs)
         sizes = tuple(s for _, b, _ in parts for s in b.sizes)
-        result = run_gets(self._backend, keys, addrs, sizes)
+        result = run_gets(self._backend, keys, addrs, sizes, self._stats.transfer)
         pos = 0
         for req, batch, blocks in parts:
             own = result.codes[pos : pos + len(batch.keys)]
@@ -131,7 +131,11 @@ class WholeRequestIO:
         if not out.put:
             return out
         result = run_puts(
-            self._backend, [e[0] for e in out.put], [e[1][0] for e in out.put], [e[1][1] for e in out.put]
+            self._backend,
+            [e[0] for e in out.put],
+            [e[1][0] for e in out.put],
+            [e[1][1] for e in out.put],
+            self._stats.transfer,
         )
         if result.error is not None:
             log_once(logger, logging.WARNING, "pool put failed (%s); blocks stay local", result.error, key="save-put")

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from ascend_dist.common.transfer_stats import TransferStats
+
 __all__ = ["ComputeEvent", "RemovableBackend", "WorkerStats", "WorkerWaits"]
 
 
@@ -39,7 +41,7 @@ class RemovableBackend(Protocol):
 
 @dataclass
 class WorkerStats:
-    """Counters for tests, the demo and the benchmark."""
+    """Counters for tests, the demo and the benchmark; ``transfer``: each store call, for vLLM's connector stats."""
 
     loaded_keys: int = 0
     loaded_bytes: int = 0
@@ -51,6 +53,9 @@ class WorkerStats:
     dropped_keys: int = 0  # keys removed after an abandoned put (past the fence deadline) returned
     retried_keys: int = 0  # keys put again after their put failed
     unwritten_skipped: int = 0  # chunk saves skipped: their block failed to load this step (holds no chunk)
+    # every get/put/GVA copy (`pool_stats.record_call`), taken by the connector at each vLLM poll
+    # (`vllm_stats`); None: not recorded (nobody would take the rows: they would only accumulate)
+    transfer: TransferStats | None = None
 
 
 @dataclass(frozen=True)
