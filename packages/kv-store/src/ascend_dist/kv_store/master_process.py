@@ -53,7 +53,10 @@ class MasterProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 15.0) -> None:
-        """Start the master and wait until it listens.
+        """Start the master and wait until it listens on its RPC and its metrics port.
+
+        The metrics server comes up after the RPC server: under load a caller reading the metrics
+        right after the RPC port answered was refused (the engine tier's pool-fault tests).
 
         Raises:
             StoreError: ``mooncake_master`` is not installed or exited.
@@ -75,16 +78,32 @@ class MasterProcess:
             if self._log is not None and out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + timeout_s
+        waiting = [self.port, self.metrics_port]
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise StoreError(f"mooncake_master exited with {self._proc.returncode} (missing libibverbs.so.1?)")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
+                with socket.create_connection(("127.0.0.1", waiting[0]), timeout=0.2):
+                    waiting.pop(0)
+                    if not waiting:
+                        return
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        raise DeadlineExceeded(f"mooncake_master did not listen on {self.address} within {timeout_s}s")
+        raise DeadlineExceeded(
+            f"mooncake_master did not listen on 127.0.0.1 ports {waiting} (RPC {self.port}, metrics "
+            f"{self.metrics_port}) within {timeout_s}s"
+        )
+
+    def exit_status(self) -> int | None:
+        """The return code of a master that was started and exited on its own; None while it runs (or stopped)."""
+        return None if self._proc is None else self._proc.poll()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        """The end of the master's log (empty without a log file)."""
+        if self._log is None or not self._log.exists():
+            return ""
+        return self._log.read_text(errors="replace")[-chars:]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the master (SIGINT, then SIGKILL) and reap it. Idempotent."""

@@ -137,6 +137,9 @@ def expected_hits(prompts: Sequence[Sequence[int]]) -> list[int]:
 def master_metric(master: MasterProcess, name: str) -> int:
     """One counter or gauge from the master's Prometheus endpoint."""
     url = f"http://127.0.0.1:{master.metrics_port}/metrics"
+    status = master.exit_status()
+    if status is not None:  # say why instead of "connection refused"
+        raise AssertionError(f"mooncake_master exited with {status}; its log ends:\n{master.log_tail()}")
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
     match = re.search(rf"^{re.escape(name)} (\d+)", text, re.MULTILINE)
