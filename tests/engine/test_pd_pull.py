@@ -8,6 +8,7 @@ same output, within a deadline; `AscendMultiConnector` with a pull child in the 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,14 @@ def pair(host: EngineHost, models: dict[str, Path]) -> tuple[Engine, Engine]:
     d.close()
 
 
+@pytest.fixture(scope="module")
+def other(host: EngineHost, models: dict[str, Path]) -> Iterator[Engine]:
+    """A P on the other weights: the control of every transfer checked here."""
+    engine = producer(host, models["b"], "pull-p-other", "pull-P-other-weights")
+    yield engine
+    engine.close()
+
+
 def test_decode_continues_from_prefill(pair: tuple[Engine, Engine], reference: Engine) -> None:
     p, d = pair
     prompts = make_prompts(101)
@@ -58,21 +67,17 @@ def test_decode_continues_from_prefill(pair: tuple[Engine, Engine], reference: E
 
 
 def test_control_producer_on_other_weights_changes_every_output(
-    host: EngineHost, models: dict[str, Path], pair: tuple[Engine, Engine], reference: Engine
+    pair: tuple[Engine, Engine], other: Engine, reference: Engine
 ) -> None:
     """The same D, fed by a P whose weights differ: if D used P's bytes, no output can match."""
     _, d = pair
-    other = producer(host, models["b"], "pull-p-other", "pull-P-other-weights")
-    try:
-        prompts = make_prompts(202)
-        out = disaggregated_generate(other, d, prompts)
-        assert_every_output_differs([r.decode for r in out], reference.generate(local(prompts)))
-    finally:
-        other.close()
+    prompts = make_prompts(202)
+    out = disaggregated_generate(other, d, prompts)
+    assert_every_output_differs([r.decode for r in out], reference.generate(local(prompts)))
 
 
 def test_prefill_killed_after_prefill_decode_recomputes(
-    host: EngineHost, models: dict[str, Path], pair: tuple[Engine, Engine], reference: Engine
+    host: EngineHost, models: dict[str, Path], pair: tuple[Engine, Engine], other: Engine, reference: Engine
 ) -> None:
     _, d = pair
     doomed = producer(host, models["a"], "pull-p-doomed", "pull-P-killed")
@@ -92,9 +97,14 @@ def test_prefill_killed_after_prefill_decode_recomputes(
     elapsed = time.monotonic() - start
     assert_same_output(got, reference.generate(local(prompts)))
     assert elapsed < 60, f"D took {elapsed:.1f} s to give up on a dead P"
-    # D still serves the live pair afterwards.
+    # D still transfers from a live P afterwards (not only recomputes): the live pair equals the
+    # reference, and the control P on other weights changes D's output for the same prompts.
     again = make_prompts(304, (100,))
-    assert_same_output([r.decode for r in disaggregated_generate(pair[0], d, again)], reference.generate(local(again)))
+    want = reference.generate(local(again))
+    assert_same_output([r.decode for r in disaggregated_generate(pair[0], d, again)], want)
+    again = make_prompts(305, (100,))
+    want = reference.generate(local(again))
+    assert_every_output_differs([r.decode for r in disaggregated_generate(other, d, again)], want)
 
 
 def test_multi_connector_with_a_pull_child(
