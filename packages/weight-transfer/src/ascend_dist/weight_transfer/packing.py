@@ -30,13 +30,17 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BUCKET_ALIGN",
+    "Bucket",
     "Piece",
     "StreamPlan",
     "Unit",
     "as_bytes",
     "dtype_itemsize",
     "new_staging",
+    "bucket_views",
     "pack_buffer",
+    "plan_buckets",
     "plan_stream",
     "check_tensor",
     "copy_bytes",
@@ -284,3 +288,58 @@ def unpack_buffer(plan: StreamPlan, index: int, buffer: torch.Tensor, images: li
             images[piece.tensor_index][piece.tensor_offset : piece.tensor_offset + piece.length],
             buffer[piece.buffer_offset : piece.buffer_offset + piece.length],
         )
+
+
+BUCKET_ALIGN = 64
+"""Streamed buckets place each tensor at a multiple of this many bytes, so every dtype views it in place."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One buffer of a streamed update: whole tensors ``first .. first + len(offsets) - 1``.
+
+    Tensor ``first + i`` lies at byte ``offsets[i]`` of the buffer (a multiple of `BUCKET_ALIGN`);
+    ``length`` is the payload (what is broadcast; 0 when the bucket holds only empty tensors).
+    """
+
+    first: int
+    offsets: tuple[int, ...]
+    length: int
+
+
+def plan_buckets(manifest: Manifest) -> tuple[Bucket, ...]:
+    """Cut a streamed manifest into buckets of whole tensors, in order, each at most ``buffer_size_bytes``.
+
+    A bucket closes when the next tensor (at its aligned offset) would overflow it. Both sides derive
+    the same buckets from the manifest alone.
+
+    Raises:
+        ManifestMismatch: A tensor is larger than one buffer (`make_manifest` refuses such manifests
+            already; a decoded one is checked again here).
+    """
+    capacity = manifest.buffer_size_bytes
+    buckets: list[Bucket] = []
+    first, offsets, end = 0, [], 0
+    for index, spec in enumerate(manifest.tensors):
+        size = spec_nbytes(spec)
+        if size > capacity:
+            raise ManifestMismatch(f"tensor {spec.name!r} has {size} bytes, more than one streamed buffer ({capacity})")
+        at = -(-end // BUCKET_ALIGN) * BUCKET_ALIGN
+        if offsets and at + size > capacity:
+            buckets.append(Bucket(first, tuple(offsets), end))
+            first, offsets, at = index, [], 0
+        offsets.append(at)
+        end = at + size
+    if offsets:
+        buckets.append(Bucket(first, tuple(offsets), end))
+    return tuple(buckets)
+
+
+def bucket_views(buffer: torch.Tensor, bucket: Bucket, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of a received bucket (aligned, so no copy); they alias ``buffer``."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, offset in enumerate(bucket.offsets):
+        spec = manifest.tensors[bucket.first + i]
+        size = spec_nbytes(spec)
+        out.append((spec.name, buffer[offset : offset + size].view(_dtype(spec.dtype)).reshape(spec.shape)))
+    return out
