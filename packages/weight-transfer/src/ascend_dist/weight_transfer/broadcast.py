@@ -345,7 +345,7 @@ def send_update(
     if manifest.streamed:
         _send_streamed(comm, manifest, source, phases, allocate)
     elif manifest.packed:
-        _send_packed(comm, manifest, source, phases, pool if pool is not None else BufferPool())
+        _send_packed(comm, manifest, source, phases, pool if pool is not None else BufferPool(device_allocator))
     else:
         _send_unpacked(comm, manifest, source, phases)
     t0 = time.perf_counter()
@@ -535,7 +535,7 @@ def receive_update(
         _finish_streamed(comm, update_id, _recv_streamed(comm, remote, phases, sink, allocate))
         return update_id, phases
     total = sum(spec_nbytes(spec) for spec in remote.tensors)
-    flat = (pool if pool is not None else BufferPool()).get("staging", total, comm.device)
+    flat = (pool if pool is not None else BufferPool(device_allocator)).get("staging", total, comm.device)
     staging = (_recv_packed if remote.packed else _recv_unpacked)(comm, remote, phases, flat)
     t0 = time.perf_counter()
     votes = _vote(comm, 0)

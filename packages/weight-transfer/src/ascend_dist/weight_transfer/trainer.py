@@ -43,7 +43,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
-from ascend_dist.weight_transfer.pool import BufferPool
+from ascend_dist.weight_transfer.pool import BufferPool, device_allocator
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +104,7 @@ class BroadcastTrainer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._broken: str | None = None
         self._next_update_id = 0
-        self._pool = BufferPool()  # pipeline buffers, kept between updates
+        self._pool = BufferPool(device_allocator)  # pipeline buffers, kept between updates
 
     @classmethod
     def connect(

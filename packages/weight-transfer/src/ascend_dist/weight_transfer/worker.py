@@ -36,7 +36,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
-from ascend_dist.weight_transfer.pool import BufferPool
+from ascend_dist.weight_transfer.pool import BufferPool, device_allocator
 from ascend_dist.weight_transfer.session import Session, SessionState, WeightSink
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class BroadcastWorker:
         self.streamed = False
         self.last_update_id = -1
         self.last_phases: Phases | None = None
-        self._pool = BufferPool()  # the staging stream, kept between updates
+        self._pool = BufferPool(device_allocator)  # the staging stream, kept between updates
 
     @property
     def rank(self) -> int | None:
