@@ -161,7 +161,7 @@ class BroadcastTrainer:
             "packed_direct_threshold_bytes": self.direct_threshold_bytes,
             "op_timeout_s": op_timeout_s if op_timeout_s is not None else self.group.op_timeout_s,
         }
-        if self.streamed:  # only then: the vLLM engines do not take streamed updates yet and refuse the key
+        if self.streamed:  # only then: the payload of a staged trainer stays what it was
             info["streamed"] = True
         return info
 
