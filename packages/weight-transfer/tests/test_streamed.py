@@ -285,3 +285,24 @@ def test_a_worker_dying_mid_stream_is_worker_lost_and_the_survivor_reports_mixed
         assert any(now[n] == new[n] for n in now) and any(now[n] == before[n] != new[n] for n in now)
     finally:
         trainer.shutdown()
+
+
+def test_the_packed_ipc_trainer_pulls_each_tensor_only_when_its_chunk_is_packed() -> None:
+    from ascend_dist.weight_transfer.ipc import SharedExporter, packed_chunks
+
+    weights = synthetic_weights(SPECS, 3)
+    manifest = manifest_of(weights, buffer_size_bytes=BUFFER)
+    pulled: list[int] = []
+
+    def source():
+        for i, item in enumerate(weights):
+            pulled.append(i)
+            yield item
+
+    with CpuSimRuntime(manual=True) as runtime:
+        chunks = packed_chunks(SharedExporter(runtime, "cpu-0"), manifest, source())
+        next(chunks)
+        # chunk 0 holds the first BUFFER bytes (~1/25 of the model): only its tensors were pulled
+        assert 0 < len(pulled) < len(SPECS) // 4, len(pulled)
+        count = 1 + sum(1 for _ in chunks)
+    assert pulled == list(range(len(SPECS))) and count > 8

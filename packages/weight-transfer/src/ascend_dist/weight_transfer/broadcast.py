@@ -57,11 +57,14 @@ from ascend_dist.weight_transfer.messages import (
 )
 from ascend_dist.weight_transfer.packing import (
     Bucket,
+    LazyImages,
     StreamPlan,
     as_bytes,
     bucket_views,
     check_tensor,
     copy_bytes,
+    expect_end,
+    next_tensor,
     pack_buffer,
     plan_buckets,
     plan_stream,
@@ -126,59 +129,12 @@ def _exchange_manifest(comm: Collective, manifest: Manifest | None, update_id: i
     return uid, manifest
 
 
-class _Puller:
-    """Pulls (and checks) source tensors as the buffers that hold them are packed."""
-
-    def __init__(self, plan: StreamPlan, manifest: Manifest, source: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self._plan = plan
-        self._manifest = manifest
-        self._source = source
-        self.images: list[torch.Tensor | None] = [None] * len(manifest.tensors)
-        self._pulled = 0
-        self._released = 0
-
-    def _pull_one(self) -> None:
-        index = self._pulled
-        name, tensor = _next_item(self._source, self._manifest, index)
-        check_tensor(self._manifest.tensors[index], name, tensor, index)
-        self.images[index] = as_bytes(tensor)
-        self._pulled += 1
-
-    def upto(self, index: int) -> list[torch.Tensor | None]:
-        """Images of every tensor starting before the end of unit ``index``; older ones dropped."""
-        plan = self._plan
-        start = plan.unit_start(index)
-        end = start + plan.buffer_length(index)
-        while self._pulled < len(self.images) and plan.offsets[self._pulled] < end:
-            self._pull_one()
-        while self._released < self._pulled and plan.offsets[self._released] + plan.sizes[self._released] <= start:
-            self.images[self._released] = None  # fully sent in earlier units (in-flight sends hold their own ref)
-            self._released += 1
-        return self.images
-
-    def rest(self) -> None:
-        """Pull the remaining (zero-byte) tensors, then require the source to be exhausted."""
-        while self._pulled < len(self.images):
-            self._pull_one()
-        self.images = []
-        _expect_end(self._source, self._manifest)
-
-
 def _slots(comm: Collective, manifest: Manifest, plan: StreamPlan, pool: BufferPool) -> list[torch.Tensor]:
     """The pipeline buffers: ``num_buffers`` of them, no larger than the largest packed unit (kept in ``pool``)."""
     packed = [u.end - u.start for u in plan.units if not u.direct]
     size = max(packed, default=0)
     count = min(manifest.num_buffers, len(packed))
     return [pool.get(f"slot{i}", size, comm.device) for i in range(count)]
-
-
-def _next_item(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, index: int) -> tuple[str, torch.Tensor]:
-    try:
-        return next(source)
-    except StopIteration:
-        raise ManifestMismatch(
-            f"the source ended after {index} tensors but the manifest declares {len(manifest.tensors)}"
-        ) from None
 
 
 def _send_packed(
@@ -190,7 +146,7 @@ def _send_packed(
     referenced until it completed, so nothing is reused or freed under a running broadcast.
     """
     plan = plan_stream(manifest)
-    puller = _Puller(plan, manifest, source)
+    puller = LazyImages(plan, manifest, source)
     slots = _slots(comm, manifest, plan, pool)
     free = list(range(len(slots)))
     in_flight: collections.deque[tuple[Pending, int | None, torch.Tensor]] = collections.deque()
@@ -264,7 +220,7 @@ def _send_streamed(
         t0 = time.perf_counter()
         for i, offset in enumerate(bucket.offsets):
             index = bucket.first + i
-            name, tensor = _next_item(source, manifest, index)
+            name, tensor = next_tensor(source, manifest, index)
             check_tensor(manifest.tensors[index], name, tensor, index)
             image = as_bytes(tensor)
             if image.numel():
@@ -276,14 +232,14 @@ def _send_streamed(
             free.append(slot)
     while in_flight:
         retire()
-    _expect_end(source, manifest)
+    expect_end(source, manifest)
     phases.bytes = sum(spec_nbytes(s) for s in manifest.tensors)
 
 
 def _send_unpacked(comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases) -> None:
     total = 0
     for index, spec in enumerate(manifest.tensors):
-        name, tensor = _next_item(source, manifest, index)
+        name, tensor = next_tensor(source, manifest, index)
         check_tensor(spec, name, tensor, index)
         image = as_bytes(tensor.to(comm.device))
         if image.numel():
@@ -291,16 +247,8 @@ def _send_unpacked(comm: Collective, manifest: Manifest, source: Iterator[tuple[
             comm.broadcast(image, _SRC).wait()
             phases.transfer_s += time.perf_counter() - t0
         total += image.numel()
-    _expect_end(source, manifest)
+    expect_end(source, manifest)
     phases.bytes = total
-
-
-def _expect_end(source: Iterator[tuple[str, Any]], manifest: Manifest) -> None:
-    extra = next(source, None)
-    if extra is not None:
-        raise ManifestMismatch(
-            f"the source yielded {extra[0]!r} after the {len(manifest.tensors)} tensors the manifest declares"
-        )
 
 
 def send_update(

@@ -27,7 +27,7 @@ import msgspec
 from ascend_dist.common.device.ipc import IpcHandle
 from ascend_dist.common.errors import ConfigError, DeviceError, ProtocolError
 from ascend_dist.weight_transfer.messages import IpcChunk, Manifest
-from ascend_dist.weight_transfer.packing import StreamPlan, as_bytes, check_tensor, pack_buffer, plan_stream
+from ascend_dist.weight_transfer.packing import LazyImages, StreamPlan, check_tensor, pack_buffer, plan_stream
 
 if TYPE_CHECKING:
     import torch
@@ -234,18 +234,12 @@ def packed_chunks(
     if plan.num_buffers == 0:
         return
     buffer = exporter.buffer(min(plan.buffer_size, plan.total_bytes))
-    images: list[torch.Tensor | None] = [None] * len(manifest.tensors)
-    source = iter(tensors)
-    for index, spec in enumerate(manifest.tensors):  # images are views when already contiguous
-        item = next(source, None)
-        if item is None:
-            raise ConfigError("tensors", f"{index} tensors", f"the {len(manifest.tensors)} the manifest declares")
-        check_tensor(spec, item[0], item[1], index)
-        images[index] = as_bytes(item[1])
+    lazy = LazyImages(plan, manifest, iter(tensors))  # each tensor read when its first chunk is packed
     for k in range(plan.num_buffers):
-        length = pack_buffer(plan, k, images, buffer)
+        length = pack_buffer(plan, k, lazy.upto(k), buffer)
         exporter.runtime.synchronize()
         yield k, {exporter.uuid: exporter.runtime.ipc_handle(buffer[:length])}
+    lazy.rest()
 
 
 def make_chunk(manifest: Manifest, index: int, count: int, handles: Sequence[dict[str, IpcHandle]]) -> IpcChunk:

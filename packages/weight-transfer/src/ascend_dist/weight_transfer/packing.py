@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ascend_dist.common.device.ipc import dtype_from_str, dtype_to_str
 from ascend_dist.weight_transfer.errors import ManifestMismatch
@@ -32,11 +32,14 @@ if TYPE_CHECKING:
 __all__ = [
     "BUCKET_ALIGN",
     "Bucket",
+    "LazyImages",
     "Piece",
     "StreamPlan",
     "Unit",
     "as_bytes",
     "dtype_itemsize",
+    "expect_end",
+    "next_tensor",
     "new_staging",
     "bucket_views",
     "pack_buffer",
@@ -343,3 +346,66 @@ def bucket_views(buffer: torch.Tensor, bucket: Bucket, manifest: Manifest) -> li
         size = spec_nbytes(spec)
         out.append((spec.name, buffer[offset : offset + size].view(_dtype(spec.dtype)).reshape(spec.shape)))
     return out
+
+
+def next_tensor(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, index: int) -> tuple[str, torch.Tensor]:
+    """The source's next ``(name, tensor)``; `ManifestMismatch` when it ended before the manifest."""
+    try:
+        return next(source)
+    except StopIteration:
+        raise ManifestMismatch(
+            f"the source ended after {index} tensors but the manifest declares {len(manifest.tensors)}"
+        ) from None
+
+
+def expect_end(source: Iterator[tuple[str, Any]], manifest: Manifest) -> None:
+    """Raise `ManifestMismatch` when the source yields more than the manifest declares."""
+    extra = next(source, None)
+    if extra is not None:
+        raise ManifestMismatch(
+            f"the source yielded {extra[0]!r} after the {len(manifest.tensors)} tensors the manifest declares"
+        )
+
+
+class LazyImages:
+    """Pulls (and checks) source tensors only as the buffers that hold them are packed.
+
+    The trainer never images the whole update: a tensor is read from the source when the first
+    buffer holding its bytes is packed, and its image is dropped once the buffers holding it were
+    packed (a non-contiguous tensor's image is a copy, so this bounds those copies too).
+    """
+
+    def __init__(self, plan: StreamPlan, manifest: Manifest, source: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Serve ``source``'s tensors, checked against ``manifest``, laid out by ``plan``."""
+        self._plan = plan
+        self._manifest = manifest
+        self._source = source
+        self.images: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+        self._pulled = 0
+        self._released = 0
+
+    def _pull_one(self) -> None:
+        index = self._pulled
+        name, tensor = next_tensor(self._source, self._manifest, index)
+        check_tensor(self._manifest.tensors[index], name, tensor, index)
+        self.images[index] = as_bytes(tensor)
+        self._pulled += 1
+
+    def upto(self, index: int) -> list[torch.Tensor | None]:
+        """Images of every tensor starting before the end of unit ``index``; older ones dropped."""
+        plan = self._plan
+        start = plan.unit_start(index)
+        end = start + plan.buffer_length(index)
+        while self._pulled < len(self.images) and plan.offsets[self._pulled] < end:
+            self._pull_one()
+        while self._released < self._pulled and plan.offsets[self._released] + plan.sizes[self._released] <= start:
+            self.images[self._released] = None  # fully packed earlier (in-flight sends hold their own ref)
+            self._released += 1
+        return self.images
+
+    def rest(self) -> None:
+        """Pull the remaining (zero-byte) tensors, then require the source to be exhausted."""
+        while self._pulled < len(self.images):
+            self._pull_one()
+        self.images = []
+        expect_end(self._source, self._manifest)
