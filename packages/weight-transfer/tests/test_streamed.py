@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from ascend_dist.common.device import close_runtime
 from ascend_dist.common.device.cpu_sim import CpuSimRuntime
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.weight_transfer._demo.procs import (
@@ -24,6 +25,7 @@ from ascend_dist.weight_transfer._demo.procs import (
     synthetic_weights,
 )
 from ascend_dist.weight_transfer.broadcast import receive_update, send_update
+from ascend_dist.weight_transfer.collective import gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.errors import LoadFailed, ManifestMismatch, WorkerLost
 from ascend_dist.weight_transfer.messages import check_manifests
 from ascend_dist.weight_transfer.packing import BUCKET_ALIGN, as_bytes, plan_buckets, spec_nbytes
@@ -169,23 +171,27 @@ def test_a_loader_failure_mid_stream_is_load_failed_and_later_buckets_are_not_lo
 
 
 def _connect(
-    workers: list[WorkerProcess], *, streamed: bool, die_after: int | None = None, op_timeout_s: float = TIMEOUT_S
-) -> BroadcastTrainer:
+    workers: list[WorkerProcess], *, streamed: bool, die_after: int | None = None, op_timeout_s: float = TIMEOUT_S,
+    collective: str = "gloo",
+) -> BroadcastTrainer:  # fmt: skip
     port = free_port()
     for i, proc in enumerate(workers):
         proc.send(
             "init", master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=len(workers) + 1,
             dp_index=i, replica_size=1, rank_in_replica=0, packed=True, buffer_size_bytes=BUFFER,
             num_buffers=NUM_BUFFERS, op_timeout_s=op_timeout_s, direct_threshold_bytes=0, streamed=streamed,
-            die_after_buffers=die_after if i == 1 else None,
+            die_after_buffers=die_after if i == 1 else None, collective=collective,
         )  # fmt: skip
     trainer = BroadcastTrainer.connect(
         "127.0.0.1", port, len(workers) + 1, buffer_size_bytes=BUFFER, num_buffers=NUM_BUFFERS,
         op_timeout_s=op_timeout_s, direct_threshold_bytes=0, streamed=streamed,
+        collective_factory=hccl_collective if collective == "hccl" else gloo_collective,
     )  # fmt: skip
-    for proc in workers:
+    expected = "CommunicatorCollective" if collective == "hccl" else "GlooCollective"
+    for i, proc in enumerate(workers):
         reply = proc.reply(TIMEOUT_S)
-        assert reply["ok"], reply
+        assert reply["ok"] and reply["collective"] == ("_DieAfter" if die_after and i == 1 else expected), reply
+    assert type(trainer.collective).__name__ == expected
     return trainer
 
 
@@ -262,6 +268,20 @@ def test_a_model_eight_times_the_bound_updates_bit_exact_within_the_bound_over_g
             assert proc.call("digest")["digests"] == expected
     finally:
         trainer.shutdown()
+
+
+def test_streamed_updates_over_the_hccl_communicator_path(spawn_workers: Callable[..., list[WorkerProcess]]) -> None:
+    """The same over `hccl_collective` (the real `PyHcclCommunicator` on its gloo engine, simulated streams)."""
+    workers = spawn_workers(2, SPECS)
+    trainer = _connect(workers, streamed=True, collective="hccl")
+    try:
+        for seed in (1, 2):
+            expected, peak = _update_measured(trainer, workers, seed)
+            assert 0 < peak <= BOUND
+            assert all(proc.call("digest")["digests"] == expected for proc in workers)
+    finally:
+        trainer.shutdown()
+        close_runtime()  # the trainer's communicator ran on this process's runtime: stop its threads
 
 
 def test_a_worker_dying_mid_stream_is_worker_lost_and_the_survivor_reports_mixed_weights(
