@@ -107,6 +107,8 @@ class IpcParams(msgspec.Struct, frozen=True, kw_only=True):
     version: int = PROTOCOL_VERSION
     packed: bool = True
     buffer_size_bytes: _Positive = DEFAULT_BUFFER_SIZE_BYTES
+    streamed: bool = False
+    """Each chunk is a bucket of whole tensors (`packing.plan_buckets`), loaded when it arrives."""
 
 
 class IpcChunk(msgspec.Struct, frozen=True, kw_only=True):

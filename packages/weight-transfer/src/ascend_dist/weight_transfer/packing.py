@@ -301,8 +301,9 @@ BUCKET_ALIGN = 64
 class Bucket:
     """One buffer of a streamed update: whole tensors ``first .. first + len(offsets) - 1``.
 
-    Tensor ``first + i`` lies at byte ``offsets[i]`` of the buffer (a multiple of `BUCKET_ALIGN`);
-    ``length`` is the payload (what is broadcast; 0 when the bucket holds only empty tensors).
+    Tensor ``first + i`` lies at byte ``offsets[i]`` of the buffer (a multiple of `BUCKET_ALIGN`; 0
+    for a zero-byte tensor, which takes no room); ``length`` is the payload (what is sent; 0 only
+    when the whole update has no bytes).
     """
 
     first: int
@@ -327,6 +328,9 @@ def plan_buckets(manifest: Manifest) -> tuple[Bucket, ...]:
         size = spec_nbytes(spec)
         if size > capacity:
             raise ManifestMismatch(f"tensor {spec.name!r} has {size} bytes, more than one streamed buffer ({capacity})")
+        if size == 0:  # no room taken, never opens a bucket (so only a byte-less update has a 0-length one)
+            offsets.append(0)
+            continue
         at = -(-end // BUCKET_ALIGN) * BUCKET_ALIGN
         if offsets and at + size > capacity:
             buckets.append(Bucket(first, tuple(offsets), end))

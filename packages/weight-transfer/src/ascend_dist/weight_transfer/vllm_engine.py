@@ -44,6 +44,7 @@ from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
     DEFAULT_NUM_BUFFERS,
+    PROTOCOL_VERSION,
     IpcParams,
     Manifest,
 )
@@ -240,9 +241,10 @@ class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
 
     packed: bool = True
     buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
-    version: int = 1
+    version: int = PROTOCOL_VERSION
     layerwise_reload: bool = True
     validate_names: bool = True
+    streamed: bool = False
 
 
 @dataclass
@@ -275,6 +277,11 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
         """Record the trainer's must-agree parameters."""
+        if init_info.streamed and init_info.layerwise_reload:
+            # the sink runs vLLM's layer-wise reload around each load_weights call, i.e. once per chunk
+            raise ConfigError(
+                "layerwise_reload", True, "false with streamed=true (layer-wise reload across chunks: not yet)"
+            )
         self._sink.layerwise = init_info.layerwise_reload
         self._validate_names = init_info.validate_names
         self.worker.init(
@@ -283,6 +290,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
                     "version": init_info.version,
                     "packed": init_info.packed,
                     "buffer_size_bytes": init_info.buffer_size_bytes,
+                    "streamed": init_info.streamed,
                 },
                 IpcParams,
             )
