@@ -327,3 +327,24 @@ def test_the_packed_ipc_trainer_pulls_each_tensor_only_when_its_chunk_is_packed(
         assert 0 < len(pulled) < len(SPECS) // 4, len(pulled)
         count = 1 + sum(1 for _ in chunks)
     assert pulled == list(range(len(SPECS))) and count > 8
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [("a", "float32", (0,)), ("b", "bfloat16", (3,)), ("c", "int8", (0, 5)), ("d", "float32", (2,))],
+        [("a", "float32", (0,)), ("b", "bfloat16", (2, 0))],  # no bytes at all
+        [("a", "bfloat16", (4000,)), ("b", "float32", ()), ("c", "int8", (0,)), ("d", "float16", (1,))],
+    ],
+)
+def test_zero_byte_tensors_and_byte_less_updates_round_trip(specs: list[Spec]) -> None:
+    weights = synthetic_weights(specs, 4)
+    manifest = manifest_of(weights, buffer_size_bytes=8000, num_buffers=2, streamed=True)
+    wire = LateCollective()
+    send_update(wire, manifest, iter(weights), update_id=0, rejection_detail=lambda u, r: "")
+    sink = BucketSink([])
+    receive_update(ReplayCollective(wire.log), manifest, sink, reject=lambda u, r: None)
+    assert sink.calls == len(plan_buckets(manifest))
+    for name, want in weights:
+        got = sink.loaded[name]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(as_bytes(got), as_bytes(want))
