@@ -255,6 +255,8 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         return {"unpack_s": phases.pack_s, "transfer_s": phases.transfer_s, "load_s": phases.load_s}
     elif op == "finish":
         engine.finish()
+    elif op == "leave":  # before the trainer closes the group's store, so no heartbeat writes into a dead one
+        state.pop("engine").shutdown()
     return {}
 
 
