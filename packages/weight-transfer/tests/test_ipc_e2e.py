@@ -158,3 +158,55 @@ def test_two_trainer_ranks_merge_handles_and_each_worker_reads_its_own_chip(
     finally:
         for rt in runtimes:
             rt.close()
+
+
+def test_streamed_ipc_updates_load_chunk_by_chunk_on_every_worker(
+    spawn_workers: Callable[..., list[WorkerProcess]], runtime: CpuSimRuntime
+) -> None:
+    workers = spawn_workers(2, SPECS)
+    client = ProcessClient(workers)
+    buffer = 8192  # the largest tensor is ~5 KiB; the model ~48 KiB: several buckets
+    trainer = IpcTrainer(client, runtime, packed=True, buffer_size_bytes=buffer, uuid="host-cpu0", streamed=True)
+    _init(workers, ["host-cpu0", "host-cpu0"], {"packed": True, "buffer_size_bytes": buffer, "streamed": True})
+    previous: dict[str, str] | None = None
+    for seed in (1, 2):
+        weights = synthetic_weights(SPECS, seed)
+        sent = trainer.send(weights)
+        expected = param_digests(weights)
+        assert sent >= 5
+        for w in workers:
+            got = w.call("digest")["digests"]
+            assert got == expected
+            if previous is not None:  # control: every tensor changed
+                assert all(got[n] != previous[n] for n in got)
+        previous = expected
+
+
+def test_a_streamed_ipc_trainer_dying_midway_leaves_a_truthful_mixed_weights_error(
+    spawn_workers: Callable[..., list[WorkerProcess]], runtime: CpuSimRuntime
+) -> None:
+    (worker,) = spawn_workers(1, SPECS)
+    client = ProcessClient([worker])
+    trainer = IpcTrainer(client, runtime, packed=True, buffer_size_bytes=8192, uuid="host-cpu0", streamed=True)
+    _init([worker], ["host-cpu0"], {"packed": True, "buffer_size_bytes": 8192, "streamed": True})
+    weights = synthetic_weights(SPECS, 5)
+
+    def dies_midway() -> Iterator[tuple[str, Any]]:
+        for i, item in enumerate(weights):
+            if i == len(weights) // 2:
+                raise OSError("trainer died")
+            yield item
+
+    manifest = trainer_manifest(weights)
+    with pytest.raises(OSError, match="trainer died"):
+        trainer.send(dies_midway(), manifest)
+    with pytest.raises(RuntimeError, match=r"LoadFailed: finish after \d+ of \d+ streamed chunks.*mixed weights"):
+        client.finish_weight_update()
+    now, new = worker.call("digest")["digests"], param_digests(weights)
+    assert any(now[n] == new[n] for n in now) and any(now[n] != new[n] for n in now)  # mixed, as it says
+
+
+def trainer_manifest(weights: list[tuple[str, Any]]) -> Any:
+    from ascend_dist.weight_transfer.trainer import manifest_of
+
+    return manifest_of(weights, buffer_size_bytes=8192, num_buffers=1, streamed=True)

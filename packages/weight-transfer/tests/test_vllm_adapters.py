@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import torch
 
+from ascend_dist.common.errors import ConfigError
 from ascend_dist.weight_transfer._demo.procs import synthetic_specs, synthetic_weights
 
 from .conftest import free_port
@@ -142,8 +143,8 @@ def _workers(backend: str, count: int) -> tuple[list[Any], list[LoadableModel]]:
     return engines, models
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_hccl_round_trips_through_the_real_factories(registered: list[str], packed: bool) -> None:
+@pytest.mark.parametrize(("packed", "streamed"), [(True, False), (False, False), (True, True)])
+def test_hccl_round_trips_through_the_real_factories(registered: list[str], packed: bool, streamed: bool) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -154,11 +155,12 @@ def test_hccl_round_trips_through_the_real_factories(registered: list[str], pack
     trainer_model = LoadableModel(seed=1)
     info = HCCLTrainerInitInfo(
         "127.0.0.1", free_port(), 3, rank=0, packed=packed, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
-        layerwise_reload=False, packed_direct_threshold_bytes=2000,
+        layerwise_reload=False, packed_direct_threshold_bytes=2000, streamed=streamed,
     )  # fmt: skip
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(trainer_model))
     try:
         assert [e.worker.rank for e in engines] == [1, 2]  # from data_parallel_index 0 and 1
+        assert all(e.worker.streamed == streamed for e in engines)
         for seed in (2, 3, 4):
             trainer_model.load_weights(synthetic_weights(SPECS, seed))
             trainer.send_weights()
@@ -415,3 +417,15 @@ def test_npu_ipc_bad_tensor_name_is_refused_before_anything_is_loaded(registered
         trainer.shutdown()
         engines[0].shutdown()
         client.pool.shutdown()
+
+
+def test_hccl_streamed_with_layerwise_reload_is_refused_at_init(registered: list[str]) -> None:
+    engines, _ = _workers("hccl", 1)
+    info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "streamed": True, "layerwise_reload": True}  # fmt: skip
+    try:
+        with pytest.raises(ConfigError, match=r"layerwise_reload.*false with streamed=true"):
+            engines[0].init_transfer_engine(engines[0].parse_init_info(info))
+        assert engines[0].worker.rank is None  # refused before joining any group
+    finally:
+        engines[0].shutdown()

@@ -18,6 +18,16 @@ Workers receive into staging tensors, never into the model, so a failure anywher
 commit (a worker dying, a timeout, a mismatch) leaves every surviving worker on its previous
 weights. The trainer turns a failed collective into `WorkerLost` naming the workers whose
 heartbeat stopped, or `UpdateAborted` when all are alive.
+
+Streamed updates (``Manifest.streamed``) trade that atomicity for bounded memory: steps 1-3 are the
+same (the name check still refuses before any byte), then step 4 carries buckets of whole tensors
+(`packing.plan_buckets`) through ``num_buffers`` buffers on each side, and each worker loads a
+bucket into the model as soon as it landed, while the next ones are on the wire and the trainer
+packs the one after. Neither side holds more than ``num_buffers * buffer_size_bytes`` of buffers,
+and both drop them when the update ends. Step 5 then reports whether every rank loaded every
+bucket: a worker whose loader failed keeps receiving (so the group stays in step) and votes no;
+every rank raises `LoadFailed`. A collective that fails after the first load is a `PartialUpdate`:
+the survivors hold some new weights.
 """
 
 from __future__ import annotations
@@ -29,9 +39,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from ascend_dist.common.errors import ProtocolError
+from ascend_dist.common.errors import AscendDistError, ProtocolError
 from ascend_dist.weight_transfer.collective import Collective, Pending
-from ascend_dist.weight_transfer.errors import ManifestMismatch, ManifestRejected, UpdateAborted
+from ascend_dist.weight_transfer.errors import (
+    LoadFailed,
+    ManifestMismatch,
+    ManifestRejected,
+    PartialUpdate,
+    UpdateAborted,
+)
 from ascend_dist.weight_transfer.messages import (
     PROTOCOL_VERSION,
     Manifest,
@@ -40,15 +56,22 @@ from ascend_dist.weight_transfer.messages import (
     encode_manifest,
 )
 from ascend_dist.weight_transfer.packing import (
+    Bucket,
+    LazyImages,
     StreamPlan,
     as_bytes,
+    bucket_views,
     check_tensor,
+    copy_bytes,
+    expect_end,
+    next_tensor,
     pack_buffer,
+    plan_buckets,
     plan_stream,
     spec_nbytes,
     tensor_views,
 )
-from ascend_dist.weight_transfer.pool import BufferPool
+from ascend_dist.weight_transfer.pool import Allocate, BufferPool, device_allocator
 from ascend_dist.weight_transfer.session import WeightSink
 
 if TYPE_CHECKING:
@@ -106,59 +129,12 @@ def _exchange_manifest(comm: Collective, manifest: Manifest | None, update_id: i
     return uid, manifest
 
 
-class _Puller:
-    """Pulls (and checks) source tensors as the buffers that hold them are packed."""
-
-    def __init__(self, plan: StreamPlan, manifest: Manifest, source: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self._plan = plan
-        self._manifest = manifest
-        self._source = source
-        self.images: list[torch.Tensor | None] = [None] * len(manifest.tensors)
-        self._pulled = 0
-        self._released = 0
-
-    def _pull_one(self) -> None:
-        index = self._pulled
-        name, tensor = _next_item(self._source, self._manifest, index)
-        check_tensor(self._manifest.tensors[index], name, tensor, index)
-        self.images[index] = as_bytes(tensor)
-        self._pulled += 1
-
-    def upto(self, index: int) -> list[torch.Tensor | None]:
-        """Images of every tensor starting before the end of unit ``index``; older ones dropped."""
-        plan = self._plan
-        start = plan.unit_start(index)
-        end = start + plan.buffer_length(index)
-        while self._pulled < len(self.images) and plan.offsets[self._pulled] < end:
-            self._pull_one()
-        while self._released < self._pulled and plan.offsets[self._released] + plan.sizes[self._released] <= start:
-            self.images[self._released] = None  # fully sent in earlier units (in-flight sends hold their own ref)
-            self._released += 1
-        return self.images
-
-    def rest(self) -> None:
-        """Pull the remaining (zero-byte) tensors, then require the source to be exhausted."""
-        while self._pulled < len(self.images):
-            self._pull_one()
-        self.images = []
-        _expect_end(self._source, self._manifest)
-
-
 def _slots(comm: Collective, manifest: Manifest, plan: StreamPlan, pool: BufferPool) -> list[torch.Tensor]:
     """The pipeline buffers: ``num_buffers`` of them, no larger than the largest packed unit (kept in ``pool``)."""
     packed = [u.end - u.start for u in plan.units if not u.direct]
     size = max(packed, default=0)
     count = min(manifest.num_buffers, len(packed))
     return [pool.get(f"slot{i}", size, comm.device) for i in range(count)]
-
-
-def _next_item(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, index: int) -> tuple[str, torch.Tensor]:
-    try:
-        return next(source)
-    except StopIteration:
-        raise ManifestMismatch(
-            f"the source ended after {index} tensors but the manifest declares {len(manifest.tensors)}"
-        ) from None
 
 
 def _send_packed(
@@ -170,7 +146,7 @@ def _send_packed(
     referenced until it completed, so nothing is reused or freed under a running broadcast.
     """
     plan = plan_stream(manifest)
-    puller = _Puller(plan, manifest, source)
+    puller = LazyImages(plan, manifest, source)
     slots = _slots(comm, manifest, plan, pool)
     free = list(range(len(slots)))
     in_flight: collections.deque[tuple[Pending, int | None, torch.Tensor]] = collections.deque()
@@ -204,10 +180,66 @@ def _send_packed(
     phases.bytes = plan.total_bytes
 
 
+def _bucket_slots(
+    comm: Collective, manifest: Manifest, buckets: tuple[Bucket, ...], allocate: Allocate
+) -> list[torch.Tensor]:
+    """A streamed update's buffers: ``num_buffers`` of them, no larger than the largest bucket.
+
+    The caller holds them for this update only (`BufferPool` keeps buffers; these must not outlive it).
+    """
+    size = max((b.length for b in buckets), default=0)
+    return [allocate(size, comm.device) for _ in range(min(manifest.num_buffers, len(buckets)))]
+
+
+def _send_streamed(
+    comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases, allocate: Allocate
+) -> None:
+    """Pack bucket ``k + 1`` while bucket ``k`` is on the wire; pull each tensor only when its bucket is packed.
+
+    Nothing is imaged ahead: a tensor's bytes are read when they are copied into its bucket, so the
+    trainer's extra memory is the ``num_buffers`` buffers (plus one tensor's contiguous copy when the
+    source tensor is not contiguous).
+    """
+    buckets = plan_buckets(manifest)
+    slots = _bucket_slots(comm, manifest, buckets, allocate)
+    free = list(range(len(slots)))
+    in_flight: collections.deque[tuple[Pending, int]] = collections.deque()
+
+    def retire() -> None:
+        pending, slot = in_flight.popleft()
+        t0 = time.perf_counter()
+        pending.wait()
+        phases.transfer_s += time.perf_counter() - t0
+        free.append(slot)
+
+    for bucket in buckets:
+        if not free:
+            retire()
+        slot = free.pop()
+        buffer = slots[slot]
+        t0 = time.perf_counter()
+        for i, offset in enumerate(bucket.offsets):
+            index = bucket.first + i
+            name, tensor = next_tensor(source, manifest, index)
+            check_tensor(manifest.tensors[index], name, tensor, index)
+            image = as_bytes(tensor)
+            if image.numel():
+                copy_bytes(buffer[offset : offset + image.numel()], image)
+        phases.pack_s += time.perf_counter() - t0
+        if bucket.length:
+            in_flight.append((comm.broadcast(buffer[: bucket.length], _SRC), slot))
+        else:
+            free.append(slot)
+    while in_flight:
+        retire()
+    expect_end(source, manifest)
+    phases.bytes = sum(spec_nbytes(s) for s in manifest.tensors)
+
+
 def _send_unpacked(comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases) -> None:
     total = 0
     for index, spec in enumerate(manifest.tensors):
-        name, tensor = _next_item(source, manifest, index)
+        name, tensor = next_tensor(source, manifest, index)
         check_tensor(spec, name, tensor, index)
         image = as_bytes(tensor.to(comm.device))
         if image.numel():
@@ -215,16 +247,8 @@ def _send_unpacked(comm: Collective, manifest: Manifest, source: Iterator[tuple[
             comm.broadcast(image, _SRC).wait()
             phases.transfer_s += time.perf_counter() - t0
         total += image.numel()
-    _expect_end(source, manifest)
+    expect_end(source, manifest)
     phases.bytes = total
-
-
-def _expect_end(source: Iterator[tuple[str, Any]], manifest: Manifest) -> None:
-    extra = next(source, None)
-    if extra is not None:
-        raise ManifestMismatch(
-            f"the source yielded {extra[0]!r} after the {len(manifest.tensors)} tensors the manifest declares"
-        )
 
 
 def send_update(
@@ -235,6 +259,7 @@ def send_update(
     update_id: int,
     rejection_detail: Callable[[int, int], str],
     pool: BufferPool | None = None,
+    allocate: Allocate = device_allocator,
 ) -> Phases:
     """Run one update as the trainer (rank 0).
 
@@ -244,7 +269,9 @@ def send_update(
         tensors: ``(name, tensor)`` pairs in manifest order (consumed lazily).
         update_id: Sequence number of the update (for logs and store keys).
         rejection_detail: ``(update_id, worker_rank) -> str``: the reason a worker gave.
-        pool: Keeps the pipeline buffers between updates (default: fresh ones for this update).
+        pool: Keeps the pipeline buffers between updates (default: fresh ones for this update);
+            streamed updates use buffers of their own, dropped when the update ends.
+        allocate: Where a streamed update's buffers come from.
 
     Returns:
         Time split of the update.
@@ -253,6 +280,7 @@ def send_update(
         ManifestMismatch: A worker refused the manifest (nothing was sent or written), or the
             source disagrees with the manifest (workers time out and keep their weights).
         RuntimeError: The collective failed (the caller maps it to `WorkerLost`/`UpdateAborted`).
+        LoadFailed: Streamed: a worker's loader failed; the others loaded the whole update.
     """
     phases = Phases()
     _exchange_manifest(comm, manifest, update_id)
@@ -262,14 +290,21 @@ def send_update(
         reasons = "; ".join(f"worker rank {r}: {rejection_detail(update_id, r)}" for r in rejected)
         raise ManifestRejected(f"update {update_id} refused before any data was sent ({reasons})")
     source = iter(tensors)
-    if manifest.packed:
-        _send_packed(comm, manifest, source, phases, pool if pool is not None else BufferPool())
+    if manifest.streamed:
+        _send_streamed(comm, manifest, source, phases, allocate)
+    elif manifest.packed:
+        _send_packed(comm, manifest, source, phases, pool if pool is not None else BufferPool(device_allocator))
     else:
         _send_unpacked(comm, manifest, source, phases)
     t0 = time.perf_counter()
     votes = _vote(comm, 0)
     phases.transfer_s += time.perf_counter() - t0
     failed = [r for r, v in enumerate(votes) if v]
+    if failed and manifest.streamed:
+        raise LoadFailed(
+            f"update {update_id} (streamed): worker ranks {failed} could not load every bucket; the other "
+            "workers loaded all of it, so the ranks now hold different weights: send a complete update again"
+        )
     if failed:
         raise UpdateAborted(f"update {update_id}: workers {failed} did not receive every byte; none committed")
     return phases
@@ -315,6 +350,82 @@ def _recv_packed(comm: Collective, manifest: Manifest, phases: Phases, flat: tor
     return views
 
 
+def _recv_streamed(
+    comm: Collective, manifest: Manifest, phases: Phases, sink: WeightSink, allocate: Allocate
+) -> BaseException | None:
+    """Receive bucket after bucket, loading each into ``sink`` while the next ones are on the wire.
+
+    Returns the loader's error (the first one; later buckets are still received, not loaded, so
+    every rank stays in step for the final vote) or None.
+
+    Raises:
+        PartialUpdate: The collective failed after a bucket was loaded (cause: its error).
+    """
+    buckets = plan_buckets(manifest)
+    slots = _bucket_slots(comm, manifest, buckets, allocate)
+    depth = len(slots)
+    posted: dict[int, Pending] = {}
+    load_error: BaseException | None = None
+    loaded = 0
+
+    def post(k: int) -> None:
+        if buckets[k].length:
+            posted[k] = comm.broadcast(slots[k % depth][: buckets[k].length], _SRC)
+
+    try:
+        for k in range(depth):
+            post(k)
+        for k, bucket in enumerate(buckets):
+            pending = posted.pop(k, None)
+            t0 = time.perf_counter()
+            if pending is not None:
+                pending.wait()
+            t1 = time.perf_counter()
+            phases.transfer_s += t1 - t0
+            if load_error is None:
+                loaded += 1  # counted before the call: a loader that fails midway changed the model too
+                try:
+                    sink.load_weights(bucket_views(slots[k % depth], bucket, manifest))
+                except Exception as exc:  # the model's loader: any error; reported at the vote
+                    load_error = exc
+                phases.load_s += time.perf_counter() - t1
+            if k + depth < len(buckets):
+                post(k + depth)  # the slot is free: the sink copied bucket k out
+    except (AscendDistError, RuntimeError) as exc:
+        if not loaded:
+            raise
+        raise PartialUpdate(
+            f"streamed update failed on the wire after {loaded} of {len(buckets)} buckets were loaded "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): this model holds some new "
+            "weights; send a complete update again"
+        ) from exc
+    phases.bytes = sum(spec_nbytes(s) for s in manifest.tensors)
+    return load_error
+
+
+def _finish_streamed(comm: Collective, update_id: int, load_error: BaseException | None) -> None:
+    """Step 5 of a streamed update: every rank learns whether every rank loaded every bucket."""
+    try:
+        votes = _vote(comm, 1 if load_error is not None else 0)
+    except (AscendDistError, RuntimeError) as exc:
+        raise PartialUpdate(
+            f"update {update_id} (streamed): the final vote failed ({type(exc).__name__}) after this worker "
+            "loaded buckets: it may hold new weights while other ranks do not; send a complete update again"
+        ) from exc
+    if load_error is not None:
+        raise LoadFailed(
+            f"update {update_id} (streamed): the model's loader failed on a bucket "
+            f"({type(load_error).__name__}: {load_error}); earlier buckets were loaded, so the model holds "
+            "mixed weights: send a complete update again"
+        ) from load_error
+    failed = [r for r, v in enumerate(votes) if v]
+    if failed:
+        raise LoadFailed(
+            f"update {update_id} (streamed): ranks {failed} could not load every bucket; this rank loaded all "
+            "of it, so the ranks hold different weights: send a complete update again"
+        )
+
+
 def receive_update(
     comm: Collective,
     expected: Manifest | None,
@@ -324,6 +435,7 @@ def receive_update(
     refuse: str = "",
     validate: Callable[[Manifest], None] | None = None,
     pool: BufferPool | None = None,
+    allocate: Allocate = device_allocator,
 ) -> tuple[int, Phases]:
     """Run one update as a worker; load the weights only if every rank got every byte.
 
@@ -336,7 +448,9 @@ def receive_update(
         refuse: A reason to refuse whatever the trainer sends (bad local update info).
         validate: Optional check of the manifest against the model (unknown names, shapes, dtypes).
         pool: Keeps the staging stream between updates (default: a fresh one for this update).
-            ``sink`` must copy what it is given before ``load_weights`` returns.
+            ``sink`` must copy what it is given before ``load_weights`` returns. Streamed updates
+            use buffers of their own (from ``allocate``), dropped when the update ends.
+        allocate: Where a streamed update's buffers come from.
 
     Returns:
         ``(update_id, phases)``.
@@ -344,6 +458,8 @@ def receive_update(
     Raises:
         ManifestMismatch: This worker or another refused the update; nothing was written.
         UpdateAborted: The update did not complete on every rank; the model keeps its weights.
+        LoadFailed: Streamed: a rank's loader failed (this one's error is the cause).
+        PartialUpdate: Streamed: the collective failed after this worker loaded a bucket.
     """
     phases = Phases()
     update_id, remote = _exchange_manifest(comm, None, 0)
@@ -363,8 +479,11 @@ def receive_update(
     if any(votes):
         others = [r for r, v in enumerate(votes) if v]
         raise ManifestRejected(f"update {update_id} refused by worker ranks {others}; nothing was written")
+    if remote.streamed:
+        _finish_streamed(comm, update_id, _recv_streamed(comm, remote, phases, sink, allocate))
+        return update_id, phases
     total = sum(spec_nbytes(spec) for spec in remote.tensors)
-    flat = (pool if pool is not None else BufferPool()).get("staging", total, comm.device)
+    flat = (pool if pool is not None else BufferPool(device_allocator)).get("staging", total, comm.device)
     staging = (_recv_packed if remote.packed else _recv_unpacked)(comm, remote, phases, flat)
     t0 = time.perf_counter()
     votes = _vote(comm, 0)

@@ -14,6 +14,7 @@ __all__ = [
     "LoadFailed",
     "ManifestMismatch",
     "ManifestRejected",
+    "PartialUpdate",
     "UpdateAborted",
     "UpdateStateError",
     "WorkerLost",
@@ -77,4 +78,13 @@ class EngineRpcFailed(TransferError):
     """The engines' side of an init or update (the client's RPC) failed; the server's error is the cause.
 
     Degrade: read the cause (the engine names what it refused), fix it and call init or send again.
+    """
+
+
+class PartialUpdate(LoadFailed):
+    """A streamed update broke on the wire after this worker had loaded some of its buckets.
+
+    Streamed updates load each bucket as it lands (bounded memory), so unlike a staged update the
+    model now holds some new and some old weights, and the transfer group is unusable. Degrade: do
+    not serve from this engine; call ``init`` again and send a complete update.
     """

@@ -27,7 +27,18 @@ import msgspec
 from ascend_dist.common.device.ipc import IpcHandle
 from ascend_dist.common.errors import ConfigError, DeviceError, ProtocolError
 from ascend_dist.weight_transfer.messages import IpcChunk, Manifest
-from ascend_dist.weight_transfer.packing import StreamPlan, as_bytes, check_tensor, pack_buffer, plan_stream
+from ascend_dist.weight_transfer.packing import (
+    LazyImages,
+    StreamPlan,
+    as_bytes,
+    check_tensor,
+    copy_bytes,
+    expect_end,
+    next_tensor,
+    pack_buffer,
+    plan_buckets,
+    plan_stream,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +52,7 @@ __all__ = [
     "device_uuid",
     "local_ip",
     "merge_handles",
+    "bucket_chunks",
     "packed_chunks",
     "pick_handle",
     "unpacked_chunk",
@@ -234,18 +246,47 @@ def packed_chunks(
     if plan.num_buffers == 0:
         return
     buffer = exporter.buffer(min(plan.buffer_size, plan.total_bytes))
-    images: list[torch.Tensor | None] = [None] * len(manifest.tensors)
-    source = iter(tensors)
-    for index, spec in enumerate(manifest.tensors):  # images are views when already contiguous
-        item = next(source, None)
-        if item is None:
-            raise ConfigError("tensors", f"{index} tensors", f"the {len(manifest.tensors)} the manifest declares")
-        check_tensor(spec, item[0], item[1], index)
-        images[index] = as_bytes(item[1])
+    lazy = LazyImages(plan, manifest, iter(tensors))  # each tensor read when its first chunk is packed
     for k in range(plan.num_buffers):
-        length = pack_buffer(plan, k, images, buffer)
+        length = pack_buffer(plan, k, lazy.upto(k), buffer)
         exporter.runtime.synchronize()
         yield k, {exporter.uuid: exporter.runtime.ipc_handle(buffer[:length])}
+    lazy.rest()
+
+
+def bucket_chunks(
+    exporter: SharedExporter, manifest: Manifest, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[int, dict[str, IpcHandle]]]:
+    """Streamed: fill one reused shared buffer with each bucket of whole tensors and yield its handle.
+
+    Each tensor is read from the source when its bucket is packed. An update without bytes yields
+    nothing (the caller sends one empty message, as for packed updates).
+
+    Yields:
+        ``(bucket index, {uuid: handle of the bucket's bytes})``; resume only after every consumer
+        finished with (loaded) the bucket.
+    """
+    buckets = plan_buckets(manifest)
+    if not any(b.length for b in buckets):
+        source = iter(tensors)
+        for index, spec in enumerate(manifest.tensors):
+            name, tensor = next_tensor(source, manifest, index)
+            check_tensor(spec, name, tensor, index)
+        expect_end(source, manifest)
+        return
+    buffer = exporter.buffer(max(b.length for b in buckets))
+    source = iter(tensors)
+    for k, bucket in enumerate(buckets):
+        for i, offset in enumerate(bucket.offsets):
+            index = bucket.first + i
+            name, tensor = next_tensor(source, manifest, index)
+            check_tensor(manifest.tensors[index], name, tensor, index)
+            image = as_bytes(tensor)
+            if image.numel():
+                copy_bytes(buffer[offset : offset + image.numel()], image)
+        exporter.runtime.synchronize()
+        yield k, {exporter.uuid: exporter.runtime.ipc_handle(buffer[: bucket.length])}
+    expect_end(source, manifest)
 
 
 def make_chunk(manifest: Manifest, index: int, count: int, handles: Sequence[dict[str, IpcHandle]]) -> IpcChunk:

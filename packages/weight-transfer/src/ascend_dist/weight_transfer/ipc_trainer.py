@@ -27,6 +27,7 @@ from ascend_dist.weight_transfer.ipc import (
     HandleExchange,
     LocalExchange,
     SharedExporter,
+    bucket_chunks,
     device_uuid,
     make_chunk,
     merge_handles,
@@ -40,7 +41,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     ipc_chunk_to_builtins,
 )
-from ascend_dist.weight_transfer.packing import plan_stream
+from ascend_dist.weight_transfer.packing import plan_buckets, plan_stream
 from ascend_dist.weight_transfer.trainer import manifest_of
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ class IpcTrainer:
         buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
         uuid: str | None = None,
         exchange: HandleExchange | None = None,
+        streamed: bool = False,
     ) -> None:
         """Create the engine.
 
@@ -132,10 +134,12 @@ class IpcTrainer:
             buffer_size_bytes: Packed buffer size; any tensor size works (tensors span chunks).
             uuid: This rank's chip identity; default `device_uuid` of the runtime's device.
             exchange: The colocated trainer ranks; default a single rank.
+            streamed: Packed chunks are buckets of whole tensors, each loaded by the workers when
+                it arrives (no staging on the workers; a tensor larger than the buffer is refused).
         """
         self.client = client
         self.exchange: HandleExchange = exchange if exchange is not None else LocalExchange()
-        self.params = IpcParams(packed=packed, buffer_size_bytes=buffer_size_bytes)
+        self.params = IpcParams(packed=packed, buffer_size_bytes=buffer_size_bytes, streamed=streamed)
         uid = uuid if uuid is not None else device_uuid(runtime.device_index, runtime.name)
         self.exporter = SharedExporter(runtime, uid)
 
@@ -147,7 +151,10 @@ class IpcTrainer:
     def init(self) -> None:
         """Send the must-agree parameters to the workers (sender only)."""
         if self.is_sender:
-            self.client.init_weight_transfer_engine(msgspec.to_builtins(self.params))
+            params = msgspec.to_builtins(self.params)
+            if not self.params.streamed:  # the payload of a staged trainer stays what it was
+                del params["streamed"]
+            self.client.init_weight_transfer_engine(params)
 
     def _merged(self, handles: list[dict[str, IpcHandle]]) -> list[dict[str, IpcHandle]]:
         if self.exchange.world_size == 1:
@@ -177,14 +184,21 @@ class IpcTrainer:
         if manifest is None:
             tensors = list(tensors)
             manifest = manifest_of(
-                tensors, packed=self.params.packed, buffer_size_bytes=self.params.buffer_size_bytes, num_buffers=1
-            )
+                tensors, packed=self.params.packed, buffer_size_bytes=self.params.buffer_size_bytes, num_buffers=1,
+                streamed=self.params.streamed,
+            )  # fmt: skip
         if self.is_sender:
             self.client.start_weight_update()
         sent = 0
         if manifest.packed:
-            count = plan_stream(manifest).num_buffers
-            for index, handle in packed_chunks(self.exporter, manifest, tensors):
+            if manifest.streamed:
+                buckets = plan_buckets(manifest)
+                count = len(buckets) if any(b.length for b in buckets) else 0
+                chunks = bucket_chunks(self.exporter, manifest, tensors)
+            else:
+                count = plan_stream(manifest).num_buffers
+                chunks = packed_chunks(self.exporter, manifest, tensors)
+            for index, handle in chunks:
                 self._deliver(make_chunk(manifest, index, count, self._merged([handle])))
                 sent += 1
             if count == 0:  # an update without bytes: one message so the workers still load nothing

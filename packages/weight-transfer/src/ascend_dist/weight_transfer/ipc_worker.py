@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ascend_dist.common.device.ipc import IpcHandle
 from ascend_dist.common.errors import ProtocolError
-from ascend_dist.weight_transfer.errors import ManifestMismatch
+from ascend_dist.weight_transfer.errors import LoadFailed, ManifestMismatch
 from ascend_dist.weight_transfer.ipc import device_uuid, pick_handle
 from ascend_dist.weight_transfer.messages import (
     IpcChunk,
@@ -28,7 +28,14 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     ipc_chunk_from_builtins,
 )
-from ascend_dist.weight_transfer.packing import new_staging, plan_stream, staging_images, unpack_buffer
+from ascend_dist.weight_transfer.packing import (
+    bucket_views,
+    new_staging,
+    plan_buckets,
+    plan_stream,
+    staging_images,
+    unpack_buffer,
+)
 from ascend_dist.weight_transfer.session import Session, SessionState, WeightSink
 
 if TYPE_CHECKING:
@@ -50,6 +57,17 @@ class _Staged:
         self.plan = plan_stream(manifest)
         self.staging = new_staging(manifest, device)
         self.images = staging_images(self.staging)
+        self.next_chunk = 0
+
+
+class _Streaming:
+    """A streamed update in progress: its buckets and the next one expected (nothing staged)."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.digest = manifest.digest()
+        self.buckets = plan_buckets(manifest)
+        self.count = len(self.buckets) if any(b.length for b in self.buckets) else 0
         self.next_chunk = 0
 
 
@@ -83,6 +101,7 @@ class IpcWorker:
         self.session = Session("npu_ipc weight transfer")
         self.params = IpcParams()
         self._staged: _Staged | None = None
+        self._streaming: _Streaming | None = None
         self._opened: dict[tuple[bytes, int], torch.Tensor] = {}
 
     def init(self, params: IpcParams) -> None:
@@ -94,7 +113,7 @@ class IpcWorker:
     def start(self) -> None:
         """Open an update (raises `UpdateStateError` if one is open)."""
         self.session.require("start")
-        self._staged = None
+        self._staged = self._streaming = None
         self.session.move(SessionState.ACTIVE)
 
     def update(self, payload: dict[str, Any]) -> None:
@@ -112,9 +131,15 @@ class IpcWorker:
             if not isinstance(raw, dict):
                 raise ProtocolError("update payload lacks the 'chunk' object")
             self._apply(ipc_chunk_from_builtins(raw))
-        except BaseException:
+        except Exception as exc:
             self._staged = None  # drop half-received bytes; the model was not touched
+            streaming, self._streaming = self._streaming, None
             self.session.move(SessionState.READY)
+            if streaming is not None and streaming.next_chunk and not isinstance(exc, LoadFailed):
+                raise LoadFailed(
+                    f"streamed update failed after {streaming.next_chunk} of {streaming.count} chunks were loaded "
+                    f"({type(exc).__name__}: {exc}): the model holds mixed weights; send a complete update again"
+                ) from exc
             raise
 
     def _apply(self, chunk: IpcChunk) -> None:
@@ -126,7 +151,11 @@ class IpcWorker:
                 f"buffer_size_bytes: worker has {self.params.buffer_size_bytes}, "
                 f"trainer sent {manifest.buffer_size_bytes}"
             )
-        if manifest.packed:
+        if manifest.streamed != self.params.streamed:
+            raise ManifestMismatch(f"streamed: worker has {self.params.streamed!r}, trainer sent {manifest.streamed!r}")
+        if manifest.streamed:
+            self._apply_streamed(chunk)
+        elif manifest.packed:
             self._apply_packed(chunk)
         else:
             self._apply_unpacked(chunk)
@@ -192,6 +221,48 @@ class IpcWorker:
         if staged.next_chunk == staged.plan.num_buffers:
             self._commit(staged)
 
+    def _apply_streamed(self, chunk: IpcChunk) -> None:
+        """Load one bucket straight from the trainer's shared buffer (the sink copies it)."""
+        streaming = self._streaming
+        if chunk.chunk_index == 0:
+            if self._validate is not None:
+                self._validate(chunk.manifest)  # before anything is loaded
+            streaming = self._streaming = _Streaming(chunk.manifest)
+            if streaming.count == 0:  # no bytes: load the empty tensors, done
+                self.sink.load_weights(
+                    list(
+                        zip(
+                            (s.name for s in chunk.manifest.tensors),
+                            new_staging(chunk.manifest, self.device),
+                            strict=True,
+                        )
+                    )
+                )
+                self._streaming = None
+                return
+        if streaming is None:
+            raise ProtocolError(f"chunk {chunk.chunk_index} arrived before chunk 0 of its update")
+        if chunk.manifest.digest() != streaming.digest:
+            raise ManifestMismatch(f"chunk {chunk.chunk_index} carries another manifest than chunk 0 of the update")
+        if chunk.chunk_index != streaming.next_chunk or chunk.num_chunks != streaming.count:
+            raise ProtocolError(
+                f"chunk {chunk.chunk_index}/{chunk.num_chunks} arrived, "
+                f"expected {streaming.next_chunk}/{streaming.count}"
+            )
+        if len(chunk.handles) != 1:
+            raise ProtocolError(f"a streamed chunk carries one buffer handle, got {len(chunk.handles)}")
+        bucket = streaming.buckets[chunk.chunk_index]
+        buffer = self._open(chunk.handles[0])
+        if buffer.numel() != bucket.length:
+            raise ProtocolError(
+                f"chunk {chunk.chunk_index} buffer has {buffer.numel()} bytes, expected {bucket.length}"
+            )
+        streaming.next_chunk += 1  # counted before the load: a loader failing midway changed the model too
+        self.sink.load_weights(bucket_views(buffer, bucket, streaming.manifest))
+        self.runtime.synchronize()  # the trainer refills the buffer once this call returns
+        if streaming.next_chunk == streaming.count:
+            self._streaming = None
+
     def _commit(self, staged: _Staged) -> None:
         """Load a fully received packed update into the model."""
         self.sink.load_weights([(s.name, t) for s, t in zip(staged.manifest.tensors, staged.staging, strict=True)])
@@ -199,10 +270,21 @@ class IpcWorker:
         self._staged = None
 
     def finish(self) -> None:
-        """Close the update; raises `ProtocolError` if a packed update is missing chunks (nothing loaded)."""
+        """Close the update; raises if a packed update is missing chunks.
+
+        Raises:
+            ProtocolError: A packed update is missing chunks (nothing was loaded).
+            LoadFailed: A streamed update is missing chunks after some were loaded (mixed weights).
+        """
         self.session.require("finish")
         staged, self._staged = self._staged, None
+        streaming, self._streaming = self._streaming, None
         self.session.move(SessionState.READY)
+        if streaming is not None and streaming.next_chunk:
+            raise LoadFailed(
+                f"finish after {streaming.next_chunk} of {streaming.count} streamed chunks: those were loaded, so "
+                "the model holds mixed weights; send a complete update again"
+            )
         if staged is not None:
             raise ProtocolError(
                 f"finish after {staged.next_chunk} of {staged.plan.num_buffers} chunks: the update was not loaded"
@@ -211,5 +293,5 @@ class IpcWorker:
     def shutdown(self) -> None:
         """Forget opened mappings (the runtime's owner closes them); idempotent."""
         self._opened.clear()
-        self._staged = None
+        self._staged = self._streaming = None
         self.session.move(SessionState.CLOSED)

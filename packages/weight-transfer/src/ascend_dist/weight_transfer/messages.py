@@ -13,6 +13,7 @@ writing anything) with a `ManifestMismatch` naming the first difference.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -42,7 +43,8 @@ __all__ = [
     "make_manifest",
 ]
 
-PROTOCOL_VERSION: Final[int] = 1
+PROTOCOL_VERSION: Final[int] = 2
+"""2: `Manifest.streamed` (an old peer would ignore the field and misread the bucket layout)."""
 DEFAULT_BUFFER_SIZE_BYTES: Final[int] = 1024**3
 """Bytes per pipeline buffer (upstream's 1 GiB default)."""
 DEFAULT_NUM_BUFFERS: Final[int] = 2
@@ -81,6 +83,9 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
         packed: True when tensors travel packed into buffers, False for one collective per tensor.
         direct_threshold_bytes: Packed mode: a tensor of at least this many bytes is sent from its
             own memory in a collective of its own instead of being copied into a buffer (0: never).
+        streamed: Bounded mode: whole tensors travel in buckets of at most ``buffer_size_bytes``
+            (`packing.plan_buckets`), and each worker loads a bucket as soon as it lands, so neither
+            side holds more than ``num_buffers`` buffers; no tensor may exceed one buffer.
     """
 
     version: int = PROTOCOL_VERSION
@@ -89,6 +94,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     num_buffers: _Positive = DEFAULT_NUM_BUFFERS
     packed: bool = True
     direct_threshold_bytes: _NonNegative = 0
+    streamed: bool = False
 
     def digest(self) -> str:
         """Stable SHA-256 of the encoded manifest (equal manifests, equal digests, in any process)."""
@@ -101,6 +107,8 @@ class IpcParams(msgspec.Struct, frozen=True, kw_only=True):
     version: int = PROTOCOL_VERSION
     packed: bool = True
     buffer_size_bytes: _Positive = DEFAULT_BUFFER_SIZE_BYTES
+    streamed: bool = False
+    """Each chunk is a bucket of whole tensors (`packing.plan_buckets`), loaded when it arrives."""
 
 
 class IpcChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +142,7 @@ def make_manifest(
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     packed: bool = True,
     direct_threshold_bytes: int = 0,
+    streamed: bool = False,
 ) -> Manifest:
     """Build and validate a manifest from ``(name, dtype name, shape)`` triples.
 
@@ -143,12 +152,14 @@ def make_manifest(
         num_buffers: Buffers in flight (> 0).
         packed: Whether tensors are packed into buffers.
         direct_threshold_bytes: Tensors at least this large skip the buffers (0: none do).
+        streamed: Bounded, pipelined buckets loaded as they land (packed only, no direct sends).
 
     Returns:
         The manifest.
 
     Raises:
-        ConfigError: A dtype is unknown, a dimension negative, a name repeated, or a size not positive.
+        ConfigError: A dtype is unknown, a dimension negative, a name repeated, or a size not
+            positive; streamed and not packed; a streamed tensor larger than one buffer.
     """
     if buffer_size_bytes <= 0:
         raise ConfigError("buffer_size_bytes", buffer_size_bytes, "a positive number of bytes")
@@ -156,6 +167,8 @@ def make_manifest(
         raise ConfigError("num_buffers", num_buffers, "a positive integer")
     if direct_threshold_bytes < 0:
         raise ConfigError("direct_threshold_bytes", direct_threshold_bytes, "0 (off) or a positive number of bytes")
+    if streamed and not packed:
+        raise ConfigError("packed", packed, "true for a streamed update (it travels in packed buckets)")
     seen: set[str] = set()
     tensors: list[TensorSpec] = []
     for name, dtype, shape in specs:
@@ -166,14 +179,32 @@ def make_manifest(
         if name in seen:
             raise ConfigError("tensor name", name, "names unique within one update")
         seen.add(name)
-        tensors.append(TensorSpec(name, dtype, tuple(int(d) for d in shape)))
+        spec = TensorSpec(name, dtype, tuple(int(d) for d in shape))
+        if streamed:
+            _check_fits(spec, buffer_size_bytes)
+        tensors.append(spec)
     return Manifest(
         tensors=tuple(tensors),
         buffer_size_bytes=buffer_size_bytes,
         num_buffers=num_buffers,
         packed=packed,
-        direct_threshold_bytes=direct_threshold_bytes,
+        direct_threshold_bytes=0 if streamed else direct_threshold_bytes,
+        streamed=streamed,
     )
+
+
+def _check_fits(spec: TensorSpec, buffer_size_bytes: int) -> None:
+    """Refuse a streamed tensor larger than a bucket: the worker would need its whole size to assemble it."""
+    from ascend_dist.common.device.ipc import dtype_from_str  # imports torch: only streamed manifests need it
+
+    nbytes = math.prod(spec.shape) * dtype_from_str(spec.dtype).itemsize
+    if nbytes > buffer_size_bytes:
+        raise ConfigError(
+            f"size of tensor {spec.name!r}",
+            nbytes,
+            f"at most buffer_size_bytes={buffer_size_bytes} in a streamed update (raise the buffer size "
+            f"to at least {nbytes}; a bucket holds whole tensors)",
+        )
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -219,7 +250,7 @@ def check_manifests(local: Manifest, remote: Manifest, *, local_role: str, remot
 
 
 def _first_difference(a: Manifest, b: Manifest) -> tuple[str, object, object] | None:
-    for field in ("version", "packed", "buffer_size_bytes", "num_buffers", "direct_threshold_bytes"):
+    for field in ("version", "packed", "streamed", "buffer_size_bytes", "num_buffers", "direct_threshold_bytes"):
         if getattr(a, field) != getattr(b, field):
             return field, getattr(a, field), getattr(b, field)
     for index, (x, y) in enumerate(zip(a.tensors, b.tensors, strict=False)):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ascend_dist.common.device.ipc import dtype_from_str, dtype_to_str
 from ascend_dist.weight_transfer.errors import ManifestMismatch
@@ -30,13 +30,20 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BUCKET_ALIGN",
+    "Bucket",
+    "LazyImages",
     "Piece",
     "StreamPlan",
     "Unit",
     "as_bytes",
     "dtype_itemsize",
+    "expect_end",
+    "next_tensor",
     "new_staging",
+    "bucket_views",
     "pack_buffer",
+    "plan_buckets",
     "plan_stream",
     "check_tensor",
     "copy_bytes",
@@ -284,3 +291,125 @@ def unpack_buffer(plan: StreamPlan, index: int, buffer: torch.Tensor, images: li
             images[piece.tensor_index][piece.tensor_offset : piece.tensor_offset + piece.length],
             buffer[piece.buffer_offset : piece.buffer_offset + piece.length],
         )
+
+
+BUCKET_ALIGN = 64
+"""Streamed buckets place each tensor at a multiple of this many bytes, so every dtype views it in place."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One buffer of a streamed update: whole tensors ``first .. first + len(offsets) - 1``.
+
+    Tensor ``first + i`` lies at byte ``offsets[i]`` of the buffer (a multiple of `BUCKET_ALIGN`; 0
+    for a zero-byte tensor, which takes no room); ``length`` is the payload (what is sent; 0 only
+    when the whole update has no bytes).
+    """
+
+    first: int
+    offsets: tuple[int, ...]
+    length: int
+
+
+def plan_buckets(manifest: Manifest) -> tuple[Bucket, ...]:
+    """Cut a streamed manifest into buckets of whole tensors, in order, each at most ``buffer_size_bytes``.
+
+    A bucket closes when the next tensor (at its aligned offset) would overflow it. Both sides derive
+    the same buckets from the manifest alone.
+
+    Raises:
+        ManifestMismatch: A tensor is larger than one buffer (`make_manifest` refuses such manifests
+            already; a decoded one is checked again here).
+    """
+    capacity = manifest.buffer_size_bytes
+    buckets: list[Bucket] = []
+    first, offsets, end = 0, [], 0
+    for index, spec in enumerate(manifest.tensors):
+        size = spec_nbytes(spec)
+        if size > capacity:
+            raise ManifestMismatch(f"tensor {spec.name!r} has {size} bytes, more than one streamed buffer ({capacity})")
+        if size == 0:  # no room taken, never opens a bucket (so only a byte-less update has a 0-length one)
+            offsets.append(0)
+            continue
+        at = -(-end // BUCKET_ALIGN) * BUCKET_ALIGN
+        if offsets and at + size > capacity:
+            buckets.append(Bucket(first, tuple(offsets), end))
+            first, offsets, at = index, [], 0
+        offsets.append(at)
+        end = at + size
+    if offsets:
+        buckets.append(Bucket(first, tuple(offsets), end))
+    return tuple(buckets)
+
+
+def bucket_views(buffer: torch.Tensor, bucket: Bucket, manifest: Manifest) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of a received bucket (aligned, so no copy); they alias ``buffer``."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, offset in enumerate(bucket.offsets):
+        spec = manifest.tensors[bucket.first + i]
+        size = spec_nbytes(spec)
+        out.append((spec.name, buffer[offset : offset + size].view(_dtype(spec.dtype)).reshape(spec.shape)))
+    return out
+
+
+def next_tensor(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, index: int) -> tuple[str, torch.Tensor]:
+    """The source's next ``(name, tensor)``; `ManifestMismatch` when it ended before the manifest."""
+    try:
+        return next(source)
+    except StopIteration:
+        raise ManifestMismatch(
+            f"the source ended after {index} tensors but the manifest declares {len(manifest.tensors)}"
+        ) from None
+
+
+def expect_end(source: Iterator[tuple[str, Any]], manifest: Manifest) -> None:
+    """Raise `ManifestMismatch` when the source yields more than the manifest declares."""
+    extra = next(source, None)
+    if extra is not None:
+        raise ManifestMismatch(
+            f"the source yielded {extra[0]!r} after the {len(manifest.tensors)} tensors the manifest declares"
+        )
+
+
+class LazyImages:
+    """Pulls (and checks) source tensors only as the buffers that hold them are packed.
+
+    The trainer never images the whole update: a tensor is read from the source when the first
+    buffer holding its bytes is packed, and its image is dropped once the buffers holding it were
+    packed (a non-contiguous tensor's image is a copy, so this bounds those copies too).
+    """
+
+    def __init__(self, plan: StreamPlan, manifest: Manifest, source: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Serve ``source``'s tensors, checked against ``manifest``, laid out by ``plan``."""
+        self._plan = plan
+        self._manifest = manifest
+        self._source = source
+        self.images: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+        self._pulled = 0
+        self._released = 0
+
+    def _pull_one(self) -> None:
+        index = self._pulled
+        name, tensor = next_tensor(self._source, self._manifest, index)
+        check_tensor(self._manifest.tensors[index], name, tensor, index)
+        self.images[index] = as_bytes(tensor)
+        self._pulled += 1
+
+    def upto(self, index: int) -> list[torch.Tensor | None]:
+        """Images of every tensor starting before the end of unit ``index``; older ones dropped."""
+        plan = self._plan
+        start = plan.unit_start(index)
+        end = start + plan.buffer_length(index)
+        while self._pulled < len(self.images) and plan.offsets[self._pulled] < end:
+            self._pull_one()
+        while self._released < self._pulled and plan.offsets[self._released] + plan.sizes[self._released] <= start:
+            self.images[self._released] = None  # fully packed earlier (in-flight sends hold their own ref)
+            self._released += 1
+        return self.images
+
+    def rest(self) -> None:
+        """Pull the remaining (zero-byte) tensors, then require the source to be exhausted."""
+        while self._pulled < len(self.images):
+            self._pull_one()
+        self.images = []
+        expect_end(self._source, self._manifest)

@@ -29,7 +29,13 @@ from ascend_dist.weight_transfer.collective import (
     gloo_collective,
     lost_ranks,
 )
-from ascend_dist.weight_transfer.errors import ManifestMismatch, ManifestRejected, UpdateAborted, WorkerLost
+from ascend_dist.weight_transfer.errors import (
+    LoadFailed,
+    ManifestMismatch,
+    ManifestRejected,
+    UpdateAborted,
+    WorkerLost,
+)
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -37,7 +43,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
-from ascend_dist.weight_transfer.pool import BufferPool
+from ascend_dist.weight_transfer.pool import BufferPool, device_allocator
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +60,7 @@ def manifest_of(
     buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     direct_threshold_bytes: int = 0,
+    streamed: bool = False,
 ) -> Manifest:
     """The manifest of ``(name, tensor)`` pairs (reads names, dtypes and shapes only)."""
     return make_manifest(
@@ -62,6 +69,7 @@ def manifest_of(
         num_buffers=num_buffers,
         packed=packed,
         direct_threshold_bytes=direct_threshold_bytes,
+        streamed=streamed,
     )
 
 
@@ -79,20 +87,24 @@ class BroadcastTrainer:
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES,
         heartbeat_interval_s: float = 0.2,
+        streamed: bool = False,
     ) -> None:
         """Wrap an established group; use `connect` to create one."""
-        make_manifest([], buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)  # validates geometry
+        make_manifest(  # validates geometry
+            [], buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, packed=packed, streamed=streamed
+        )
         self.group = group
         self.master_address = master_address
         self.packed = packed
         self.buffer_size_bytes = buffer_size_bytes
         self.num_buffers = num_buffers
         self.direct_threshold_bytes = direct_threshold_bytes
+        self.streamed = streamed
         self._comm: Collective | None = comm
         self._heartbeat_interval_s = heartbeat_interval_s
         self._broken: str | None = None
         self._next_update_id = 0
-        self._pool = BufferPool()  # pipeline buffers, kept between updates
+        self._pool = BufferPool(device_allocator)  # pipeline buffers, kept between updates
 
     @classmethod
     def connect(
@@ -108,8 +120,11 @@ class BroadcastTrainer:
         buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES,
+        streamed: bool = False,
     ) -> BroadcastTrainer:
         """Host the group as rank 0 and wait (up to ``op_timeout_s``) for every worker to join.
+
+        ``streamed``: bounded, pipelined buckets (see `broadcast`); every worker must init with it too.
 
         Raises:
             ConfigError: Bad world size, timeout or buffer geometry.
@@ -117,12 +132,15 @@ class BroadcastTrainer:
         """
         import torch
 
-        make_manifest([], buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers)
+        make_manifest(
+            [], buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, packed=packed, streamed=streamed
+        )
         group = TransferGroup.join(master_address, master_port, 0, world_size, timeout_s=op_timeout_s)
         comm = collective_factory(group, torch.device(device))
         return cls(
             group, comm, master_address=master_address, packed=packed,
             buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, direct_threshold_bytes=direct_threshold_bytes,
+            streamed=streamed,
         )  # fmt: skip
 
     @property
@@ -132,7 +150,7 @@ class BroadcastTrainer:
 
     def worker_init_info(self, master_port: int, *, op_timeout_s: float | None = None) -> dict[str, Any]:
         """The JSON-safe init payload every worker needs (vLLM ``init_weight_transfer_engine``)."""
-        return {
+        info: dict[str, Any] = {
             "master_address": self.master_address,
             "master_port": master_port,
             "rank_offset": 1,
@@ -143,6 +161,9 @@ class BroadcastTrainer:
             "packed_direct_threshold_bytes": self.direct_threshold_bytes,
             "op_timeout_s": op_timeout_s if op_timeout_s is not None else self.group.op_timeout_s,
         }
+        if self.streamed:  # only then: the payload of a staged trainer stays what it was
+            info["streamed"] = True
+        return info
 
     def manifest_of(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
         """The manifest of ``tensors`` with this trainer's packing parameters."""
@@ -152,6 +173,7 @@ class BroadcastTrainer:
             buffer_size_bytes=self.buffer_size_bytes,
             num_buffers=self.num_buffers,
             direct_threshold_bytes=self.direct_threshold_bytes,
+            streamed=self.streamed,
         )
 
     def _rejection(self, update_id: int, rank: int) -> str:
@@ -187,23 +209,27 @@ class BroadcastTrainer:
             return send_update(
                 comm, manifest, tensors, update_id=update_id, rejection_detail=self._rejection, pool=self._pool
             )
-        except ManifestRejected:
-            raise  # refused at the vote: the group is intact
+        except (ManifestRejected, LoadFailed):
+            raise  # refused at the vote, or (streamed) a worker's loader failed: the group is intact
         except (AscendDistError, RuntimeError) as exc:
             # The HCCL path fails with typed errors (CollectiveError, DeadlineExceeded) and gloo with
             # RuntimeError: either way a dead worker is the likely cause, so ask the heartbeats first.
             typed = isinstance(exc, AscendDistError)
             self._broken = (f"{type(exc).__name__}: {exc}" if typed else str(exc).splitlines()[0])[:200]
             lost = () if isinstance(exc, ManifestMismatch) else self._lost_workers()
+            outcome = (
+                "workers that loaded buckets of this streamed update hold mixed weights (PartialUpdate)"
+                if manifest.streamed
+                else "no worker committed the update"
+            )
             if lost:
                 raise WorkerLost(
-                    f"update {update_id}: worker ranks {list(lost)} stopped responding ({self._broken}); "
-                    "no worker committed the update",
+                    f"update {update_id}: worker ranks {list(lost)} stopped responding ({self._broken}); {outcome}",
                     ranks=lost,
                 ) from exc
             if typed:
                 raise
-            raise UpdateAborted(f"update {update_id} failed: {self._broken}; no worker committed") from exc
+            raise UpdateAborted(f"update {update_id} failed: {self._broken}; {outcome}") from exc
 
     def _lost_workers(self) -> tuple[int, ...]:
         try:

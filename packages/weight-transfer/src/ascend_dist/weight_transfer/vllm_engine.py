@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ascend_dist.common.device import get_runtime
-from ascend_dist.common.errors import ProtocolError
+from ascend_dist.common.errors import ConfigError, ProtocolError
 from ascend_dist.weight_transfer.collective import gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.errors import LoadFailed, ManifestMismatch
 from ascend_dist.weight_transfer.ipc_worker import IpcWorker
@@ -44,6 +44,7 @@ from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
     DEFAULT_NUM_BUFFERS,
+    PROTOCOL_VERSION,
     IpcParams,
     Manifest,
 )
@@ -133,6 +134,7 @@ class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
     op_timeout_s: float = 300.0
     layerwise_reload: bool = True
     validate_names: bool = True
+    streamed: bool = False
 
 
 @dataclass
@@ -189,6 +191,11 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
         """Join the trainer's group as ``rank_offset + dp_index * replica_size + rank``."""
         pc = self.parallel_config
         rank = worker_group_rank(init_info.rank_offset, pc.data_parallel_index, pc.world_size, pc.rank)
+        if init_info.streamed and init_info.layerwise_reload:
+            # the sink runs vLLM's layer-wise reload around each load_weights call, i.e. once per bucket
+            raise ConfigError(
+                "layerwise_reload", True, "false with streamed=true (layer-wise reload across buckets: not yet)"
+            )
         self._sink.layerwise = init_info.layerwise_reload
         self._validate_names = init_info.validate_names
         self.worker.init(
@@ -196,6 +203,7 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
             world_size=init_info.world_size, packed=init_info.packed,
             buffer_size_bytes=init_info.packed_buffer_size_bytes, num_buffers=init_info.packed_num_buffers,
             op_timeout_s=init_info.op_timeout_s, direct_threshold_bytes=init_info.packed_direct_threshold_bytes,
+            streamed=init_info.streamed,
         )  # fmt: skip
 
     def start_weight_update(self) -> None:
@@ -233,9 +241,10 @@ class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
 
     packed: bool = True
     buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
-    version: int = 1
+    version: int = PROTOCOL_VERSION
     layerwise_reload: bool = True
     validate_names: bool = True
+    streamed: bool = False
 
 
 @dataclass
@@ -268,6 +277,11 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
         """Record the trainer's must-agree parameters."""
+        if init_info.streamed and init_info.layerwise_reload:
+            # the sink runs vLLM's layer-wise reload around each load_weights call, i.e. once per chunk
+            raise ConfigError(
+                "layerwise_reload", True, "false with streamed=true (layer-wise reload across chunks: not yet)"
+            )
         self._sink.layerwise = init_info.layerwise_reload
         self._validate_names = init_info.validate_names
         self.worker.init(
@@ -276,6 +290,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
                     "version": init_info.version,
                     "packed": init_info.packed,
                     "buffer_size_bytes": init_info.buffer_size_bytes,
+                    "streamed": init_info.streamed,
                 },
                 IpcParams,
             )

@@ -76,12 +76,18 @@ def _iter_full(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _manifest(
-    source: WeightSource, *, packed: bool, buffer_size_bytes: int, num_buffers: int, direct_threshold_bytes: int = 0
+    source: WeightSource,
+    *,
+    packed: bool,
+    buffer_size_bytes: int,
+    num_buffers: int,
+    direct_threshold_bytes: int = 0,
+    streamed: bool = False,
 ) -> Manifest:
     return make_manifest(
         [(m.name, dtype_to_str(m.dtype), tuple(m.shape)) for m in _metadata(source)],
         packed=packed, buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers,
-        direct_threshold_bytes=direct_threshold_bytes,
+        direct_threshold_bytes=direct_threshold_bytes, streamed=streamed,
     )  # fmt: skip
 
 
@@ -122,6 +128,7 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     op_timeout_s: float = 300.0
     layerwise_reload: bool = True
     validate_names: bool = True
+    streamed: bool = False
 
 
 class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
@@ -153,6 +160,7 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
             "packed_num_buffers": init_info.packed_num_buffers, "op_timeout_s": init_info.op_timeout_s,
             "packed_direct_threshold_bytes": init_info.packed_direct_threshold_bytes,
             "layerwise_reload": init_info.layerwise_reload, "validate_names": init_info.validate_names,
+            "streamed": init_info.streamed,
         }  # fmt: skip
         runtime = get_runtime()
         device = "cpu" if runtime.name == "cpu" else f"{runtime.name}:{runtime.device_index}"
@@ -163,7 +171,7 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
                 collective_factory=_device_factory(torch.device(device)),
                 op_timeout_s=init_info.op_timeout_s, packed=init_info.packed,
                 buffer_size_bytes=init_info.packed_buffer_size_bytes, num_buffers=init_info.packed_num_buffers,
-                direct_threshold_bytes=init_info.packed_direct_threshold_bytes,
+                direct_threshold_bytes=init_info.packed_direct_threshold_bytes, streamed=init_info.streamed,
             )  # fmt: skip
 
         engine.trainer = beside_rpc(
@@ -184,7 +192,8 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         info = self.init_info
         manifest = _manifest(self.source, packed=info.packed, buffer_size_bytes=info.packed_buffer_size_bytes,
                              num_buffers=info.packed_num_buffers,
-                             direct_threshold_bytes=info.packed_direct_threshold_bytes)  # fmt: skip
+                             direct_threshold_bytes=info.packed_direct_threshold_bytes,
+                             streamed=info.streamed)  # fmt: skip
         update = {"names": [t.name for t in manifest.tensors], "dtype_names": [t.dtype for t in manifest.tensors],
                   "shapes": [list(t.shape) for t in manifest.tensors]}  # fmt: skip
         self.client.start_weight_update()

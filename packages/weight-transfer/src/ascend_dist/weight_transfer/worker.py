@@ -8,7 +8,8 @@ Runs in: each inference worker process. Call order (driven by vLLM's worker or b
 `init` joins the trainer's transfer group (blocking until the trainer and every worker joined);
 the worker's rank in it is `worker_group_rank`. An update is received into staging tensors and
 loaded into the model only when every rank has every byte, so a failed update leaves the previous
-weights in place. After a failed collective the group is unusable: `update` then raises
+weights in place (`init(streamed=True)`: bounded buckets loaded as they land instead, see
+`broadcast`). After a failed collective the group is unusable: `update` then raises
 `UpdateAborted` until `init` is called again.
 """
 
@@ -27,7 +28,7 @@ from ascend_dist.weight_transfer.collective import (
     TransferGroup,
     gloo_collective,
 )
-from ascend_dist.weight_transfer.errors import LoadFailed, ManifestRejected, UpdateAborted
+from ascend_dist.weight_transfer.errors import LoadFailed, ManifestRejected, PartialUpdate, UpdateAborted
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -35,7 +36,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
-from ascend_dist.weight_transfer.pool import BufferPool
+from ascend_dist.weight_transfer.pool import BufferPool, device_allocator
 from ascend_dist.weight_transfer.session import Session, SessionState, WeightSink
 
 if TYPE_CHECKING:
@@ -115,9 +116,10 @@ class BroadcastWorker:
         self.buffer_size_bytes = DEFAULT_BUFFER_SIZE_BYTES
         self.num_buffers = DEFAULT_NUM_BUFFERS
         self.direct_threshold_bytes = DEFAULT_DIRECT_THRESHOLD_BYTES
+        self.streamed = False
         self.last_update_id = -1
         self.last_phases: Phases | None = None
-        self._pool = BufferPool()  # the staging stream, kept between updates
+        self._pool = BufferPool(device_allocator)  # the staging stream, kept between updates
 
     @property
     def rank(self) -> int | None:
@@ -141,8 +143,13 @@ class BroadcastWorker:
         num_buffers: int = DEFAULT_NUM_BUFFERS,
         op_timeout_s: float = 300.0,
         direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES,
+        streamed: bool = False,
     ) -> None:
         """Join the trainer's group (collective with the trainer and every other worker).
+
+        ``streamed``: updates travel in buckets of whole tensors of at most ``buffer_size_bytes``,
+        loaded as each lands; at most ``num_buffers`` buffers exist, only during an update. A failure
+        mid-update then leaves mixed weights (`PartialUpdate` / `LoadFailed`), not the old ones.
 
         Raises:
             UpdateStateError: Called while an update is active or after shutdown.
@@ -154,6 +161,8 @@ class BroadcastWorker:
             buffer_size_bytes=buffer_size_bytes,
             num_buffers=num_buffers,
             direct_threshold_bytes=direct_threshold_bytes,
+            streamed=streamed,
+            packed=packed,
         )
         self._release()
         group = TransferGroup.join(master_address, master_port, rank, world_size, timeout_s=op_timeout_s)
@@ -163,6 +172,7 @@ class BroadcastWorker:
         self._broken = None
         self.packed, self.buffer_size_bytes, self.num_buffers = packed, buffer_size_bytes, num_buffers
         self.direct_threshold_bytes = direct_threshold_bytes
+        self.streamed = streamed
         self.session.move(SessionState.READY)
         logger.info("weight transfer worker rank=%d world=%d packed=%s", rank, world_size, packed)
 
@@ -186,7 +196,9 @@ class BroadcastWorker:
             ManifestRejected: The trainer sends something else, or the metadata is malformed (lists
                 of different lengths, an unknown dtype); the difference is named; nothing changed.
             UpdateAborted: The update did not complete on every rank; the model keeps its weights.
-            LoadFailed: The sink's loader failed after every rank committed (cause attached).
+            LoadFailed: The sink's loader failed after every rank committed (cause attached);
+                streamed: any rank's loader failed (the ranks' weights may differ).
+            PartialUpdate: Streamed: the collective failed after buckets were loaded.
         """
         self.session.require("update")
         try:
@@ -212,6 +224,7 @@ class BroadcastWorker:
                 num_buffers=self.num_buffers,
                 packed=self.packed,
                 direct_threshold_bytes=self.direct_threshold_bytes,
+                streamed=self.streamed,
             )
         except ConfigError as exc:
             return None, f"bad update_info: {exc}"
@@ -230,6 +243,9 @@ class BroadcastWorker:
             update_id, phases = receive_update(
                 comm, expected, self.sink, reject=reject, refuse=refuse, validate=self._validate, pool=self._pool
             )
+        except PartialUpdate as exc:  # the wire broke after loads began: mixed weights, group unusable
+            self._broken = f"{type(exc).__name__}: {exc}"[:200]
+            raise
         except (ManifestRejected, LoadFailed):
             raise  # refused at the vote, or the model's loader failed after it: the group is intact
         except UpdateAborted as exc:

@@ -28,6 +28,7 @@ import ctypes
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,6 +122,9 @@ class CpuSimRuntime:
         self._fault: _Fault | None = None
         self._shared = SharedTensors(self.name, self.device_index)
         self._closed = False
+        self._alloc_lock = threading.Lock()
+        self._allocated = 0
+        self._peak_allocated = 0
         self._compute = self._make_stream("compute", 0)
 
     @property
@@ -214,11 +218,39 @@ class CpuSimRuntime:
     # -- memory -----------------------------------------------------------------------------------
 
     def empty(self, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
-        """Allocate a CPU tensor standing in for device memory."""
+        """Allocate a CPU tensor standing in for device memory (counted by `allocated_bytes`)."""
         prepare_torch_import()
         import torch
 
-        return torch.empty(tensor_shape(shape), dtype=dtype)
+        tensor = torch.empty(tensor_shape(shape), dtype=dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._alloc_lock:
+            self._allocated += nbytes
+            self._peak_allocated = max(self._peak_allocated, self._allocated)
+        # views keep their base alive, so the finaliser runs when the last view of it is gone
+        weakref.finalize(tensor, self._release_bytes, nbytes)
+        return tensor
+
+    def _release_bytes(self, nbytes: int) -> None:
+        with self._alloc_lock:
+            self._allocated -= nbytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of `empty` allocations still alive (what a device allocator would hold)."""
+        with self._alloc_lock:
+            return self._allocated
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        """Most `allocated_bytes` seen since creation or the last `reset_peak_allocated`."""
+        with self._alloc_lock:
+            return self._peak_allocated
+
+    def reset_peak_allocated(self) -> None:
+        """Start a new peak from the bytes allocated now (to measure one operation's peak)."""
+        with self._alloc_lock:
+            self._peak_allocated = self._allocated
 
     def pinned_empty(self, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         """Allocate a plain CPU tensor standing in for pinned host memory."""

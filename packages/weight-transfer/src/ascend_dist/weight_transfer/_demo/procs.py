@@ -22,16 +22,19 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ascend_dist.common.device.ipc import dtype_from_str, dtype_to_str
-from ascend_dist.common.errors import DeadlineExceeded
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded
 from ascend_dist.weight_transfer.collective import Collective, Pending, TransferGroup, gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.messages import DEFAULT_DIRECT_THRESHOLD_BYTES
 
 if TYPE_CHECKING:
     import torch
 
+    from ascend_dist.common.device.cpu_sim import CpuSimRuntime
+
 
 __all__ = [
     "Spec",
+    "device_meter",
     "ToyModel",
     "WorkerProcess",
     "param_digests",
@@ -181,6 +184,32 @@ class _DieAfter:
         self._inner.destroy()
 
 
+def device_meter() -> CpuSimRuntime:
+    """This process's simulated device, whose allocation counters measure staging memory.
+
+    Raises:
+        ConfigError: The process runs on a hardware backend (measure with the device's own
+            allocator statistics there).
+    """
+    from ascend_dist.common.device import get_runtime
+    from ascend_dist.common.device.cpu_sim import CpuSimRuntime
+
+    runtime = get_runtime()
+    if not isinstance(runtime, CpuSimRuntime):
+        raise ConfigError("device backend", runtime.name, "cpu (the simulation counts its allocations)")
+    return runtime
+
+
+def _inspect(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
+    """``digest``: the model's tensor digests; ``memory``: the simulated device's allocation counters."""
+    if cmd["op"] == "digest":
+        return {"digests": param_digests(list(state["model"].named_parameters()))}
+    meter = device_meter()
+    if cmd.get("reset_peak"):
+        meter.reset_peak_allocated()
+    return {"allocated": meter.allocated_bytes, "peak": meter.peak_allocated_bytes}
+
+
 def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     from ascend_dist.weight_transfer.session import ModuleSink
     from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
@@ -206,11 +235,12 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
             world_size=cmd["world_size"], packed=cmd["packed"], buffer_size_bytes=cmd["buffer_size_bytes"],
             num_buffers=cmd["num_buffers"], op_timeout_s=cmd["op_timeout_s"],
             direct_threshold_bytes=cmd.get("direct_threshold_bytes", DEFAULT_DIRECT_THRESHOLD_BYTES),
+            streamed=cmd.get("streamed", False),
         )  # fmt: skip
         state["engine"] = engine
         return {"rank": rank, "collective": type(engine.collective).__name__}
-    if op == "digest":
-        return {"digests": param_digests(list(state["model"].named_parameters()))}
+    if op in ("digest", "memory"):
+        return _inspect(state, cmd)
     if op == "ipc":
         return state["ipc"](cmd)
     if op == "raw":
@@ -225,6 +255,8 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         return {"unpack_s": phases.pack_s, "transfer_s": phases.transfer_s, "load_s": phases.load_s}
     elif op == "finish":
         engine.finish()
+    elif op == "leave":  # before the trainer closes the group's store, so no heartbeat writes into a dead one
+        state.pop("engine").shutdown()
     return {}
 
 

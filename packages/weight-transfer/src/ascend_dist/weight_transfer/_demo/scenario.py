@@ -14,6 +14,13 @@ broadcast, load), and the wire ceiling (one prefilled buffer, no pack, no load).
 warm-up of each, then ``max(repeat, 5)`` rounds with the four runs interleaved, so drifting load
 from other jobs hits all of them alike; every figure is a median. The bench process runs torch on
 one thread, like each worker.
+
+bench, streamed: the same model as a streamed update (`broadcast`: whole-tensor buckets of
+``STREAM_BUFFER_BYTES``, ``STREAM_NUM_BUFFERS`` per side, each loaded as it lands), interleaved with
+a raw broadcast of the same bytes on the same group (the wire ceiling). ``staging_peak_ratio`` is
+the largest peak of extra simulated-device bytes of any process (trainer or worker) during one
+streamed update, measured by `CpuSimRuntime`'s allocation counters, over the configured bound
+``STREAM_BUFFER_BYTES * STREAM_NUM_BUFFERS``; it must be at most 1.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from ascend_dist.weight_transfer._demo.baselines import MODES, raw_send
 from ascend_dist.weight_transfer._demo.procs import (
     Spec,
     WorkerProcess,
+    device_meter,
     llm_like_specs,
     param_digests,
     synthetic_specs,
@@ -51,6 +59,9 @@ BUFFER_BYTES = 16 * 1024 * 1024
 BENCH_DIRECT_BYTES = DEFAULT_DIRECT_THRESHOLD_BYTES  # 16 MiB: only a tensor that fills a buffer goes direct
 BENCH_NUM_BUFFERS = 3
 BENCH_MIN_ROUNDS = 5
+# Streamed: the bench model (267 MiB, largest tensor 8 MiB) is ~17 buffers and ~8 bounds.
+STREAM_BUFFER_BYTES = 16 * 1024 * 1024
+STREAM_NUM_BUFFERS = 2
 
 
 def _free_port() -> int:
@@ -70,18 +81,19 @@ def _all_ok(workers: list[WorkerProcess]) -> list[dict[str, Any]]:
 
 
 def _connect(
-    workers: list[WorkerProcess], buffer_bytes: int, direct: int = DIRECT_BYTES, depth: int = 2
-) -> BroadcastTrainer:
+    workers: list[WorkerProcess], buffer_bytes: int, direct: int = DIRECT_BYTES, depth: int = 2,
+    streamed: bool = False,
+) -> BroadcastTrainer:  # fmt: skip
     port = _free_port()
     for i, w in enumerate(workers):
         w.send(
             "init", master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=len(workers) + 1,
             dp_index=i, replica_size=1, rank_in_replica=0, packed=True, buffer_size_bytes=buffer_bytes,
-            num_buffers=depth, op_timeout_s=TIMEOUT_S, direct_threshold_bytes=direct,
+            num_buffers=depth, op_timeout_s=TIMEOUT_S, direct_threshold_bytes=direct, streamed=streamed,
         )  # fmt: skip
     trainer = BroadcastTrainer.connect("127.0.0.1", port, len(workers) + 1, buffer_size_bytes=buffer_bytes,
                                        num_buffers=depth, op_timeout_s=TIMEOUT_S,
-                                       direct_threshold_bytes=direct)  # fmt: skip
+                                       direct_threshold_bytes=direct, streamed=streamed)  # fmt: skip
     _all_ok(workers)
     return trainer
 
@@ -202,6 +214,9 @@ class WeightsScenario:
                          all(w.call("digest", TIMEOUT_S)["digests"] == want for w in workers))  # fmt: skip
             split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
             report.check("time split, median (s)", True, ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+            _leave(workers)
+            trainer.shutdown()
+            self._bench_streamed(ctx, report, workers, specs, weights, rounds=rounds)
         finally:
             trainer.shutdown()
             torch.set_num_threads(threads)
@@ -222,6 +237,75 @@ class WeightsScenario:
             Measurement("packed broadcast throughput", gb / med["packed"], "GB/s", gb / med["flat_wire"],
                         "wire ceiling: no pack, no load"),
         ]  # fmt: skip
+
+    def _bench_streamed(self, ctx: ScenarioContext, report: ScenarioReport, workers: list[WorkerProcess],
+                        specs: list[Spec], weights: list[Any], *, rounds: int) -> None:  # fmt: skip
+        """Streamed updates vs a raw broadcast of the same bytes, and the measured staging peak."""
+        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        bound = STREAM_BUFFER_BYTES * STREAM_NUM_BUFFERS
+        trainer = _connect(workers, STREAM_BUFFER_BYTES, 0, STREAM_NUM_BUFFERS, streamed=True)
+        try:
+            comm = trainer.collective
+            assert comm is not None
+            splits: list[dict[str, float]] = []
+
+            def streamed() -> float:
+                seconds, split = _update(trainer, workers, specs, weights)
+                splits.append(split)
+                return seconds
+
+            runs: dict[str, Callable[[], float]] = {
+                "streamed": streamed,
+                "raw": functools.partial(raw_send, comm, workers, "flat_wire", weights, TIMEOUT_S),
+            }
+            ctx.progress.step(f"streamed: {nbytes / (1 << 20):.0f} MiB in {STREAM_BUFFER_BYTES >> 20} MiB buckets, "
+                              f"{STREAM_NUM_BUFFERS} per side; {rounds} rounds of streamed / raw")  # fmt: skip
+            times = _rounds(runs, rounds)
+            peak = self._measured_peak(trainer, workers, specs, weights)
+            want = param_digests(weights)
+            report.check("streamed update bit-exact on both workers",
+                         all(w.call("digest", TIMEOUT_S)["digests"] == want for w in workers))  # fmt: skip
+            split = {k: statistics.median(s[k] for s in splits[1:]) for k in splits[0]}
+            report.check("streamed time split, median (s; the worker loads while receiving)", True,
+                         ", ".join(f"{k} {v:.3f}" for k, v in split.items() if k != "unpack"))  # fmt: skip
+            _leave(workers)
+        finally:
+            trainer.shutdown()
+        ratio = peak / bound
+        report.check(
+            "staging_peak_ratio <= 1.0", ratio <= 1.0,
+            f"staging_peak_ratio {ratio:.3f}: peak {peak / (1 << 20):.1f} MiB of extra device memory in one "
+            f"update (largest of trainer and workers) / bound {bound >> 20} MiB; model {nbytes / bound:.1f}x the "
+            f"bound, {nbytes / STREAM_BUFFER_BYTES:.1f}x a buffer",
+        )  # fmt: skip
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        report.measurements += [
+            Measurement("streamed update (bounded staging), median", med["streamed"], "s", med["raw"],
+                        "raw broadcast of the same bytes (one prefilled buffer, nothing loaded)",
+                        higher_is_better=False, target_ratio=0.9),
+            Measurement("staging peak (extra device bytes of one update)", peak / (1 << 20), "MiB", bound / (1 << 20),
+                        "configured bound (buffer x num_buffers)", higher_is_better=False, target_ratio=1.0),
+        ]  # fmt: skip
+
+    @staticmethod
+    def _measured_peak(trainer: BroadcastTrainer, workers: list[WorkerProcess], specs: list[Spec],
+                       weights: list[Any]) -> int:  # fmt: skip
+        """Peak extra simulated-device bytes of one streamed update in any process."""
+        meter = device_meter()
+        meter.reset_peak_allocated()
+        base = meter.allocated_bytes
+        bases = [w.call("memory", TIMEOUT_S, reset_peak=True)["allocated"] for w in workers]
+        _update(trainer, workers, specs, weights)
+        peaks = [meter.peak_allocated_bytes - base]
+        peaks += [w.call("memory", TIMEOUT_S)["peak"] - b for w, b in zip(workers, bases, strict=True)]
+        return max(peaks)
+
+
+def _leave(workers: list[WorkerProcess]) -> None:
+    """Workers leave the group (heartbeats stopped) before the trainer closes its store."""
+    for w in workers:
+        w.send("leave")
+    _all_ok(workers)
 
 
 def _rounds(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
