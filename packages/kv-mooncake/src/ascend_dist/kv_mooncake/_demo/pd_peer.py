@@ -13,13 +13,17 @@ line each:
 * ``{"cmd": "poll", "name"}`` -> ``{"freed": [...], "tracked": n, "blocks_lent": n, "expired": n,
   "late_dones": n}``
 * D instances (``role: "consumer"``, e.g. a D in another network namespace):
-  ``{"cmd": "decode", "name", "rid", "prompt_len", "params", "computed"?}`` -> ``{"count": n}`` (queue
-  the pull); ``{"cmd": "recv_poll", "name"}`` -> ``{"recv": [...], "errors": [...]}`` (requests every
-  rank finished receiving since the last poll, load-error block ids); ``{"cmd": "verify", "name",
-  "rid", "seed", "computed"?}`` -> ``{"bytes": n}`` (every pulled byte against the pattern, an error
-  reply naming the first differing layer otherwise); ``{"cmd": "finish", "name", "rid"}`` ->
-  ``{"ok": true}``; ``{"cmd": "d_state", "name"}`` -> what D still holds (``pulling``,
-  ``quarantined``, ``tracked``, ``blocks_held``) and the process's ``threads`` and ``fds``
+
+  * ``{"cmd": "decode", "name", "rid", "prompt_len", "params", "computed"?}`` -> ``{"count": n,
+    "blocks": [[...]]}`` (queue the pull; D's block ids per group)
+  * ``{"cmd": "recv_poll", "name"}`` -> ``{"recv": [...], "errors": [...]}`` (requests every rank
+    finished receiving since the last poll, load-error block ids)
+  * ``{"cmd": "verify", "name", "rid", "seed", "computed"?}`` -> ``{"bytes": n}`` (every pulled byte
+    against the pattern; an error reply naming the first differing layer otherwise)
+  * ``{"cmd": "finish", "name", "rid"}`` -> ``{"ok": true}`` (D frees the request's blocks)
+  * ``{"cmd": "d_state", "name"}`` -> what D still holds (``pulling``, ``quarantined``, ``tracked``,
+    ``blocks_held``) and the process's ``threads`` (native ones too) and ``fds``
+
 * ``{"cmd": "drop", "name"}`` -> ``{"ok": true}`` (shuts that instance's workers down)
 * ``{"cmd": "quit"}`` -> shuts every instance down and exits.
 
@@ -98,7 +102,8 @@ _COMMANDS: dict[str, Callable[[SyntheticInstance, dict[str, Any]], dict[str, Any
     },
     "poll": lambda inst, m: _poll(inst),
     "decode": lambda inst, m: {
-        "count": inst.decode(m["rid"], int(m["prompt_len"]), dict(m["params"]), int(m.get("computed", 0)))
+        "count": inst.decode(m["rid"], int(m["prompt_len"]), dict(m["params"]), int(m.get("computed", 0))),
+        "blocks": inst.blocks[m["rid"]],
     },
     "recv_poll": lambda inst, m: _recv_poll(inst),
     "verify": lambda inst, m: {"bytes": inst.verify(m["rid"], int(m["seed"]), int(m.get("computed", 0)))},

@@ -189,15 +189,17 @@ class DInstance:
         """Bind to an instance created by `PeerProcess.create_consumer`."""
         self.peer = peer
         self.name = name
+        self.blocks: dict[str, list[list[int]]] = {}
+        """D's block ids of each request queued here (per KV-cache group)."""
 
     def _call(self, cmd: str, timeout_s: float = 30.0, **fields: Any) -> dict[str, Any]:
         return self.peer.call({"cmd": cmd, "name": self.name, **fields}, timeout_s=timeout_s)
 
     def decode(self, rid: str, prompt_len: int, params: dict[str, Any], computed_tokens: int = 0) -> int:
-        """Accept P's params and queue the pull; return the tokens to load."""
-        return int(
-            self._call("decode", rid=rid, prompt_len=prompt_len, params=params, computed=computed_tokens)["count"]
-        )
+        """Accept P's params and queue the pull; return the tokens to load (D's block ids: `blocks`)."""
+        reply = self._call("decode", rid=rid, prompt_len=prompt_len, params=params, computed=computed_tokens)
+        self.blocks[rid] = [[int(b) for b in ids] for ids in reply["blocks"]]
+        return int(reply["count"])
 
     def recv_poll(self) -> tuple[set[str], set[int]]:
         """Requests every D rank finished receiving since the last poll, and the load-error block ids."""
@@ -233,6 +235,7 @@ class DInstance:
     def finish(self, rid: str) -> None:
         """The request finished on D: free its blocks."""
         self._call("finish", rid=rid)
+        self.blocks.pop(rid, None)
 
     def state(self) -> dict[str, int]:
         """What D still holds (``pulling``, ``quarantined``, ``tracked``, ``blocks_held``), threads, fds."""
