@@ -20,6 +20,8 @@ line each:
     finished receiving since the last poll, load-error block ids)
   * ``{"cmd": "verify", "name", "rid", "seed", "computed"?}`` -> ``{"bytes": n}`` (every pulled byte
     against the pattern; an error reply naming the first differing layer otherwise)
+  * ``{"cmd": "digest", "name", "rid"}`` -> ``{"sha256": "..."}`` (of the request's blocks on every
+    rank: shows whether anything wrote into them since the last digest)
   * ``{"cmd": "finish", "name", "rid"}`` -> ``{"ok": true}`` (D frees the request's blocks)
   * ``{"cmd": "d_state", "name"}`` -> what D still holds (``pulling``, ``quarantined``, ``tracked``,
     ``blocks_held``) and the process's ``threads`` (native ones too) and ``fds``
@@ -32,13 +34,16 @@ It exits by itself when stdin closes, so it never outlives its parent.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ascend_dist.kv_mooncake._demo.peer_serve import serve
-from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
+from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance, block_view
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 
 __all__ = ["main"]
@@ -70,6 +75,16 @@ def _d_state(inst: SyntheticInstance) -> dict[str, Any]:
         "threads": len(os.listdir("/proc/self/task")),  # native (Mooncake) threads too
         "fds": len(os.listdir("/proc/self/fd")),
     }
+
+
+def _digest(inst: SyntheticInstance, rid: str) -> dict[str, Any]:
+    h = hashlib.sha256()
+    for r in inst.ranks:
+        for i in r.layers:
+            ids = torch.tensor(inst.blocks[rid][i % inst.model.groups])
+            for t in r.caches[inst.model.layer_name(i)]:
+                h.update(block_view(t, inst.model.num_blocks)[ids].contiguous().numpy().tobytes())
+    return {"sha256": h.hexdigest()}
 
 
 def _recv_poll(inst: SyntheticInstance) -> dict[str, Any]:
@@ -107,6 +122,7 @@ _COMMANDS: dict[str, Callable[[SyntheticInstance, dict[str, Any]], dict[str, Any
     },
     "recv_poll": lambda inst, m: _recv_poll(inst),
     "verify": lambda inst, m: {"bytes": inst.verify(m["rid"], int(m["seed"]), int(m.get("computed", 0)))},
+    "digest": lambda inst, m: _digest(inst, m["rid"]),
     "finish": lambda inst, m: inst.finish_decode(m["rid"]) or {"ok": True},
     "d_state": lambda inst, m: _d_state(inst),
 }

@@ -232,6 +232,10 @@ class DInstance:
         """
         return int(self._call("verify", timeout_s=60.0, rid=rid, seed=seed, computed=computed_tokens)["bytes"])
 
+    def digest(self, rid: str) -> str:
+        """SHA-256 of the request's blocks on D (whether anything wrote into them meanwhile)."""
+        return str(self._call("digest", rid=rid)["sha256"])
+
     def finish(self, rid: str) -> None:
         """The request finished on D: free its blocks."""
         self._call("finish", rid=rid)
