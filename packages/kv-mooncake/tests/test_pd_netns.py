@@ -278,8 +278,8 @@ def test_a_link_cut_mid_transfer_fails_within_the_deadline_leaks_nothing_and_a_r
     strict=True,
     reason="known hazard, not fixed: D hands a request whose read hangs on a dead link back to vLLM "
     "2 x pull_timeout_s after it started (pull/d_requests.py gives the read up); Mooncake's TCP read "
-    "has no timeout of its own and completes when the link returns, writing into blocks vLLM "
-    "already recomputes into or reuses",
+    "fails only after MC_TCP_PROGRESS_TIMEOUT_SEC (30 s) and, failed or not, still writes into D's "
+    "blocks when the link returns (Mooncake #4247), which vLLM already recomputes into or reuses",
 )
 def test_no_write_lands_in_a_request_after_d_handed_it_back(net: Net) -> None:
     """The link stays down past D's give-up (2 x pull_timeout_s), then returns: the blocks of every
