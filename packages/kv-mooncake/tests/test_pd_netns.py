@@ -50,30 +50,32 @@ class Net:
     def p_host(self, k: int) -> str:
         return self.hosts.addresses[self.hosts.spokes[k]]
 
-    def p_instance(self, k: int, kv_port: int, spec: dict[str, Any], lease_s: float = 30.0) -> PInstance:
-        """A P instance (TP 1) in P namespace ``k``, advertising that namespace's address."""
+    def p_instance(self, k: int, kv_port: int, spec: dict[str, Any], lease_s: float = 30.0, p_tp: int = 1) -> PInstance:
+        """A P instance (TP ``p_tp``, all ranks in one child) in P namespace ``k``, advertising its address."""
         n = next(_IDS)
-        config = {**_base(kv_port), "lease_s": lease_s, "engine_id": f"P{n}", "host": self.p_host(k)}
+        config = {**_base(kv_port, p_tp), "lease_s": lease_s, "engine_id": f"P{n}", "host": self.p_host(k)}
         return self.p_peers[k].create(f"p{n}", config, spec)
 
-    def d_instance(self, kv_port: int, spec: dict[str, Any], **extra: Any) -> DInstance:
-        """A D instance (TP 1) in D's namespace."""
+    def d_instance(self, kv_port: int, spec: dict[str, Any], p_tp: int = 1, **extra: Any) -> DInstance:
+        """A D instance (TP 1) in D's namespace, for P instances of TP ``p_tp``."""
         n = next(_IDS)
-        config = {**_base(kv_port), **extra, "engine_id": f"D{n}", "host": self.d_host}
+        config = {**_base(kv_port, p_tp), **extra, "engine_id": f"D{n}", "host": self.d_host}
         return self.d_peer.create_consumer(f"d{n}", config, spec)
 
-    def pair(self, k: int, spec: dict[str, Any], lease_s: float = 30.0, **extra: Any) -> tuple[PInstance, DInstance]:
+    def pair(
+        self, k: int, spec: dict[str, Any], lease_s: float = 30.0, p_tp: int = 1, **extra: Any
+    ) -> tuple[PInstance, DInstance]:
         """A P instance in P namespace ``k`` and a D instance in D's namespace."""
         kv_port = 41000 + 10 * next(_IDS)  # any port: nothing else listens in these namespaces
-        return self.p_instance(k, kv_port, spec, lease_s), self.d_instance(kv_port, spec, **extra)
+        return self.p_instance(k, kv_port, spec, lease_s, p_tp), self.d_instance(kv_port, spec, p_tp, **extra)
 
     def d_rx(self, k: int) -> int:
         """Bytes D's namespace received from P namespace ``k`` (its bridge port)."""
         return rx_bytes(self.d_peer.proc.pid, f"vp{k + 1}")
 
 
-def _base(kv_port: int) -> dict[str, Any]:
-    return {"kv_port": kv_port, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}, "rpc_timeout_s": 0.5}
+def _base(kv_port: int, p_tp: int = 1) -> dict[str, Any]:
+    return {"kv_port": kv_port, "prefill": {"tp_size": p_tp}, "decode": {"tp_size": 1}, "rpc_timeout_s": 0.5}
 
 
 def _start(hosts: Hosts, ns: str) -> PeerProcess:
@@ -150,12 +152,13 @@ def test_a_pull_between_namespaces_writes_every_block_with_ps_bytes(net: Net) ->
 
 
 def test_two_p_hosts_serve_one_d(net: Net) -> None:
-    """Two P engines, each in its own namespace (two nodes) on the same kv_port, serving one D:
-    each request comes from the host its params name, byte-exact, over that host's link."""
-    p1, d = net.pair(0, SPEC)
+    """Two P engines of TP 2, each in its own namespace (two nodes) on the same kv_ports, serving one
+    D of TP 1 (each D block stacks the heads of both ranks of one P): each request comes from the
+    host its params name, byte-exact, over that host's link."""
+    p1, d = net.pair(0, SPEC, p_tp=2)
     p1_params = p1.prefill("x1", 120, seed=21)
     # P2: the same kv_port and sizes as P1, another engine id and host (D keys its peers by host too).
-    p2 = net.p_instance(1, p1_params["remote_port"], SPEC)
+    p2 = net.p_instance(1, p1_params["remote_port"], SPEC, p_tp=2)
     p2_params = p2.prefill("x2", 120, seed=22)
     assert (p1_params["remote_host"], p2_params["remote_host"]) == (net.p_host(0), net.p_host(1))
     rx = [net.d_rx(0), net.d_rx(1)]
