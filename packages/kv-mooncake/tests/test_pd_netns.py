@@ -93,18 +93,21 @@ def net() -> Iterator[Net]:
     try:
         with ThreadPoolExecutor(3) as pool:  # each child imports torch: start them side by side
             futures = [pool.submit(_start, hosts, ns) for ns in (hosts.hub, *hosts.spokes)]
+            errors: list[BaseException] = []
             for f in futures:
                 try:
                     peers.append(f.result())
-                except BaseException:
-                    continue
-        if len(peers) != len(futures):
-            raise RuntimeError("a peer child did not start (see the errors above)")
+                except BaseException as exc:  # the others started: keep them to close below
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
         yield Net(hosts, peers[0], peers[1:])
     finally:
-        for peer in peers:
-            peer.close()
-        hosts.close()
+        try:
+            for peer in peers:
+                peer.close()
+        finally:
+            hosts.close()  # even if a child would not close: the namespaces never outlive the module
 
 
 def _wait_p_idle(p: PInstance, timeout_s: float = 10.0) -> dict[str, Any]:
