@@ -4,7 +4,9 @@ A hub namespace (D's host) holds a bridge with ``10.213.0.1/24``; each further n
 gets one veth end ``eth0`` with ``10.213.0.<k+1>/24``, the other end a port of the bridge. The
 addresses exist only inside these namespaces and their loopback stays down, so a transfer between
 them crosses the veth link or fails: there is no 127.0.0.1 shortcut. `Hosts.close` deletes every
-namespace (their links with them); the caller stops the processes inside first.
+namespace (their links with them); the caller stops the processes inside first. Names carry the
+test process's pid, so parallel runs never share one, and `Hosts.create` first deletes those left
+by a run that was killed before its finalizer ran (pid gone).
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2; `Hosts.create` raises `NetnsUnavailable`
 naming the reason otherwise, and the tests skip with it.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,6 +25,7 @@ __all__ = ["SUBNET", "Hosts", "NetnsUnavailable", "rx_bytes"]
 
 SUBNET = "10.213.0"
 _SEQ = itertools.count()
+_OURS = re.compile(r"adn(\d+)x\d+(?:d|p\d+)")  # names `Hosts` gives: adn<test pid>x<seq><role>
 
 
 class NetnsUnavailable(RuntimeError):
@@ -32,6 +36,16 @@ def _ip(*args: str, timeout_s: float = 10.0) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise NetnsUnavailable(f"`ip {' '.join(args)}` failed (rc={done.returncode}): {done.stderr.strip()}")
+
+
+def _sweep_stale() -> None:
+    """Delete namespaces an earlier, hard-killed test run made (our names, their pid gone)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10, check=False)
+    for line in listed.stdout.splitlines():
+        name = line.split(" ", 1)[0]
+        match = _OURS.fullmatch(name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10, check=False)
 
 
 def rx_bytes(pid: int, interface: str) -> int:
@@ -65,6 +79,7 @@ class Hosts:
             raise NetnsUnavailable("iproute2's `ip` is not installed")
         if os.geteuid() != 0:
             raise NetnsUnavailable(f"`ip netns add` needs root (running as uid {os.geteuid()})")
+        _sweep_stale()
         hosts = cls(f"adn{os.getpid()}x{next(_SEQ)}")
         try:
             hub = hosts._add("d")
