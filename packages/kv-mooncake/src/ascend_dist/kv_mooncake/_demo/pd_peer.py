@@ -24,7 +24,8 @@ line each:
     rank: shows whether anything wrote into them since the last digest)
   * ``{"cmd": "finish", "name", "rid"}`` -> ``{"ok": true}`` (D frees the request's blocks)
   * ``{"cmd": "d_state", "name"}`` -> what D still holds (``pulling``, ``quarantined``, ``tracked``,
-    ``blocks_held``) and the process's ``threads`` (native ones too) and ``fds``
+    ``blocks_held``), its engine's ``engine_pieces`` (reads not yet returned, hung ones too) and the
+    process's ``threads`` (native ones too) and ``fds``
 
 * ``{"cmd": "drop", "name"}`` -> ``{"ok": true}`` (shuts that instance's workers down)
 * ``{"cmd": "quit"}`` -> shuts every instance down and exits.
@@ -44,6 +45,7 @@ import torch
 
 from ascend_dist.kv_mooncake._demo.peer_serve import serve
 from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance, block_view
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 
 __all__ = ["main"]
@@ -67,7 +69,9 @@ def _poll(inst: SyntheticInstance) -> dict[str, Any]:
 
 def _d_state(inst: SyntheticInstance) -> dict[str, Any]:
     receivers = [r.worker.receiver for r in inst.ranks if r.worker.receiver is not None]
+    engine = inst.engine or get_engine(inst.config.host, inst.config.protocol)  # the workers' engine
     return {
+        "engine_pieces": engine.pieces_in_flight if isinstance(engine, MooncakeEngine) else 0,
         "pulling": sum(r.in_flight for r in receivers),
         "quarantined": sum(r.quarantined for r in receivers),
         "tracked": inst.scheduler.tracked,

@@ -242,7 +242,11 @@ class DInstance:
         self.blocks.pop(rid, None)
 
     def state(self) -> dict[str, int]:
-        """What D still holds (``pulling``, ``quarantined``, ``tracked``, ``blocks_held``), threads, fds."""
+        """What D still holds, its engine's reads and the process's threads and fds.
+
+        Keys: ``pulling``, ``quarantined``, ``tracked``, ``blocks_held``, ``engine_pieces`` (pieces
+        of reads not yet returned), ``threads``, ``fds``.
+        """
         return {k: int(v) for k, v in self._call("d_state").items()}
 
     def drop(self) -> None:
