@@ -30,9 +30,9 @@ SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks":
 BIG = {"layers": 4, "heads": 8, "head_dim": 128, "block_size": 16, "num_blocks": 4 * 128 + 8}
 BIG_PROMPT = 128 * 16
 _IDS = itertools.count()
-# Each test may pay the module fixture's start: three children importing torch side by side (tens of
-# seconds on a loaded 2-core machine).
-pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(150)]
+# Each test may pay the module fixture's start: three children importing torch side by side (up to
+# minutes on a 2-core machine other jobs load).
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
 
 @dataclass
@@ -79,7 +79,9 @@ def _base(kv_port: int, p_tp: int = 1) -> dict[str, Any]:
 
 
 def _start(hosts: Hosts, ns: str) -> PeerProcess:
-    return PeerProcess(launcher=hosts.launcher(ns))
+    # 180 s, not 60: three children import torch at once, and on a 2-core machine other sessions
+    # load (load average 24 seen) one took over 60 s.
+    return PeerProcess(launcher=hosts.launcher(ns), ready_timeout_s=180.0)
 
 
 @pytest.fixture(scope="module")
