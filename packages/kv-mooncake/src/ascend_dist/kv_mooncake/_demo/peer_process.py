@@ -14,13 +14,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import closing
 from types import TracebackType
 from typing import Any, Self
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, ProtocolError
 
-__all__ = ["PInstance", "PeerProcess", "free_port_range"]
+__all__ = ["DInstance", "PInstance", "PeerProcess", "free_port_range"]
 
 
 def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
@@ -49,11 +50,21 @@ def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> 
 class PeerProcess:
     """A ``python -m <module>`` child speaking JSON lines (the pull's `pd_peer` by default)."""
 
-    def __init__(self, *, module: str = "ascend_dist.kv_mooncake._demo.pd_peer", ready_timeout_s: float = 60.0) -> None:
-        """Start ``python -m module`` and wait until it reports ready."""
+    def __init__(
+        self,
+        *,
+        module: str = "ascend_dist.kv_mooncake._demo.pd_peer",
+        ready_timeout_s: float = 60.0,
+        launcher: Sequence[str] = (),
+    ) -> None:
+        """Start ``python -m module`` and wait until it reports ready.
+
+        ``launcher``: a command that execs the rest of its arguments (``ip netns exec NAME``: the
+        child then runs in that network namespace; the child's pid stays the one we started).
+        """
         env = {**os.environ, "GLOG_minloglevel": "2"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module],
+            [*launcher, sys.executable, "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -101,6 +112,12 @@ class PeerProcess:
         """Create a producer instance in the child."""
         self.call({"cmd": "create", "name": name, "config": config, "model": model}, timeout_s=60.0)
         return PInstance(self, name)
+
+    def create_consumer(self, name: str, config: dict[str, Any], model: dict[str, Any]) -> DInstance:
+        """Create a consumer (D) instance in the child (`pd_peer` only)."""
+        msg = {"cmd": "create", "name": name, "config": config, "model": model, "role": "consumer"}
+        self.call(msg, timeout_s=60.0)
+        return DInstance(self, name)
 
     def _stderr(self) -> str:
         try:
@@ -163,3 +180,76 @@ class PInstance:
         """Shut the instance down (no-op if the process is gone)."""
         if self.peer.proc.poll() is None:
             self.peer.call({"cmd": "drop", "name": self.name})
+
+
+class DInstance:
+    """One D instance inside a `PeerProcess` (a D that must run elsewhere, e.g. in a network namespace)."""
+
+    def __init__(self, peer: PeerProcess, name: str) -> None:
+        """Bind to an instance created by `PeerProcess.create_consumer`."""
+        self.peer = peer
+        self.name = name
+        self.blocks: dict[str, list[list[int]]] = {}
+        """D's block ids of each request queued here (per KV-cache group)."""
+
+    def _call(self, cmd: str, timeout_s: float = 30.0, **fields: Any) -> dict[str, Any]:
+        return self.peer.call({"cmd": cmd, "name": self.name, **fields}, timeout_s=timeout_s)
+
+    def decode(self, rid: str, prompt_len: int, params: dict[str, Any], computed_tokens: int = 0) -> int:
+        """Accept P's params and queue the pull; return the tokens to load (D's block ids: `blocks`)."""
+        reply = self._call("decode", rid=rid, prompt_len=prompt_len, params=params, computed=computed_tokens)
+        self.blocks[rid] = [[int(b) for b in ids] for ids in reply["blocks"]]
+        return int(reply["count"])
+
+    def recv_poll(self) -> tuple[set[str], set[int]]:
+        """Requests every D rank finished receiving since the last poll, and the load-error block ids."""
+        reply = self._call("recv_poll")
+        return set(reply["recv"]), set(reply["errors"])
+
+    def wait_recv(self, rids: set[str], timeout_s: float) -> set[int]:
+        """Poll until every request in ``rids`` finished receiving; return the load errors seen.
+
+        Raises:
+            DeadlineExceeded: Some request did not finish within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending, errors = set(rids), set[int]()
+        while pending:
+            recv, errs = self.recv_poll()
+            errors |= errs
+            pending -= recv
+            if pending and time.monotonic() > deadline:
+                raise DeadlineExceeded(f"D: requests {sorted(pending)[:4]} not received within {timeout_s} s")
+            if pending:
+                time.sleep(0.005)
+        return errors
+
+    def verify(self, rid: str, seed: int, computed_tokens: int = 0) -> int:
+        """Check every pulled byte against P's pattern; return bytes checked.
+
+        Raises:
+            ProtocolError: A byte differs (the child's ``AssertionError``, naming layer and rank).
+        """
+        return int(self._call("verify", timeout_s=60.0, rid=rid, seed=seed, computed=computed_tokens)["bytes"])
+
+    def digest(self, rid: str) -> str:
+        """SHA-256 of the request's blocks on D (whether anything wrote into them meanwhile)."""
+        return str(self._call("digest", rid=rid)["sha256"])
+
+    def finish(self, rid: str) -> None:
+        """The request finished on D: free its blocks."""
+        self._call("finish", rid=rid)
+        self.blocks.pop(rid, None)
+
+    def state(self) -> dict[str, int]:
+        """What D still holds, its engine's reads and the process's threads and fds.
+
+        Keys: ``pulling``, ``quarantined``, ``tracked``, ``blocks_held``, ``engine_pieces`` (pieces
+        of reads not yet returned), ``threads``, ``fds``.
+        """
+        return {k: int(v) for k, v in self._call("d_state").items()}
+
+    def drop(self) -> None:
+        """Shut the instance down (no-op if the process is gone)."""
+        if self.peer.proc.poll() is None:
+            self._call("drop")

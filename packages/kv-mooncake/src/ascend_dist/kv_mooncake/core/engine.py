@@ -119,6 +119,15 @@ class MooncakeEngine:
         return self._session
 
     @property
+    def pieces_in_flight(self) -> int:
+        """Pieces inside batch reads and writes that have not returned yet, to every peer.
+
+        A read hung on a dead link stays counted until Mooncake returns it.
+        """
+        with self._flight:
+            return sum(self._in_flight.values())
+
+    @property
     def registered(self) -> dict[tuple[int, int], int]:
         """Registered ``(ptr, length)`` regions and their reference counts (a copy)."""
         with self._lock:
