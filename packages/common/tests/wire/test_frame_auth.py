@@ -94,3 +94,27 @@ def test_bad_bounds_are_config_errors() -> None:
         FrameAuth(SECRET, window_s=0)
     with pytest.raises(ConfigError, match="max_nonces"):
         FrameAuth(SECRET, max_nonces=0)
+
+
+@pytest.mark.parametrize(
+    ("header", "reason"),
+    [(None, "missing"), ("", "missing"), ("v2 1 2 3", "mac"), ("v1 zz 00 00", "mac"), ("v1 1 00", "mac")],
+)
+def test_malformed_http_auth_headers_are_refused(header: str | None, reason: str) -> None:
+    with pytest.raises(PeerNotAuthenticated) as refused:
+        FrameAuth(SECRET).check_http("POST", "/v1/metaserver", b"{}", header)
+    assert refused.value.reason == reason
+
+
+def test_an_http_mac_is_bound_to_method_path_and_body_and_never_passes_as_a_frame() -> None:
+    server = FrameAuth(SECRET)
+    value = FrameAuth(SECRET).seal_http("POST", "/v1/metaserver", b"{}")
+    edits = (("PUT", "/v1/metaserver", b"{}"), ("POST", "/v1/other", b"{}"), ("POST", "/v1/metaserver", b"[]"))
+    for method, path, body in edits:
+        with pytest.raises(PeerNotAuthenticated, match="mac"):
+            server.check_http(method, path, body, value)
+    _, ts, nonce, tag = value.split(" ")
+    as_frame = bytes.fromhex(f"{int(ts, 16):016x}") + bytes.fromhex(nonce) + bytes.fromhex(tag)
+    with pytest.raises(PeerNotAuthenticated, match="mac"):
+        server.check_request(HEADER, b"{}", as_frame)
+    server.check_http("POST", "/v1/metaserver", b"{}", value)  # control: the untouched request passes

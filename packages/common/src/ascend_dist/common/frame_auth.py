@@ -15,6 +15,10 @@ attempt and there is no session to bind a handshake to, so each request frame ca
 * A reply carries one more frame: the tag over a direction byte, the reply header, the request's
   nonce and the body, so a reply answers exactly that request and cannot be forged or replayed.
 
+* An HTTP POST (D to the proxy's metaserver) carries the same proof in one header,
+  `HTTP_AUTH_HEADER` = ``v1 <timestamp_ns> <nonce> <tag>`` (hex), the tag over the method, the path
+  with its query and the body; a metaserver that has the secret checks it with `check_http`.
+
 What this does not do: hide the payload (frames travel in clear, like Mooncake's own transfers), or
 stop a captured frame being replayed within the window to *another* server of the same deployment
 (the message layer binds request ids and signed capabilities to their owner).
@@ -41,6 +45,7 @@ __all__ = [
     "DEFAULT_WINDOW_S",
     "FRAME_PURPOSE",
     "FROM_ENV",
+    "HTTP_AUTH_HEADER",
     "FrameAuth",
     "FromEnv",
     "resolve_frame_auth",
@@ -56,6 +61,9 @@ AUTH_BYTES: Final = _STAMP.size + TAG_BYTES
 # Direction bytes: a reply's tag can never pass as a request's and the other way round.
 _REQUEST: Final = b"Q"
 _REPLY: Final = b"R"
+_HTTP: Final = b"H"
+HTTP_AUTH_HEADER: Final = "X-Ascend-Dist-Auth"
+"""Header of an authenticated HTTP POST (D to the metaserver): ``v1 <timestamp_ns> <nonce> <tag>``, hex."""
 
 
 class FromEnv:
@@ -118,7 +126,9 @@ class FrameAuth:
         stamp = _STAMP.pack(self._clock_ns(), secrets.token_bytes(NONCE_BYTES))
         return stamp + self._tag(_REQUEST, header, stamp, payload)
 
-    def check_request(self, header: bytes, payload: bytes | memoryview, auth: bytes) -> bytes:
+    def check_request(
+        self, header: bytes, payload: bytes | bytearray | memoryview, auth: bytes, *, direction: bytes = _REQUEST
+    ) -> bytes:
         """Verify one request's ``auth`` frame and remember its nonce; returns the nonce.
 
         Raises:
@@ -128,7 +138,7 @@ class FrameAuth:
         if len(auth) != AUTH_BYTES:
             raise PeerNotAuthenticated("mac", f"auth frame of {len(auth)} bytes, expected {AUTH_BYTES}")
         stamp, tag = auth[: _STAMP.size], auth[_STAMP.size :]
-        if not hmac.compare_digest(self._tag(_REQUEST, header, stamp, payload), tag):
+        if not hmac.compare_digest(self._tag(direction, header, stamp, payload), tag):
             raise PeerNotAuthenticated("mac", "the frame's MAC does not verify under this deployment's secret")
         sent_ns, nonce = _STAMP.unpack(stamp)
         now_ns = self._clock_ns()
@@ -177,11 +187,42 @@ class FrameAuth:
         if not hmac.compare_digest(self.seal_reply(nonce, header, body), tag):
             raise PeerNotAuthenticated("mac", "the reply's MAC does not verify under this deployment's secret")
 
+    def seal_http(self, method: str, path: str, body: bytes) -> str:
+        """The `HTTP_AUTH_HEADER` value for one request: MAC over method, path (with query) and body."""
+        stamp = _STAMP.pack(self._clock_ns(), secrets.token_bytes(NONCE_BYTES))
+        tag = self._tag(_HTTP, _http_target(method, path), stamp, body)
+        sent_ns, nonce = _STAMP.unpack(stamp)
+        return f"v1 {sent_ns:x} {nonce.hex()} {tag.hex()}"
+
+    def check_http(self, method: str, path: str, body: bytes, value: str | None) -> None:
+        """Verify an `HTTP_AUTH_HEADER` value as a server (the metaserver) would; same checks as frames.
+
+        Raises:
+            PeerNotAuthenticated: Missing or malformed header, wrong MAC, stale or replayed.
+        """
+        if not value:
+            raise PeerNotAuthenticated("missing", f"no {HTTP_AUTH_HEADER} header")
+        parts = value.split(" ")
+        try:
+            if len(parts) != 4 or parts[0] != "v1":
+                raise ValueError(parts[0])
+            stamp = _STAMP.pack(int(parts[1], 16), bytes.fromhex(parts[2]))
+            tag = bytes.fromhex(parts[3])
+        except (ValueError, struct.error):
+            raise PeerNotAuthenticated("mac", f"malformed {HTTP_AUTH_HEADER} header") from None
+        self.check_request(_http_target(method, path), body, stamp + tag, direction=_HTTP)
+
     @property
     def remembered(self) -> int:
         """Nonces in the replay cache now."""
         with self._lock:
             return len(self._seen)
+
+
+def _http_target(method: str, path: str) -> bytes:
+    # Length-prefixed so that no method/path split can be read as another.
+    raw = method.upper().encode() + b" " + path.encode("utf-8", errors="surrogateescape")
+    return len(raw).to_bytes(4, "big") + raw
 
 
 def resolve_frame_auth(secret: DeploymentSecret | FromEnv | None, component: str) -> FrameAuth | None:
