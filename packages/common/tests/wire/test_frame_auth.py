@@ -118,3 +118,39 @@ def test_an_http_mac_is_bound_to_method_path_and_body_and_never_passes_as_a_fram
     with pytest.raises(PeerNotAuthenticated, match="mac"):
         server.check_request(HEADER, b"{}", as_frame)
     server.check_http("POST", "/v1/metaserver", b"{}", value)  # control: the untouched request passes
+
+
+_TWO_SERVERS_AND_A_CLIENT = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
+for name in ("a", "b"):
+    server = RpcServer("127.0.0.1", 0, lambda p: p, name=name)
+    print(name, server.authenticated)
+    server.stop()
+RpcClient().close()
+"""
+
+
+@pytest.mark.parametrize("with_secret", [False, True])
+def test_without_a_secret_a_process_warns_once_with_one_it_authenticates_silently(with_secret: bool) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from ascend_dist.common.secret import SECRET_ENV, SECRET_FILE_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    if with_secret:
+        env[SECRET_ENV] = "ab" * 32
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWO_SERVERS_AND_A_CLIENT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["a", str(with_secret), "b", str(with_secret)]
+    assert proc.stderr.count("peers are not authenticated") == (0 if with_secret else 1)
