@@ -97,3 +97,21 @@ def test_secret_command_writes_a_private_key_the_loader_accepts(tmp_path, monkey
     assert probe_authentication().status == "ok"
     path.chmod(0o644)  # readable by others: refused, and the doctor says so
     assert probe_authentication().status == "missing"
+
+
+def test_demo_secret_is_a_private_fresh_key_for_the_block_only(monkeypatch):
+    import stat
+
+    from ascend_dist.cli.demo_secret import demo_secret
+    from ascend_dist.common.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    with demo_secret():
+        path = Path(os.environ[SECRET_FILE_ENV])
+        assert load_secret() is not None  # the scenarios' processes inherit a usable key
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert SECRET_FILE_ENV not in os.environ and not path.parent.exists()  # gone with the demo
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)  # an operator's secret is used as it is
+    with demo_secret() as source:
+        assert SECRET_FILE_ENV not in os.environ and "configured" in source
