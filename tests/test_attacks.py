@@ -13,9 +13,14 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
+from ascend_dist.common.errors import PeerNotAuthenticated
+from ascend_dist.common.frame_auth import FrameAuth
+from ascend_dist.common.secret import SECRET_ENV, DeploymentSecret
 from ascend_dist.common.zmq_rpc import RpcClient
-from ascend_dist.kv_store import LookupServer
+from ascend_dist.common.zmq_server import KIND_REFUSED, KIND_REPLY, KIND_REQUEST, pack_header, unpack_header
+from ascend_dist.kv_store import LookupClient, LookupServer
 from ascend_dist.kv_store.lookup.messages import LookupCodec, LookupRequest, ReplyCodec
 from ascend_dist.testing.ports import free_port
 
@@ -81,3 +86,124 @@ def test_a_junk_flood_is_logged_once_per_interval_and_lookups_are_still_served(
     assert len(lines) <= 2  # one line per 10 s interval (maybe spent by an earlier test), not 2,000
     assert not any(r.exc_info for r in caplog.records)  # no tracebacks
     assert threading.active_count() <= threads_before
+
+
+# --- authenticated frames (issue 23 item 2): a real lookup server with the deployment secret on ---
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+
+
+def _raw_exchange(endpoint: str, frames: list[bytes], timeout_s: float = 5.0) -> list[bytes]:
+    """Send one hand-built request on a fresh DEALER and return the reply's frames."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart(frames)
+        assert sock.poll(int(timeout_s * 1000), zmq.POLLIN), "no answer before the deadline"
+        return sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+
+
+def _sealed(auth: FrameAuth, payload: bytes, request_id: int = 7) -> list[bytes]:
+    header = pack_header(KIND_REQUEST, request_id)
+    return [b"", header, payload, auth.seal_request(header, payload)]
+
+
+def _stale_clock() -> int:
+    import time
+
+    return time.time_ns() - 120 * 10**9  # two minutes behind: outside the 30 s window
+
+
+def _lookup(token_len: int) -> bytes:
+    return LookupCodec.encode(LookupRequest(compat_hash=COMPAT, token_len=token_len, block_hashes=(b"h" * 32,)))
+
+
+def _forged(auth: FrameAuth) -> list[bytes]:
+    frames = _sealed(auth, _lookup(64))
+    frames[2] = _lookup(4096)  # the MAC was made over token_len 64: an edited frame
+    return frames
+
+
+def _replayed(auth: FrameAuth, endpoint: str) -> list[bytes]:
+    frames = _sealed(auth, _lookup(64))
+    first = _raw_exchange(endpoint, frames)  # the legitimate original is served ...
+    assert unpack_header(first[1]) == (KIND_REPLY, 7)
+    return frames  # ... and the very same frames are sent again
+
+
+ATTACKS: dict[str, tuple[str, Any]] = {
+    "no-mac": ("missing", lambda auth, ep: [b"", pack_header(KIND_REQUEST, 7), _lookup(64)]),
+    "forged": ("mac", lambda auth, ep: _forged(auth)),
+    "replayed": ("replay", _replayed),
+    "stale": ("stale", lambda auth, ep: _sealed(FrameAuth(DeploymentSecret(KEY), clock_ns=_stale_clock), _lookup(64))),
+    "other-key": ("mac", lambda auth, ep: _sealed(FrameAuth(DeploymentSecret(OTHER_KEY)), _lookup(64))),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_frames_without_a_valid_mac_are_refused_while_authenticated_lookups_are_served(
+    attack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SECRET_ENV, KEY.hex())  # every node of the deployment shares it
+    asked: list[int] = []
+
+    def lookup(req: LookupRequest) -> int:
+        asked.append(req.token_len)
+        return req.token_len
+
+    server = LookupServer(lookup, COMPAT, host="127.0.0.1", port=free_port())
+    try:
+        reason, build = ATTACKS[attack]
+        frames = build(FrameAuth(DeploymentSecret(KEY)), server.endpoint)
+        served_before = len(asked)
+        reply = _raw_exchange(server.endpoint, frames)
+        assert unpack_header(reply[1]) == (KIND_REFUSED, 7)  # refused, and told why (not our key)
+        assert reply[2].decode().startswith(reason + ":")
+        assert len(asked) == served_before  # the lookup never saw the frame
+        # Control: the legitimate client (secret from the same environment) is served at once.
+        client = LookupClient(COMPAT, host="127.0.0.1", port=int(server.endpoint.rsplit(":", 1)[1]), in_process=False)
+        try:
+            assert client.lookup(96, (b"h" * 32,)) == 96 and client.failures == 0
+        finally:
+            client.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("client_key", "reason"), [(None, "missing"), (OTHER_KEY, "mac")])
+def test_a_peer_without_the_secret_gets_a_typed_refusal(
+    client_key: bytes | None, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SECRET_ENV, KEY.hex())
+    server = LookupServer(lambda req: req.token_len, COMPAT, host="127.0.0.1", port=free_port())
+    secret = None if client_key is None else DeploymentSecret(client_key)
+    try:
+        with RpcClient(timeout_s=5.0, retries=3, secret=secret) as stranger:
+            with pytest.raises(PeerNotAuthenticated) as refused:
+                stranger.request(server.endpoint, _lookup(64))
+            assert refused.value.reason == reason
+        with RpcClient(timeout_s=5.0, retries=1, secret=DeploymentSecret(KEY)) as member:
+            assert ReplyCodec.decode(member.request(server.endpoint, _lookup(64))).hit_tokens == 64
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_client_with_the_secret_refuses_a_server_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    served: list[int] = []
+    server = LookupServer(lambda req: served.append(1) or req.token_len, COMPAT, host="127.0.0.1", port=free_port())
+    try:
+        member = RpcClient(timeout_s=5.0, retries=1, secret=DeploymentSecret(KEY))
+        with member, pytest.raises(PeerNotAuthenticated) as refused:
+            member.request(server.endpoint, _lookup(64))
+        assert refused.value.reason == "unexpected" and not served  # never half-served
+    finally:
+        server.close()

@@ -10,13 +10,17 @@ import ssl
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ascend_dist.common.errors import ConfigError, DeadlineExceeded, TransferError
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded, PeerNotAuthenticated, TransferError
+from ascend_dist.common.frame_auth import HTTP_AUTH_HEADER, FrameAuth
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.kv_mooncake.core.metaserver import HttpMetaserver
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import TlsConfig
@@ -171,3 +175,53 @@ def test_error_status_and_silent_server_end_within_the_deadline(servers: list) -
         assert time.monotonic() - start < 3.0
     finally:
         silent.close()
+
+
+def _verifying_server(auth: Any) -> tuple[http.server.ThreadingHTTPServer, list[str]]:
+    """A metaserver that holds the secret: 200 for a POST whose MAC header verifies, else 401 + reason."""
+    outcomes: list[str] = []
+
+    class Verifying(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            try:
+                auth.check_http("POST", self.path, body, self.headers.get(HTTP_AUTH_HEADER))
+            except PeerNotAuthenticated as exc:
+                outcomes.append(exc.reason)
+                self.send_response(401)
+            else:
+                outcomes.append("ok")
+                self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Verifying)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server, outcomes
+
+
+def test_posts_carry_a_mac_the_metaserver_verifies_and_a_stranger_or_replay_fails() -> None:
+    key = DeploymentSecret(bytes(range(32)))
+    server, outcomes = _verifying_server(FrameAuth(key))
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/metaserver?x=1"
+    try:
+        HttpMetaserver(attempts=1, secret=key).post(url, {"request_id": "r1"})
+        with pytest.raises(TransferError, match="HTTP 401"):  # control: no secret, no header
+            HttpMetaserver(attempts=1, secret=None).post(url, {"request_id": "r2"})
+        with pytest.raises(TransferError, match="HTTP 401"):
+            HttpMetaserver(attempts=1, secret=DeploymentSecret(bytes(32))).post(url, {"request_id": "r3"})
+        # A captured POST sent again verbatim is a replay.
+        body = json.dumps({"request_id": "r4"}).encode()
+        header = FrameAuth(key).seal_http("POST", "/v1/metaserver?x=1", body)
+        for _ in range(2):
+            req = urllib.request.Request(url, data=body, method="POST", headers={HTTP_AUTH_HEADER: header})
+            try:
+                urllib.request.urlopen(req, timeout=5).close()
+            except urllib.error.HTTPError as exc:  # the replay's 401
+                exc.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert outcomes == ["ok", "missing", "mac", "ok", "replay"]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from ascend_dist.cli import probes
+from ascend_dist.cli import ports, probes
 from ascend_dist.cli.probes import Finding
 from ascend_dist.cli.render import render_table, write_json
 
@@ -14,8 +15,8 @@ __all__ = ["default_probes", "run_doctor"]
 Probe = Callable[[], "Finding | list[Finding]"]
 
 
-def default_probes() -> list[Probe]:
-    """The probes `doctor` runs, in report order."""
+def default_probes(host: str = "127.0.0.1", kv_port: int | None = None) -> list[Probe]:
+    """The probes `doctor` runs, in report order (``host`` / ``kv_port`` fill in the port table)."""
     return [
         probes.probe_backend,
         probes.probe_torch,
@@ -24,6 +25,8 @@ def default_probes() -> list[Probe]:
         probes.probe_mooncake,
         probes.probe_vllm,
         probes.probe_members,
+        ports.probe_authentication,
+        functools.partial(ports.probe_ports, host, kv_port),
     ]
 
 
@@ -42,10 +45,15 @@ def collect(probe_list: Sequence[Probe]) -> list[Finding]:
 
 
 def run_doctor(
-    *, json_path: str | None = None, probe_list: Sequence[Probe] | None = None, out: Callable[[str], None] = print
+    *,
+    json_path: str | None = None,
+    probe_list: Sequence[Probe] | None = None,
+    out: Callable[[str], None] = print,
+    host: str = "127.0.0.1",
+    kv_port: int | None = None,
 ) -> int:
     """Print the report; return 1 when a required part is missing, else 0."""
-    findings = collect(default_probes() if probe_list is None else probe_list)
+    findings = collect(default_probes(host, kv_port) if probe_list is None else probe_list)
     rows = [(f.part, f.status, f.detail, f.fix) for f in findings]
     out(render_table(("part", "status", "detail", "fix"), rows))
     blocking = [f.part for f in findings if f.blocking]

@@ -20,7 +20,7 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's argument parser: `doctor`, `demo`, `bench`."""
+    """The command's argument parser: `doctor`, `secret`, `demo`, `bench`."""
     parser = argparse.ArgumentParser(
         prog="ascend-dist", description="Distributed communication for vLLM on Ascend NPUs."
     )
@@ -32,6 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="report what is installed and usable, with fixes")
     doctor.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    doctor.add_argument("--host", default="127.0.0.1", help="the node's configured host (fills in the port table)")
+    doctor.add_argument("--kv-port", type=int, default=None, help="the node's kv_port (fills in the port table)")
+
+    secret = sub.add_parser("secret", help="create the deployment secret that authenticates peers")
+    secret.add_argument(
+        "--write", metavar="PATH", required=True,
+        help="create PATH (it must not exist) holding a fresh random key, mode 0600; point "
+        "ASCEND_DIST_SECRET_FILE at a copy of it on every node",
+    )  # fmt: skip
 
     for mode, text in (
         ("demo", "run every subsystem end to end on loopback, verified byte for byte"),
@@ -111,7 +120,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         from ascend_dist.cli.doctor import run_doctor
 
-        return run_doctor(json_path=args.json)
+        return run_doctor(json_path=args.json, host=args.host, kv_port=args.kv_port)
+    if args.command == "secret":
+        return _write_secret(args.write)
     if args.list:
         return _list(args.command, args.engine)
     from ascend_dist.cli.runner import run_scenarios
@@ -119,14 +130,34 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.repeat < 1:
         print("--repeat must be at least 1", file=sys.stderr)
         return 2
-    return run_scenarios(
-        args.command,
-        args.scenarios,
-        quick=args.quick,
-        repeat=getattr(args, "repeat", 1),
-        json_path=args.json,
-        discover=_discover(args.engine),
-    )
+    if args.command != "demo":
+        return run_scenarios(
+            args.command,
+            args.scenarios,
+            quick=args.quick,
+            repeat=getattr(args, "repeat", 1),
+            json_path=args.json,
+            discover=_discover(args.engine),
+        )
+    from ascend_dist.cli.demo_secret import demo_secret
+
+    with demo_secret() as source:  # the demo shows the deployment as it should run: peers authenticated
+        print(f"peer authentication on: every side-channel frame is MAC'ed with {source}", file=sys.stderr)
+        return run_scenarios(
+            "demo", args.scenarios, quick=args.quick, json_path=args.json, discover=_discover(args.engine)
+        )
+
+
+def _write_secret(path: str) -> int:
+    from ascend_dist.common.secret import SECRET_FILE_ENV, write_secret_file
+
+    try:
+        write_secret_file(Path(path))
+    except OSError as exc:  # exists already, no such folder, not writable: say which
+        print(f"cannot create {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote a new deployment secret to {path} (mode 0600); set {SECRET_FILE_ENV}={path} on every node")
+    return 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ __all__ = [
     "LeaseExpired",
     "MessageTooLarge",
     "NativeLibraryError",
+    "PeerNotAuthenticated",
     "PeerUnreachable",
     "ProtocolError",
     "RegionError",
@@ -100,6 +101,20 @@ class IncompatiblePeer(ProtocolError):
         self.local = local
         self.remote = remote
         super().__init__(f"incompatible peer: {field} differs (local={local!r}, remote={remote!r})")
+
+
+class PeerNotAuthenticated(ProtocolError):
+    """A frame's MAC did not verify under the deployment secret, or only one side has a secret.
+
+    The frame was refused before any handler saw it. ``reason`` names the check that failed
+    (``"missing"``, ``"mac"``, ``"stale"``, ``"replay"``, ``"unexpected"``); never retried: give both
+    peers the same secret (see `ascend_dist.common.secret`).
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        """Record which check failed."""
+        self.reason = reason
+        super().__init__(f"peer not authenticated ({reason}): {detail}")
 
 
 class InvalidTransition(AscendDistError, RuntimeError):

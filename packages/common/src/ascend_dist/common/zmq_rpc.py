@@ -10,6 +10,8 @@ and returned only after a complete exchange. After any failure (deadline, ZMQ er
 with linger 0 and never reused, and the retry uses a fresh socket. The client uses DEALER
 sockets and tags each attempt with a fresh request id (see `ascend_dist.common.zmq_server` for
 the frame format), so even a late reply can never be taken as the answer to a newer request.
+With a deployment secret each attempt is MAC'ed with its own timestamp and nonce, and a reply is
+accepted only with a MAC bound to that nonce (`ascend_dist.common.frame_auth`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from ascend_dist.common.errors import (
     DeadlineExceeded,
     InvalidTransition,
     MessageTooLarge,
+    PeerNotAuthenticated,
     ProtocolError,
 )
+from ascend_dist.common.frame_auth import FROM_ENV, FrameAuth, FromEnv, resolve_frame_auth
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import DEFAULT_MAX_MESSAGE_BYTES
 from ascend_dist.common.zmq_server import (
     KIND_ERROR,
+    KIND_REFUSED,
     KIND_REQUEST,
     RpcServer,
     frame_limit,
@@ -165,6 +171,7 @@ class RpcClient:
         max_reply_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         pool_size: int = 4,
         max_endpoints: int = 64,
+        secret: DeploymentSecret | FromEnv | None = FROM_ENV,
     ) -> None:
         """Create a client; no socket is opened until the first request.
 
@@ -177,9 +184,11 @@ class RpcClient:
             max_reply_bytes: Largest reply accepted.
             pool_size: Idle sockets kept per endpoint.
             max_endpoints: Endpoints kept in the pool (least recently used evicted).
+            secret: The deployment secret requests are MAC'ed with; `FROM_ENV` (the default)
+                loads it from the environment, None sends unauthenticated frames (warned once).
 
         Raises:
-            ConfigError: An argument is out of range.
+            ConfigError: An argument is out of range, or the environment names an unusable secret.
         """
         self._timeout_s = _seconds("timeout_s", timeout_s)
         self._attempts = _positive_int("retries", retries)
@@ -189,6 +198,7 @@ class RpcClient:
         self._pool = SocketPool(max_per_endpoint=pool_size, max_endpoints=max_endpoints)
         self._ids = itertools.count(1)
         self._id_lock = threading.Lock()
+        self._auth: FrameAuth | None = resolve_frame_auth(secret, "rpc client")
 
     @property
     def pool(self) -> SocketPool:
@@ -208,6 +218,8 @@ class RpcClient:
 
         Raises:
             DeadlineExceeded: No attempt got a reply in time; names the endpoint and attempts.
+            PeerNotAuthenticated: The server refused the request's MAC (or has no secret while
+                this client has one), or its reply's MAC failed (not retried).
             ProtocolError: The server's handler failed and sent an error frame (not retried).
             MessageTooLarge: The reply exceeds ``max_reply_bytes`` (not retried).
             ConfigError: Bad ``endpoint``, ``payload`` or ``timeout_s``.
@@ -231,6 +243,9 @@ class RpcClient:
             if kind == KIND_ERROR:
                 text = bytes(body[:1024]).decode("utf-8", errors="replace")
                 raise ProtocolError(f"{endpoint} failed to handle the request: {text}")
+            if kind == KIND_REFUSED:
+                reason, _, detail = bytes(body[:1024]).decode("utf-8", errors="replace").partition(": ")
+                raise PeerNotAuthenticated(reason[:32], f"{endpoint} refused the request: {detail}")
             if len(body) > self._max_reply_bytes:
                 max_reply_bytes = self._max_reply_bytes
                 size = len(body)
@@ -279,12 +294,18 @@ class RpcClient:
         if sock is None:
             sock = self._connect(endpoint)
         request_id = self._next_id()
+        header = pack_header(KIND_REQUEST, request_id)
+        frames: list[Any] = [b"", header, payload]
+        if self._auth is not None:
+            frames.append(self._auth.seal_request(header, payload))
         completed = False
         try:
-            self._send(sock, [b"", pack_header(KIND_REQUEST, request_id), payload], deadline)
-            reply = self._receive(sock, request_id, deadline)
+            self._send(sock, frames, deadline)
+            kind, reply_header, body, tag = self._receive(sock, request_id, deadline)
+            if self._auth is not None and kind != KIND_REFUSED:
+                self._auth.check_reply(FrameAuth.nonce_of(frames[3]), reply_header, body, tag)
             completed = True
-            return reply
+            return kind, body
         finally:
             if completed:
                 self._pool.put(endpoint, sock)
@@ -306,7 +327,8 @@ class RpcClient:
             sock.poll(max(1, int(remaining * 1000)), zmq.POLLOUT)
 
     @staticmethod
-    def _receive(sock: zmq.Socket[Any], request_id: int, deadline: float) -> tuple[int, bytes]:
+    def _receive(sock: zmq.Socket[Any], request_id: int, deadline: float) -> tuple[int, bytes, bytes, bytes | None]:
+        """The reply to ``request_id``: ``(kind, header, body, MAC frame or None)``."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
@@ -315,7 +337,7 @@ class RpcClient:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 continue
-            header = unpack_header(frames[1]) if len(frames) == 3 and frames[0] == b"" else None
+            header = unpack_header(frames[1]) if len(frames) in (3, 4) and frames[0] == b"" else None
             if header is None or header[0] == KIND_REQUEST:
                 logger.warning("dropped a malformed reply (%d frames)", len(frames))
                 continue
@@ -324,4 +346,4 @@ class RpcClient:
                 # A late reply to an earlier exchange: never the answer to this one.
                 logger.debug("dropped a stale reply: id %d, waiting for %d", reply_id, request_id)
                 continue
-            return kind, frames[2]
+            return kind, frames[1], frames[2], frames[3] if len(frames) == 4 else None

@@ -15,6 +15,13 @@ Frame format, version 1 (every frame list below is one ZMQ multipart message):
   the exception the handler raised; the client raises `ProtocolError` with it).
 * The client draws a fresh ``request_id`` for every attempt and ignores replies carrying another
   id, so a late reply to an abandoned attempt can never answer a newer request.
+* With a deployment secret (`ascend_dist.common.frame_auth`), a request carries one more frame,
+  ``auth`` (timestamp, nonce, MAC), and a reply one more, its MAC bound to the request's nonce.
+  The server checks ``auth`` on the socket thread, before the request is queued, and answers a
+  request that fails (no ``auth``, wrong MAC, stale, replayed; or an ``auth`` frame to a server
+  without a secret) with kind 3 = refused: ``body`` is ``reason: detail`` in UTF-8, the client
+  raises `PeerNotAuthenticated`. The frame is optional, so peers without a secret speak version 1
+  exactly as before; a mismatch in configuration is refused, never half-served.
 
 Anything else (wrong frame count, non-empty delimiter, unknown version or kind, a payload over
 ``max_bytes``) is dropped; the server keeps serving. A change to this format bumps `FRAME_VERSION`.
@@ -35,20 +42,29 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from types import TracebackType
 from typing import Any, Final
 
 import zmq
 
-from ascend_dist.common.errors import ConfigError, DeadlineExceeded, InvalidTransition, ProtocolError
+from ascend_dist.common.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidTransition,
+    PeerNotAuthenticated,
+    ProtocolError,
+)
+from ascend_dist.common.frame_auth import FROM_ENV, FrameAuth, FromEnv, resolve_frame_auth
 from ascend_dist.common.frame_queue import FrameQueue
 from ascend_dist.common.log import IntervalLog
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
     "FRAME_VERSION",
     "KIND_ERROR",
+    "KIND_REFUSED",
     "KIND_REPLY",
     "KIND_REQUEST",
     "RpcServer",
@@ -66,7 +82,8 @@ FRAME_VERSION: Final = 1
 KIND_REQUEST: Final = 0
 KIND_REPLY: Final = 1
 KIND_ERROR: Final = 2
-_KINDS: Final = frozenset({KIND_REQUEST, KIND_REPLY, KIND_ERROR})
+KIND_REFUSED: Final = 3
+_KINDS: Final = frozenset({KIND_REQUEST, KIND_REPLY, KIND_ERROR, KIND_REFUSED})
 _HEADER: Final = struct.Struct("!BBQ")
 _REQUEST_ID_MASK: Final = (1 << 64) - 1
 # Error replies carry the exception type and a clipped message, never a traceback.
@@ -184,6 +201,7 @@ class RpcServer:
         allow_wildcard: bool = False,
         queue_bytes: int | None = None,
         log_interval_s: float = 10.0,
+        secret: DeploymentSecret | FromEnv | None = FROM_ENV,
     ) -> None:
         """Validate the arguments and bind the ROUTER socket.
 
@@ -199,10 +217,12 @@ class RpcServer:
             queue_bytes: Bytes of large requests that may wait for the handler (default
                 ``2 * max_bytes``, at least 1 MiB); at least ``max_bytes``.
             log_interval_s: Each kind of dropped frame or handler error is logged once per this.
+            secret: The deployment secret every request must be MAC'ed with; `FROM_ENV` (the
+                default) loads it from the environment, None serves unauthenticated (warned once).
 
         Raises:
-            ConfigError: An argument is invalid, the port is in use, or the host is not a local
-                interface.
+            ConfigError: An argument is invalid, the port is in use, the host is not a local
+                interface, or the environment names an unusable secret.
         """
         if handler is None or not callable(handler):
             raise ConfigError("handler", handler, "a callable taking bytes and returning bytes or None")
@@ -214,13 +234,15 @@ class RpcServer:
         if isinstance(bulk, bool) or not isinstance(bulk, int) or bulk < max_bytes:
             raise ConfigError("queue_bytes", queue_bytes, f"an int >= max_bytes ({max_bytes})")
         endpoint = tcp_endpoint(host, port, allow_wildcard=allow_wildcard)
+        self._auth: FrameAuth | None = resolve_frame_auth(secret, f"{name} server")
+        self._refused_auth = 0
         self._handler = handler
         self._max_bytes = max_bytes
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self._name = name
         self._state = "new"
         self._limiter = IntervalLog(log_interval_s)
-        self._queue: FrameQueue[tuple[bytes, int, bytes]] = FrameQueue(
+        self._queue: FrameQueue[tuple[bytes, int, bytes, bytes]] = FrameQueue(
             small_budget=_SMALL_LANE_BUDGET, bulk_budget=bulk, small_bytes=SMALL_REQUEST_BYTES
         )
         self._endpoint = endpoint  # the requested one until ZMQ reports the bound one
@@ -283,6 +305,16 @@ class RpcServer:
     def queued_bytes(self) -> int:
         """Bytes of requests waiting for the handler now."""
         return self._queue.queued_bytes
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests must carry a valid MAC (a deployment secret is configured)."""
+        return self._auth is not None
+
+    @property
+    def refused_unauthenticated(self) -> int:
+        """Requests refused since start because their ``auth`` frame failed (or was missing)."""
+        return self._refused_auth
 
     @property
     def dropped_for_space(self) -> int:
@@ -379,7 +411,7 @@ class RpcServer:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            request = self._admit(frames)
+            request = self._admit(sock, frames)
             if request is not None and not self._queue.put(request, len(request[2])):
                 self._drop("queue-full", "dropped a %d-byte request: receive queue full", len(request[2]))
 
@@ -395,15 +427,16 @@ class RpcServer:
                 # ROUTER drops replies to vanished peers silently; anything else is worth a warning.
                 self._drop("send", "could not send a reply: %s", exc)
 
-    def _drop(self, kind: str, msg: str, *args: object) -> None:
+    def _drop(self, kind: Hashable, msg: str, *args: object) -> None:
         self._limiter.log(logger, logging.WARNING, kind, "%s server " + msg, self._name, *args)
 
-    def _admit(self, frames: list[bytes]) -> tuple[bytes, int, bytes] | None:
-        """Check one received message's framing: ``(identity, request_id, payload)`` or None."""
-        if len(frames) != 4 or frames[1] != b"":
-            self._drop("frames", "dropped a malformed request of %d frames (expected 4)", len(frames))
+    def _admit(self, sock: zmq.Socket[Any], frames: list[bytes]) -> tuple[bytes, int, bytes, bytes] | None:
+        """Check one message's framing and MAC: ``(identity, request_id, payload, nonce)`` or None."""
+        if len(frames) not in (4, 5) or frames[1] != b"":
+            self._drop("frames", "dropped a malformed request of %d frames (expected 4 or 5)", len(frames))
             return None
-        identity, _, header, payload = frames
+        identity, _, header, payload = frames[:4]
+        auth = frames[4] if len(frames) == 5 else None
         parsed = unpack_header(header)
         if parsed is None or parsed[0] != KIND_REQUEST:
             self._drop(
@@ -416,7 +449,32 @@ class RpcServer:
         if len(payload) > self._max_bytes:
             self._drop("size", "dropped a %d-byte request: over max_bytes=%d", len(payload), self._max_bytes)
             return None
-        return identity, parsed[1], payload
+        try:
+            nonce = self._authenticate(header, payload, auth)
+        except PeerNotAuthenticated as exc:
+            self._refuse(sock, identity, parsed[1], exc)
+            return None
+        return identity, parsed[1], payload, nonce
+
+    def _authenticate(self, header: bytes, payload: bytes, auth: bytes | None) -> bytes:
+        """The request's nonce (empty without a secret); raises `PeerNotAuthenticated`."""
+        if self._auth is None:
+            if auth is not None:
+                raise PeerNotAuthenticated("unexpected", "this server has no deployment secret; the client has one")
+            return b""
+        if auth is None:
+            raise PeerNotAuthenticated("missing", "this server requires a MAC on every frame (deployment secret)")
+        return self._auth.check_request(header, payload, auth)
+
+    def _refuse(self, sock: zmq.Socket[Any], identity: bytes, request_id: int, exc: PeerNotAuthenticated) -> None:
+        """Answer a request that failed authentication (socket thread: it owns the ROUTER)."""
+        self._refused_auth += 1
+        self._drop(("auth", exc.reason), "refused a request: %s", exc)
+        body = f"{exc.reason}: {exc}"[:_MAX_ERROR_TEXT].encode("utf-8", errors="replace")
+        try:
+            sock.send_multipart([identity, b"", pack_header(KIND_REFUSED, request_id), body], zmq.NOBLOCK)
+        except zmq.ZMQError as send_exc:
+            self._drop("send", "could not send a refusal: %s", send_exc)
 
     def _work(self) -> None:
         """Handler thread: answer queued requests in order until stopped."""
@@ -426,13 +484,17 @@ class RpcServer:
                 request = self._queue.get(self._poll_ms / 1000)
                 if request is None:
                     continue
-                identity, request_id, payload = request
+                identity, request_id, payload, nonce = request
                 reply = self._call(payload)
                 if reply is None:
                     continue
                 kind, body = reply
+                header = pack_header(kind, request_id)
+                frames = [identity, b"", header, body]
+                if self._auth is not None:
+                    frames.append(self._auth.seal_reply(nonce, header, body))
                 try:
-                    out.send_multipart([identity, b"", pack_header(kind, request_id), body])
+                    out.send_multipart(frames)
                 except zmq.ZMQError as exc:
                     if not self._stop_event.is_set():  # at stop the socket thread is gone: expected
                         self._drop("send", "could not pass a reply to the socket thread: %s", exc)

@@ -15,6 +15,11 @@ TLS (`TlsConfig`, ``kv_connector_extra_config.tls_config``): ``ssl_enable`` requ
 ``https://`` URL; ``ssl_ca_certs`` verifies the server (default: the system store);
 ``ssl_certfile`` / ``ssl_keyfile`` / ``ssl_keyfile_password`` present a client certificate. Host
 names are always verified.
+
+With a deployment secret (`ascend_dist.common.secret`), every POST carries a MAC header
+(`ascend_dist.common.frame_auth.HTTP_AUTH_HEADER`: timestamp, nonce, HMAC over method, path and
+body) that a metaserver holding the secret verifies with `FrameAuth.check_http`; a proxy that does
+not know the header ignores it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -36,6 +42,8 @@ from typing import Any, Protocol
 import msgspec
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, TransferError
+from ascend_dist.common.frame_auth import FROM_ENV, HTTP_AUTH_HEADER, FromEnv, resolve_frame_auth
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.kv_mooncake.core.config import bool_field, opt_str_field
 
 __all__ = ["AsyncAnnouncer", "HttpMetaserver", "Metaserver", "RetryingAnnouncer", "TlsConfig", "ssl_context"]
@@ -131,6 +139,7 @@ class HttpMetaserver:
         attempts: int = 3,
         retry_delay_s: float = 0.1,
         answered_is_delivered: bool = False,
+        secret: DeploymentSecret | FromEnv | None = FROM_ENV,
     ) -> None:
         """Prepare the client; the SSL context is built once.
 
@@ -141,9 +150,11 @@ class HttpMetaserver:
             retry_delay_s: Pause between attempts.
             answered_is_delivered: An HTTP error status ends the post as delivered (SFA: legacy
                 proxies answer 500 for extra prompt-list children) instead of being retried.
+            secret: MACs every POST (`HTTP_AUTH_HEADER`); `FROM_ENV` (default) loads it from the
+                environment, None sends none.
 
         Raises:
-            ConfigError: Bad TLS files, or a bound that is not positive.
+            ConfigError: Bad TLS files, a bound that is not positive, or an unusable secret.
         """
         if timeout_s <= 0 or attempts < 1 or retry_delay_s < 0:
             raise ConfigError("metaserver client", (timeout_s, attempts, retry_delay_s), "timeout_s > 0, attempts >= 1")
@@ -151,6 +162,7 @@ class HttpMetaserver:
         self._timeout_s, self._attempts, self._retry_delay_s = timeout_s, attempts, retry_delay_s
         self._answered_is_delivered = answered_is_delivered
         self._ctx = ssl_context(self._tls) if self._tls.ssl_enable else None
+        self._auth = resolve_frame_auth(secret, "metaserver client")
 
     def post(self, url: str, payload: Mapping[str, Any]) -> None:
         """POST ``payload`` as JSON; any 2xx is success.
@@ -168,7 +180,12 @@ class HttpMetaserver:
         reason = ""
         timed_out = True
         for attempt in range(1, self._attempts + 1):
-            req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self._auth is not None:  # a fresh nonce per attempt: the metaserver refuses a replay
+                parts = urllib.parse.urlsplit(url)
+                target = parts.path + ("?" + parts.query if parts.query else "")
+                headers[HTTP_AUTH_HEADER] = self._auth.seal_http("POST", target or "/", body)
+            req = urllib.request.Request(url, data=body, method="POST", headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self._timeout_s, context=self._ctx) as resp:
                     resp.read()

@@ -12,8 +12,9 @@ schedulers that build transfer params. Three rules hold for all three transports
 * **One codec factory.** `Channel.request_codec` / `reply_codec` decode strictly into the
   channel's union and refuse frames over the configured size before decoding them.
 
-Every request also carries ``auth`` (see `Request`), so message authentication can be added later
-without a new vocabulary.
+Frames are authenticated below this vocabulary, in the RPC envelope every channel shares
+(`ascend_dist.common.frame_auth`: a MAC, timestamp and nonce per frame when a deployment secret is
+set), so no message carries a MAC; `Request.auth` is kept, empty, for schema compatibility.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class Request(Message, frozen=True, kw_only=True):
     """Base of every message a client sends (the server answers each with one reply).
 
     Attributes:
-        auth: Reserved for a per-request token or MAC over the message (empty, never checked
-            today). A deployment that authenticates peers would check the key once at the
-            handshake (`core.messages.admit`) and this field on every later request.
+        auth: Unused and empty. Peers are authenticated per frame by the RPC envelope
+            (`ascend_dist.common.frame_auth`), which covers every request and reply whole; the
+            field stays (schema rule 2: never removed) so older peers still decode.
     """
 
     auth: bytes = b""
