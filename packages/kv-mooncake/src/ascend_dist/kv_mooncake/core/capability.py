@@ -117,6 +117,10 @@ def check_capability(
     """Refuse ``capability`` unless ``tag`` is its signature under ``purpose`` and it has not expired.
 
     Args:
+        secret: The deployment secret.
+        purpose: `PULL_PURPOSE` or `PUSH_PURPOSE`.
+        capability: The capability as the presented fields claim it.
+        tag: Its presented tag (hex; None or "" = absent).
         field: The key that carries the tag where it came from (``kv_transfer_params.remote_capability``),
             named by the error; the expiry is named as ``<field>_expires``.
         now_ms: Wall-clock milliseconds to check the expiry against; None skips it (a ``Done``
