@@ -1,0 +1,99 @@
+"""Signed push capabilities at the schedulers: D signs the blocks it announces; P pushes only into those."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ascend_dist.common.secret import DeploymentSecret
+from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver
+from ascend_dist.kv_mooncake.core.request import SchedRequest
+from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler, Scheduled
+
+SECRET = DeploymentSecret(b"k" * 32)
+URL = "http://127.0.0.1/v1/metaserver"
+
+
+def _cfg(role: str, engine_id: str) -> LayerwiseConfig:
+    extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+    return LayerwiseConfig.from_kv_transfer_config(engine_id=engine_id, kv_role=role, kv_port=40000, extra=extra)
+
+
+def _announce(d: LayerwiseScheduler, ms: CollectingMetaserver, rid: str, ids: list[int]) -> dict[str, Any]:
+    req = SchedRequest(rid, 40, {"do_remote_prefill": True, "metaserver": URL}, prompt_digest="ab" * 16)
+    d.get_num_new_matched_tokens(req, 0)
+    d.update_state_after_alloc(req, [ids], 40)
+    return ms.take(rid)
+
+
+def _pushed(p: LayerwiseScheduler, params: dict[str, Any], rid: str = "p-req") -> list[list[int]] | None:
+    """D's block ids P's step would write for ``params`` (None: nothing planned)."""
+    p.update_state_after_alloc(SchedRequest(rid, 40, {**params, "do_remote_decode": True}), [[20, 21, 22]], 0)
+    send = p.build_connector_meta({rid: Scheduled(0, 40)}).send
+    return send[0].params.remote_block_ids if send else None
+
+
+@pytest.fixture
+def d_and_p() -> Any:
+    ms = CollectingMetaserver()
+    d = LayerwiseScheduler(_cfg("kv_consumer", "D0"), [16], metaserver=ms, secret=SECRET)
+    p = LayerwiseScheduler(_cfg("kv_producer", "P0"), [16], secret=SECRET)
+    yield d, ms, p
+    d.close()
+
+
+def test_p_pushes_the_signed_announcement_into_exactly_its_blocks(d_and_p: Any) -> None:
+    d, ms, p = d_and_p
+    posted = _announce(d, ms, "mine", [4, 5, 6])
+    assert len(posted["remote_capability"]) == 64 and posted["remote_capability_expires"] > 0
+    assert _pushed(p, posted) == [[4, 5, 6]]  # control for the refusals below
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"remote_block_ids": "victim"},  # another live request's blocks, same length
+        {"remote_block_ids": [[4, 5, 6, 7]]},  # widened
+        {"request_id": "victim"},
+        {"remote_engine_id": "D9"},
+        {"remote_prompt_digest": "cd" * 16},
+        {"remote_capability_expires": 2**40},
+        {"remote_capability": None},
+    ],
+    ids=["other-blocks", "widened", "request", "engine", "prompt", "expiry", "unsigned"],
+)
+def test_p_writes_nothing_for_params_d_did_not_sign(d_and_p: Any, change: dict[str, Any]) -> None:
+    d, ms, p = d_and_p
+    victim = _announce(d, ms, "victim", [1, 2, 3])
+    mine = _announce(d, ms, "mine", [4, 5, 6])
+    if change.get("remote_block_ids") == "victim":
+        change = {"remote_block_ids": victim["remote_block_ids"]}
+    forged = {k: v for k, v in {**mine, **change}.items() if v is not None}
+    assert _pushed(p, forged) is None
+    assert p.tracked == 0
+
+
+def test_an_expired_announcement_is_not_pushed() -> None:
+    ms = CollectingMetaserver()
+    d = LayerwiseScheduler(_cfg("kv_consumer", "D0"), [16], metaserver=ms, secret=SECRET, wall_clock=lambda: 1000.0)
+    try:
+        posted = _announce(d, ms, "old", [1, 2])
+    finally:
+        d.close()
+    late = LayerwiseScheduler(_cfg("kv_producer", "P0"), [16], secret=SECRET, wall_clock=lambda: 1000.0 + 10_000)
+    assert _pushed(late, posted) is None
+    on_time = LayerwiseScheduler(_cfg("kv_producer", "P0"), [16], secret=SECRET, wall_clock=lambda: 1001.0)
+    assert _pushed(on_time, posted) == [[1, 2]]
+
+
+def test_without_a_secret_nothing_is_signed_or_checked() -> None:
+    ms = CollectingMetaserver()
+    d = LayerwiseScheduler(_cfg("kv_consumer", "D0"), [16], metaserver=ms)
+    try:
+        posted = _announce(d, ms, "r", [1, 2])
+    finally:
+        d.close()
+    assert "remote_capability" not in posted or posted["remote_capability"] is None
+    assert _pushed(LayerwiseScheduler(_cfg("kv_producer", "P0"), [16]), posted) == [[1, 2]]
