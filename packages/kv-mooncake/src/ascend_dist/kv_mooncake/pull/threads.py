@@ -17,6 +17,12 @@ still queued then skip the read and only count down. Each DONE names its task (`
 a copy P receives twice (a timed-out request's and the task's own, or an RPC retry) counts once. A
 request id pulled again while still tracked fails alone (both pulls' blocks reported).
 
+Capabilities: with a deployment secret a task first checks that P signed the params exactly as
+they are (`core.capability`; a client may have widened ``remote_block_ids``). One that does not
+verify fails the task before P is contacted (load errors, vLLM recomputes the request) and sends no
+DONE (P would not count it: the params were never P's). Every ``Renew`` and DONE presents P's
+`Grant`.
+
 Quarantine: a failed or timed-out read may still write into D's blocks later
 (Mooncake #4247), so its request's blocks are reported as load errors at once but the request
 reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of its reads runs and
@@ -37,7 +43,7 @@ from typing import Protocol
 from ascend_dist.common.errors import DeadlineExceeded, LeaseExpired, TransferError, TransferTimeout
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Handshake
-from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, check_capability, wall_ms
+from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, check_capability, wall_ms
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
@@ -295,6 +301,7 @@ class Receiver:
         meta = pull.meta
         port = meta.remote_port + task.global_rank
         ok = contacted = True
+        unsigned = False  # the params' capability did not verify: P was not contacted and gets no DONE
         try:
             with self._lock:
                 live = self._requests.pulling(pull.request_id) is pull
@@ -306,9 +313,11 @@ class Receiver:
                 contacted = self._read_task(pull, task, port)
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
+            unsigned = isinstance(exc, CapabilityRefused)
             logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, port, exc)
             self._on_failure(exc)
-            self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
+            if not unsigned:  # P did nothing wrong: its metadata stays cached
+                self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
             self._fail(pull)
             if _peer_stopped_answering(exc):
                 lane.failed(pull)
@@ -319,7 +328,7 @@ class Receiver:
             # Report the request first (D's latency), then release P's blocks with DONE. A P that
             # stopped answering gets none: it would cost this lane's thread the RPC retries.
             self._task_done(pull)
-            if self._claim_notice(task) and not (lane.is_open and not ok):
+            if self._claim_notice(task) and not unsigned and not (lane.is_open and not ok):
                 sender = done_sender(self._pcp_rank, task.shard)
                 self._peers.send_done(
                     meta.remote_host, port, meta.remote_request_id, ok, sender=sender, grant=pull_grant(meta)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ascend_dist.common.errors import ConfigError, LayoutError
+from ascend_dist.common.log import IntervalLog
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Codec, Handshake
@@ -101,6 +102,7 @@ class PullWorker:
         self._on_failure = on_failure
         self._secret = secret
         self._wall_clock = wall_clock
+        self._refusals = IntervalLog(10.0, capacity=64)  # forged Renews/DONEs: one line per field per 10 s
         self._regions: RegisterRegions | None = None
         self._server: RpcServer | None = None
         self._receiver: Receiver | None = None
@@ -316,7 +318,9 @@ class PullWorker:
             now = wall_ms(self._wall_clock) if expiry else None
             check_capability(self._secret, PULL_PURPOSE, cap, grant.tag, field="grant.tag", now_ms=now)
         except CapabilityRefused as exc:
-            logger.warning("refused a pull Renew/Done for %r: %s", request_id[:64], exc)
+            self._refusals.log(
+                logger, logging.WARNING, exc.field, "refused a pull Renew/Done for %r: %s", request_id[:64], exc
+            )
             return False
         return True
 
