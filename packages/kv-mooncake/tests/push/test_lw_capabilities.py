@@ -1,12 +1,13 @@
-"""Signed push capabilities at the schedulers: D signs the blocks it announces; P pushes only into those."""
+"""Signed push capabilities: D signs the blocks it announces; P pushes only into those (schedulers, then a real P)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from ascend_dist.common.secret import DeploymentSecret
+from ascend_dist.common.secret import SECRET_ENV, DeploymentSecret
 from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
@@ -97,3 +98,30 @@ def test_without_a_secret_nothing_is_signed_or_checked() -> None:
         d.close()
     assert "remote_capability" not in posted or posted["remote_capability"] is None
     assert _pushed(LayerwiseScheduler(_cfg("kv_producer", "P0"), [16]), posted) == [[1, 2]]
+
+
+@pytest.mark.timeout(120)
+def test_a_real_p_writes_nothing_into_another_requests_blocks(
+    make_lw_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real P child and D (127.0.0.1), the secret on both: params redirected to the victim's blocks push nothing."""
+    monkeypatch.setenv(SECRET_ENV, "3c" * 32)  # the P child inherits it; D reads it at construction
+    pair = make_lw_pair(p_procs=True, d_extra={"first_layer_timeout_s": 2.0})
+    pair.d.announce("victim", 40)
+    victim = pair.metaserver.take("victim")
+    pair.d.announce("mine", 40)
+    mine = pair.metaserver.take("mine")
+    assert victim["remote_block_ids"] != mine["remote_block_ids"]
+    assert len(victim["remote_block_ids"][0]) == len(mine["remote_block_ids"][0])
+
+    pair.send_prefill(victim, 40, seed=11)  # control: the signed announcement is pushed byte-exact
+    pair.read_prefill()
+    assert pair.d.wait_recv({"victim"}, timeout_s=20.0) == set()
+    assert pair.d.verify("victim", 11) > 0
+
+    forged = {**mine, "remote_block_ids": victim["remote_block_ids"]}  # a client's edit, same length
+    pair.send_prefill(forged, 40, seed=99)
+    pair.read_prefill()
+    mine_blocks = {b for ids in pair.d.blocks["mine"] for b in ids}
+    assert pair.d.wait_recv({"mine"}, timeout_s=20.0) == mine_blocks  # nothing came: D recomputes it
+    assert pair.d.verify("victim", 11) > 0  # the victim's KV was not overwritten
