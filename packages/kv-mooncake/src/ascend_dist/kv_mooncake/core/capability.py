@@ -9,7 +9,7 @@ A `Capability` is the request id, the engine id of the side that owns the blocks
 ids per KV-cache group, the prompt digest and an expiry (wall-clock milliseconds: P and D are
 different hosts). Its canonical encoding is msgspec's msgpack of the array-like Struct (one byte
 string for one value), and its tag is `DeploymentSecret.sign` under a per-transport purpose
-(`PULL_PURPOSE`, `PUSH_PURPOSE`), so a tag made for one use never verifies as another, nor as a
+(`PULL_PURPOSE`, `PUSH_PURPOSE`, `SFA_PURPOSE`), so a tag made for one use never verifies as another, nor as a
 frame MAC. The tag travels as hex in the params beside the fields it covers; the checker rebuilds
 the capability from those fields, so a client can replay what it was given and nothing wider.
 
@@ -32,6 +32,7 @@ __all__ = [
     "CLOCK_SKEW_S",
     "PULL_PURPOSE",
     "PUSH_PURPOSE",
+    "SFA_PURPOSE",
     "Capability",
     "CapabilityRefused",
     "Grant",
@@ -48,6 +49,8 @@ PULL_PURPOSE = "kv-mooncake/pull-capability"
 """Subkey purpose of P's signature over what D may read."""
 PUSH_PURPOSE = "kv-mooncake/push-capability"
 """Subkey purpose of D's signature over what P may write."""
+SFA_PURPOSE = "kv-mooncake/sfa-capability"
+"""Subkey purpose of SFA D's signature over its contact (which D request P's reads are for)."""
 CLOCK_SKEW_S = 30.0
 """Added to every expiry: the signer's and the checker's wall clocks may disagree by this much."""
 TAG_HEX = 64
