@@ -11,8 +11,10 @@ from ascend_dist.kv_mooncake.core.capability import (
     PUSH_PURPOSE,
     Capability,
     CapabilityRefused,
+    Grant,
     canonical,
     check_capability,
+    check_grant,
     sign_capability,
 )
 
@@ -84,3 +86,22 @@ def test_the_encoding_is_canonical_and_bounded() -> None:
     assert canonical(LEGIT) == canonical(msgspec.msgpack.decode(canonical(LEGIT), type=Capability))
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(canonical(Capability("r", "P", [[-1]], "", 0)), type=Capability)
+
+
+def test_a_grant_is_checked_against_the_message_and_the_server() -> None:
+    grant = Grant(capability=LEGIT, tag=sign_capability(SECRET, PULL_PURPOSE, LEGIT))
+    check_grant(SECRET, PULL_PURPOSE, grant, request_id="req-a", engine_id="P0", now_ms=NOW)  # control
+    for kwargs, field in [
+        ({"request_id": "req-b", "engine_id": "P0"}, "grant.request_id"),  # a grant for another request
+        ({"request_id": "req-a", "engine_id": "P1"}, "grant.engine_id"),  # another P's grant
+    ]:
+        with pytest.raises(CapabilityRefused) as err:
+            check_grant(SECRET, PULL_PURPOSE, grant, now_ms=NOW, **kwargs)
+        assert err.value.field == field
+    with pytest.raises(CapabilityRefused) as err:
+        check_grant(SECRET, PULL_PURPOSE, None, request_id="req-a", engine_id="P0", now_ms=NOW)
+    assert err.value.field == "grant"
+    widened = Grant(capability=msgspec.structs.replace(LEGIT, block_ids=[[3, 4, 5, 6], [9]]), tag=grant.tag)
+    with pytest.raises(CapabilityRefused) as err:
+        check_grant(SECRET, PULL_PURPOSE, widened, request_id="req-a", engine_id="P0", now_ms=NOW)
+    assert err.value.field == "grant.tag"

@@ -40,6 +40,7 @@ __all__ = [
     "block_lists",
     "canonical",
     "check_capability",
+    "check_grant",
     "expiry_ms",
     "sign_capability",
     "wall_ms",
@@ -147,6 +148,27 @@ def check_capability(
         )
     if now_ms is not None and now_ms > capability.expires_ms:
         raise CapabilityRefused(f"{field}_expires", capability.expires_ms, f"a time after now ({now_ms} ms)")
+
+
+def check_grant(
+    secret: DeploymentSecret, purpose: str, grant: Grant | None, *, request_id: str, engine_id: str, now_ms: int | None
+) -> None:
+    """Refuse ``grant`` unless it is the owner's (``engine_id``) verified capability for ``request_id``.
+
+    What a server checks of a grant a peer presents (pull: P of each ``Renew`` and ``Done``).
+
+    Raises:
+        CapabilityRefused: Names ``grant`` (absent), ``grant.request_id``, ``grant.engine_id`` or
+            ``grant.tag`` (see `check_capability`; ``now_ms`` None skips the expiry).
+    """
+    if grant is None:
+        raise CapabilityRefused("grant", None, "present: this deployment signs transfer capabilities")
+    cap = grant.capability
+    if cap.request_id != request_id:
+        raise CapabilityRefused("grant.request_id", cap.request_id[:64], "the request id of the message")
+    if cap.engine_id != engine_id:
+        raise CapabilityRefused("grant.engine_id", cap.engine_id[:64], "this server's engine id")
+    check_capability(secret, purpose, cap, grant.tag, field="grant.tag", now_ms=now_ms)
 
 
 def block_lists(ids: Sequence[Sequence[int]]) -> list[list[int]]:

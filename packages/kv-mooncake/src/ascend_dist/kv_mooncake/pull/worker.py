@@ -5,10 +5,8 @@ Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, 
 with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected (any
 `Reader`), by default the process-wide Mooncake engine.
 
-With a deployment secret, P renews and counts DONEs only for requests whose `Grant` (the
-capability P's scheduler signed, `core.capability`) verifies for this engine: a ``Renew`` with
-block ids P did not hand out for that request answers "not held" (D then reads nothing), and a
-``Done`` without it is ignored (nobody but the holder of the params frees P's blocks early).
+With a deployment secret P renews, and counts DONEs, only with a `Grant` it signed for that request
+(`core.capability`): other block ids answer "not held" (D reads nothing); other DONEs are ignored.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_r
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_server import RpcServer
-from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_capability, wall_ms
+from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_grant, wall_ms
 from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, tensor_geometry, token_rows
@@ -302,21 +300,13 @@ class PullWorker:
         return self._replies.encode(Ack())
 
     def _signed(self, request_id: str, grant: Grant | None, *, expiry: bool) -> bool:
-        """Whether ``grant`` is this engine's capability for ``request_id`` (logged when not).
-
-        ``expiry``: also refuse an expired one (a Renew before a read; a DONE may free blocks late).
-        """
+        """Whether ``grant`` is ours for ``request_id`` (``expiry``: unexpired too; a DONE may come late)."""
         assert self._secret is not None
+        now = wall_ms(self._wall_clock) if expiry else None
         try:
-            if grant is None:
-                raise CapabilityRefused("grant", None, "present: this deployment signs transfer capabilities")
-            cap = grant.capability
-            if cap.request_id != request_id:
-                raise CapabilityRefused("grant.request_id", cap.request_id[:64], "the request id of the message")
-            if cap.engine_id != self._config.engine_id:
-                raise CapabilityRefused("grant.engine_id", cap.engine_id[:64], "this P's engine id")
-            now = wall_ms(self._wall_clock) if expiry else None
-            check_capability(self._secret, PULL_PURPOSE, cap, grant.tag, field="grant.tag", now_ms=now)
+            check_grant(
+                self._secret, PULL_PURPOSE, grant, request_id=request_id, engine_id=self._config.engine_id, now_ms=now
+            )
         except CapabilityRefused as exc:
             self._refusals.log(
                 logger, logging.WARNING, exc.field, "refused a pull Renew/Done for %r: %s", request_id[:64], exc
