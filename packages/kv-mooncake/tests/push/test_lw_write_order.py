@@ -14,6 +14,7 @@ the constructor, so the race happens every run instead of under load only.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -141,6 +142,67 @@ def test_p_arriving_after_d_gave_up_never_writes_into_the_recomputed_blocks() ->
         p.wait_idle()
         time.sleep(0.3)  # the notifier's messages and anything still in flight
         assert d.verify("L", 99) > 0  # D's recomputed KV, never P's late bytes
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+class _DeviceWrite:
+    """The fence a device gives at ``save_kv_layer``: its wait returns once the KV kernel ran (here: our write)."""
+
+    def __init__(self) -> None:
+        self.ran = threading.Event()
+        self.waits = 0
+
+    def fence(self) -> Any:
+        return self._wait
+
+    def _wait(self) -> None:
+        self.waits += 1
+        assert self.ran.wait(10.0), "the layer's KV write never ran"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "control-unfenced"])
+def test_push_waits_for_the_device_write_that_save_kv_layer_only_enqueued(fenced: bool) -> None:
+    """On an NPU or GPU ``save_kv_layer`` returns while the layer's KV write is still queued on the stream.
+
+    Each layer's write lands 0.2 s after ``save_kv_layer``; with the fence D gets P's bytes. Control:
+    the same run without the fence sends before the write and D's bytes differ (the check can fail).
+    """
+    port = free_port_range(1)
+    extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+    shape: dict[str, Any] = {"layers": 2, "heads": 2, "head_dim": 16, "block_size": 16}
+    ms = CollectingMetaserver()
+    d_cfg = LayerwiseConfig.from_kv_transfer_config(engine_id="fD", kv_role="kv_consumer", kv_port=port, extra=extra)
+    p_cfg = LayerwiseConfig.from_kv_transfer_config(engine_id="fP", kv_role="kv_producer", kv_port=port, extra=extra)
+    d = LwInstance(d_cfg, Model(**shape, num_blocks=24), engine=MooncakeEngine("127.0.0.1"), metaserver=ms)
+    p = LwInstance(p_cfg, Model(**shape, num_blocks=11), engine=MooncakeEngine("127.0.0.1"))
+    try:
+        d.announce("F", 96)
+        params = ms.take("F")
+        req = p.requests["F"] = SchedRequest("F", 96, {**params, "do_remote_decode": True})
+        p.scheduler.update_state_after_alloc(req, p._alloc("F", 96), 0)
+        p.step({"F": Scheduled(0, 96)})
+        writes: list[_DeviceWrite] = []
+        for i in range(p.model.layers):
+            name = p.model.layer_name(i)
+            write = _DeviceWrite()
+            writes.append(write)
+            for r in p.ranks:
+                r.worker.wait_for_layer_load(name)
+                r.worker.save_kv_layer(name, write.fence if fenced else None)
+            time.sleep(0.2)  # the stream is still busy: the kernel writes the layer's KV now
+            p._write_layer("F", 5, i)
+            write.ran.set()
+        p.finish("F")
+        assert d.wait_recv({"F"}, timeout_s=20.0) == set()
+        if fenced:
+            assert [w.waits for w in writes] == [1, 1]
+            assert d.verify("F", 5) > 0
+        else:
+            with pytest.raises(AssertionError, match="differ"):
+                d.verify("F", 5)
     finally:
         p.shutdown()
         d.shutdown()

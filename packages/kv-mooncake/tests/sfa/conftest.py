@@ -26,7 +26,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake._demo.sfa_peer_process import SfaP, SfaPeer
 from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance, SfaModel
-from ascend_dist.kv_mooncake.core.engine import get_engine
+from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 
@@ -71,7 +71,8 @@ def sfa_peer() -> Iterator[SfaPeer]:
 def make_sfa_pair(sfa_peer: SfaPeer) -> Iterator[Callable[..., SfaPair]]:
     """Build P/D pairs: ``p_tp``, ``d_tp``, ``p_extra``/``d_extra`` overrides, model fields.
 
-    ``own_process=True`` gives P its own child (for tests that kill it).
+    ``own_process=True`` gives P its own child (for tests that kill it); ``d_reader`` wraps D's
+    engine (a fault injected at D's reads).
     """
     made: list[SfaPair] = []
     peers: list[SfaPeer] = []
@@ -83,6 +84,7 @@ def make_sfa_pair(sfa_peer: SfaPeer) -> Iterator[Callable[..., SfaPair]]:
         p_extra: dict[str, Any] | None = None,
         d_extra: dict[str, Any] | None = None,
         d_model: dict[str, Any] | None = None,
+        d_reader: Callable[[Reader], Reader] | None = None,
         own_process: bool = False,
         **model: Any,
     ) -> SfaPair:
@@ -107,7 +109,8 @@ def make_sfa_pair(sfa_peer: SfaPeer) -> Iterator[Callable[..., SfaPair]]:
         d_extra_all = {**extra, **(d_extra or {})}
         spec_d = {**spec, **(d_model or {})}
         spec_d = {**spec_d, **{k: tuple(v) for k, v in spec_d.items() if k.endswith("_dims")}}
-        d = SfaDInstance(d_config(d_extra_all, f"D{n}"), SfaModel(**spec_d), get_engine("127.0.0.1"))
+        engine: Reader = get_engine("127.0.0.1")
+        d = SfaDInstance(d_config(d_extra_all, f"D{n}"), SfaModel(**spec_d), d_reader(engine) if d_reader else engine)
         pair = SfaPair(p, d, extra)
         made.append(pair)
         return pair

@@ -1,8 +1,9 @@
 """D's read thread over its real ZMQ server, with a fake engine (the `Reader` view of our engine interface).
 
-Covers the completion rules precisely: every contributor must send the last layer
-(duplicates do not count), a failed engine read fails the batch's requests, ranks owning nothing
-still answer, and stale, unknown or hello-less requests are refused.
+Covers the completion rules precisely: a request counts as received only on P's `Commit`, from
+every contributor (duplicates do not count), never at D's last read; P's verdict fails a request at
+once; a failed engine read fails the batch's requests, ranks owning nothing still answer, and
+reads past P's budget, unknown or hello-less requests are refused.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
 from ascend_dist.kv_mooncake.sfa.messages import (
+    Commit,
+    Committed,
     Hello,
     HelloAck,
     LayerMeta,
@@ -50,6 +53,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.rc = 0
+        self.delay_s = 0.0
         self.reads: list[tuple[str, list[int], list[int], list[int]]] = []
         self.registered: list[tuple[int, int]] = []
 
@@ -65,6 +69,7 @@ class FakeEngine:
 
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         self.reads.append((session, batch.local.tolist(), batch.remote.tolist(), batch.lengths.tolist()))
+        time.sleep(self.delay_s)
         if self.rc != 0:
             raise TransferError(f"batch_transfer_sync_read returned {self.rc}", peer=session)
 
@@ -120,6 +125,10 @@ def _ready(sender: str, member: int, reads: list[ReadReq], done: list[str], **kw
     )
 
 
+def _commit(sender: str, member: int, ext_ids: list[str], failed: tuple[str, ...] = ()) -> Commit:
+    return Commit(sender=sender, ext_ids=ext_ids, failed_ext_ids=list(failed), group_member_idx=member, tp_ratio=2)
+
+
 def _add(worker: ConsumerWorker, ext: str, main: tuple[int, ...], idx: tuple[int, ...]) -> None:
     worker.start_load_kv(ConsumerMetadata((RecvReq(f"{ext}-int", ext, main, idx),)))
 
@@ -131,12 +140,15 @@ def test_done_needs_every_contributor_and_duplicates_do_not_count(d: Any) -> Non
         assert isinstance(ch.hello(sender), HelloAck)
     read = ReadReq("r", [1, 2, 3], [4, 5, 6], 0, 0)
     assert isinstance(ch.send(_ready("P/tp0", 0, [read], ["r"])), ReadDone)
-    assert isinstance(ch.send(_ready("P/tp0", 0, [read], ["r"])), ReadDone)  # a duplicate
-    assert worker.get_finished() == (set(), set())
     assert isinstance(ch.send(_ready("P/tp1", 1, [read], ["r"])), ReadDone)
+    assert worker.get_finished() == (set(), set())  # every read answered, nothing committed yet
+    assert ch.send(_commit("P/tp0", 0, ["r"])) == Committed(failed=[])
+    assert ch.send(_commit("P/tp0", 0, ["r"])) == Committed(failed=[])  # a duplicate
+    assert worker.get_finished() == (set(), set())
+    assert ch.send(_commit("P/tp1", 1, ["r"])) == Committed(failed=[])
     assert worker.get_finished() == (set(), {"r-int"})
     # member 0 read main (3 blocks, one run) + its indexer half; member 1 only its indexer half
-    (_, local0, peer0, len0), _, (_, _, _, len1) = engine.reads
+    (_, local0, peer0, len0), (_, _, _, len1) = engine.reads
     assert (local0[0], peer0[0], len0[0]) == (50_000 + 10 * 64, 1000 + 64, 3 * 64)
     assert sum(len1) == 16 * 1 and sum(len0) == 3 * 64 + 16 * 2
     assert worker.get_block_ids_with_load_errors() == set()
@@ -175,8 +187,6 @@ def test_refusals(d: Any) -> None:
     refused = ch.hello("P/tp0", block_bytes=32)
     assert isinstance(refused, Refused) and "main block bytes" in refused.field
     ch.hello("P/tp0")
-    stale = ch.send(_ready("P/tp0", 0, [ReadReq("r", [1], [2])], [], expires_unix_ms=int(time.time() * 1000) - 1))
-    assert isinstance(stale, ReadFailed) and "expired" in stale.error
     start = time.monotonic()
     unknown = ch.send(_ready("P/tp0", 0, [ReadReq("nobody", [1], [2])], []))
     assert isinstance(unknown, ReadDone) and unknown.failed == ["nobody"]
@@ -200,3 +210,35 @@ def test_reads_for_unknown_requests_cannot_keep_the_read_thread_parked(d: Any) -
     _add(worker, "r", (10,), (20,))
     served = ch.send(_ready("P/tp0", 0, [ReadReq("r", [1], [2])], []))
     assert isinstance(served, ReadDone) and served.failed == [] and engine.reads
+
+
+def test_p_verdict_fails_a_request_at_once_and_a_failed_one_is_never_committed(d: Any) -> None:
+    worker, _, ch = d
+    _add(worker, "a", (10,), (20,))
+    _add(worker, "b", (11,), (21,))
+    ch.hello("P/tp0")
+    ch.hello("P/tp1")
+    reads = [ReadReq("a", [1], [2]), ReadReq("b", [3], [4])]
+    assert isinstance(ch.send(_ready("P/tp0", 0, reads, ["a", "b"])), ReadDone)
+    # P gave up on a (its deadline passed before D's answer reached it): a fails now, b counts.
+    assert ch.send(_commit("P/tp0", 0, ["b"], failed=("a",))) == Committed(failed=[])
+    assert ch.send(_commit("P/tp1", 1, ["a", "b"])) == Committed(failed=["a"])  # the other member cannot revive it
+    assert worker.get_block_ids_with_load_errors() == {10, 20}
+    assert worker.get_finished() == (set(), {"a-int", "b-int"})  # quarantine_s = 0
+    assert worker.take_failed_recving() == {"a-int"}
+    # A commit from a sender D never greeted counts nothing.
+    _add(worker, "c", (12,), (22,))
+    assert ch.send(_commit("P/tp7", 0, ["c"])) == Committed(failed=["c"])
+    assert worker.get_finished() == (set(), set())
+
+
+def test_no_read_attempt_starts_after_p_budget(d: Any) -> None:
+    """The first attempt fails after 100 ms; P's budget (50 ms) has passed, so D does not retry."""
+    worker, engine, ch = d
+    _add(worker, "r", (10,), (20,))
+    ch.hello("P/tp0")
+    engine.rc, engine.delay_s = -1, 0.1
+    reply = ch.send(_ready("P/tp0", 0, [ReadReq("r", [1], [2])], [], read_budget_ms=50))
+    assert isinstance(reply, ReadFailed) and "returned -1" in reply.error
+    assert len(engine.reads) == 1  # control: without a budget read_retries=1 reads twice (test above)
+    assert worker.get_block_ids_with_load_errors() == {10, 20}

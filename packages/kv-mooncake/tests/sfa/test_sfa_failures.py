@@ -13,10 +13,43 @@ from typing import Any
 import pytest
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
+from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.sfa.messages import ReadFailed, ReadReady, Reply, reply_codec, request_codec
+
+
+class LateReader:
+    """D's engine (our `Reader` interface) whose ``slow_call``-th read starts ``delay_s`` late.
+
+    The bytes are read after the delay: what a read that outlasts P's deadline sees on a real host
+    (P has opened its reuse gate and may have overwritten the blocks by then).
+    """
+
+    def __init__(self, inner: Reader, *, slow_call: int, delay_s: float) -> None:
+        self._inner = inner
+        self._slow_call = slow_call
+        self._delay_s = delay_s
+        self.calls = 0
+
+    @property
+    def session(self) -> str:
+        return self._inner.session
+
+    def register(self, regions: RegisterRegions) -> None:
+        self._inner.register(regions)
+
+    def unregister(self, regions: RegisterRegions) -> None:
+        self._inner.unregister(regions)
+
+    def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
+        self.calls += 1
+        if self.calls == self._slow_call:
+            time.sleep(self._delay_s)
+        self._inner.read(session, batch, timeout_s=timeout_s)
 
 
 def _all_ids(pair: Any, rid: str) -> set[int]:
@@ -132,3 +165,37 @@ def test_layout_mismatch_is_refused(make_sfa_pair: Callable[..., Any]) -> None:
     drained = pair.p.drain()
     assert "main block bytes" in drained["failed"]["l"]
     assert pair.d.wait_recv({"l"}, timeout_s=10.0) == _all_ids(pair, "l")
+
+
+@pytest.mark.timeout(60)
+def test_read_that_outlasts_p_deadline_is_never_reported_loaded(make_sfa_pair: Callable[..., Any]) -> None:
+    """D's read of the last layer finishes after P gave up on it (and opened its reuse gate).
+
+    P's clock decides: P marks the request failed, so D must report load errors for it (vLLM
+    recomputes), never the request as received. Control: the same pair with a read in time loads.
+    """
+    readers: list[LateReader] = []
+
+    def late(inner: Reader) -> Reader:
+        readers.append(LateReader(inner, slow_call=3, delay_s=2.0))  # 3 layers: the last one's read
+        return readers[-1]
+
+    pair = make_sfa_pair(
+        p_extra={"read_timeout_s": 1.0, "hello_timeout_s": 1.0, "endpoint_retry_s": 0.0},
+        d_extra={"recv_timeout_s": 6.0},
+        d_reader=late,
+    )
+    params = pair.d.decode("late", 40)
+    pair.p.prefill([{"rid": "p-late", "prompt_len": 40, "seed": 11, "params": params}])
+    drained = pair.p.drain()
+    assert "late" in drained["failed"], "P did not time out: the fault was not injected"
+    start = time.monotonic()
+    errors = pair.d.wait_recv({"late"}, timeout_s=15.0)
+    failed_after = time.monotonic() - start
+    assert readers[0].calls >= 3
+    assert failed_after < 4.0, "D waited out recv_timeout_s: P's verdict did not reach it"
+    assert errors == _all_ids(pair, "late"), "D reported a read P had given up on as loaded"
+    # Control: a later request through the same pair (every read in time) loads and verifies.
+    pair.run("ok", 40, seed=12)
+    assert pair.d.wait_recv({"ok"}) == set()
+    assert pair.d.verify("ok", 12) > 0

@@ -21,7 +21,16 @@ from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
-from ascend_dist.kv_mooncake.sfa.messages import Hello, HelloAck, ReadDone, ReadReady, reply_codec, request_codec
+from ascend_dist.kv_mooncake.sfa.messages import (
+    Commit,
+    Committed,
+    Hello,
+    HelloAck,
+    ReadDone,
+    ReadReady,
+    reply_codec,
+    request_codec,
+)
 from ascend_dist.kv_mooncake.sfa.producer import ProducerWorker
 from ascend_dist.kv_mooncake.sfa.scheduler import ProducerMetadata, SendReq
 
@@ -57,7 +66,12 @@ class RecordingD:
         msg = self._req.decode(payload)
         with self.lock:
             self.got.append(msg)
-        reply = HelloAck() if isinstance(msg, Hello) else ReadDone(layer_idx=msg.layer_idx)
+        if isinstance(msg, Hello):
+            reply: Any = HelloAck()
+        elif isinstance(msg, Commit):
+            reply = Committed()
+        else:
+            reply = ReadDone(layer_idx=msg.layer_idx)
         return self._rep.encode(reply)
 
 
@@ -112,8 +126,10 @@ def test_wire_output_of_two_chunked_steps(setup: Any) -> None:
         worker.save_kv_layer(name)
     for i in range(2):
         worker.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+    worker.shutdown()  # joins the link: its commit after the last layer went out
     assert worker.take_failed() == {}
-    hello, *reads = d.got
+    hello, *reads, commit = d.got
+    assert commit == Commit(sender="P/tp1", ext_ids=["a"], group_member_idx=1, tp_ratio=2)
     assert isinstance(hello, Hello) and hello.session == "127.0.0.1:4321" and hello.sender == "P/tp1"
     assert [len(layer.main) for layer in hello.layers.values()] == [2, 2]
     assert all(isinstance(r, ReadReady) for r in reads) and len(reads) == 4
@@ -125,7 +141,7 @@ def test_wire_output_of_two_chunked_steps(setup: Any) -> None:
     # step 2: the prompt ends at 20 tokens: blocks [2, 3), done on the last layer only
     assert [(q.p_main_ids, q.main_start) for q in r2.reads] == [([5], 2)]
     assert r2.done_ext_ids == [] and r3.done_ext_ids == ["a"]
-    assert all(r.expires_unix_ms > 0 for r in reads)
+    assert all(r.read_budget_ms > 0 for r in reads)
 
 
 def test_layers_sharing_storage_share_a_gate() -> None:

@@ -143,6 +143,31 @@ def test_memfabric_worker_without_the_ascend_driver(model_dir: Path) -> None:
         SfaRemoteD2HConnector(config, KVConnectorRole.WORKER, kv_cache_config())
 
 
+def test_each_worker_uses_its_own_device(model_dir: Path) -> None:
+    """Two D workers on simulated devices 1 and 3 (vLLM made each current): each engine and event on its own.
+
+    Control: upstream opened device 0 on every rank; a cache on another device is refused by name.
+    """
+    from ascend_dist.common.device import current_device_index, set_current_device
+
+    before = current_device_index()
+    made: list[Any] = []
+    try:
+        for index in (1, 3):
+            set_current_device(index)
+            config = make_config(model_dir, "kv_consumer", f"D-dev{index}", free_port_range(1))
+            made.append(SfaRemoteD2HConnector(config, KVConnectorRole.WORKER, kv_cache_config()))
+        assert [c.device_index for c in made] == [1, 3]
+        # A cache not on the worker's device (torch's meta device: a CPU host has no second one).
+        wrong = {n: torch.empty(NUM_BLOCKS, BLOCK, 64, device="meta") for n in MAIN}
+        with pytest.raises(ConfigError, match="kv_caches device"):
+            made[0].register_kv_caches(wrong | {n: torch.empty(NUM_BLOCKS, BLOCK, 16) for n in INDEXER})
+    finally:
+        set_current_device(before)
+        for c in made:
+            c.shutdown()
+
+
 def _scheduler(config: VllmConfig, kcc: KVCacheConfig) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager

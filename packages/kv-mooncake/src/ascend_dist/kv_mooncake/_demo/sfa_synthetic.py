@@ -19,7 +19,7 @@ import torch
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.secret import load_secret
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
-from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, Reader
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.consumer import ConsumerWorker
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo
@@ -231,7 +231,7 @@ class SfaPInstance:
 class SfaDInstance:
     """A consumer instance: the shared host pool, per-rank indexer caches, workers, one scheduler."""
 
-    def __init__(self, config: SfaConfig, model: SfaModel, engine: MooncakeEngine) -> None:
+    def __init__(self, config: SfaConfig, model: SfaModel, engine: Reader) -> None:
         """Allocate the pool and caches, register them, start every rank's read thread."""
         self.config, self.model = config, model
         self.sink = ContactLog()

@@ -25,6 +25,7 @@ import torch
 from ascend_dist.common.errors import AscendDistError, BlockIdError, ConfigError, DeadlineExceeded, LayoutError
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
+from ascend_dist.kv_mooncake.core.device_fence import Fence
 from ascend_dist.kv_mooncake.core.mappings import ParallelInfo
 from ascend_dist.kv_mooncake.core.messages import TensorMeta
 from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
@@ -185,8 +186,8 @@ class Producer:
                 self.sender.mark_failed(prm.request_id, f"D {endpoint.host}:{endpoint.port}: {exc}")
         return plan
 
-    def save_kv_layer(self, layer_name: str) -> None:
-        """P: queue the layer's writes for this step's requests (the layer's KV is already written).
+    def save_kv_layer(self, layer_name: str, fence: Fence | None = None) -> None:
+        """P: queue the layer's writes for this step's requests (``fence``: see `LayerwiseWorker.save_kv_layer`).
 
         Raises:
             DeadlineExceeded: No staging slot became free within ``gate_timeout_s`` (resharding).
@@ -233,6 +234,7 @@ class Producer:
             )
         if idx == len(self._layers.names) - 1:
             task.finished = [(plan.transfer_id, plan.done_to) for _, plan in self._step if plan.chunk_finished]
+        task.ready = fence() if fence is not None else None  # after the reshard's device work too
         self.gate.mark_pending(idx)
         self.sender.submit(task, self._config.gate_timeout_s)
 

@@ -124,6 +124,7 @@ class SendTask:
     items: list[WriteItem] = field(default_factory=list)
     finished: list[tuple[str, tuple[tuple[Endpoint, int], ...]]] = field(default_factory=list)
     release: Callable[[], None] | None = None
+    ready: Callable[[], None] | None = None  # waits for the device event after the layer's KV write
 
 
 class SendThread:
@@ -221,6 +222,8 @@ class SendThread:
                 return
             error: str | None = None
             try:
+                if task.ready is not None:
+                    task.ready()  # the bytes are in memory only once the compute stream got there
                 error = self._write(task)
             except Exception as exc:  # never let one layer kill the pusher; the layer's requests fail
                 logger.exception("layer %d: push failed unexpectedly", task.layer)

@@ -13,14 +13,17 @@ CPU, the device backend elsewhere), created collectively at ``register_kv_caches
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
+from ascend_dist.common.device import current_device_index
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.secret import load_secret, warn_unauthenticated
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.device_fence import write_fence
 from ascend_dist.kv_mooncake.core.engine import get_engine
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     SchedRequestAdapter,
@@ -114,6 +117,7 @@ class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, Layerwi
             self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, PushParams.__struct_fields__)
         else:
             self._tp_rank, _, self._pcp_rank = parallel_ranks()
+            self.device_index = current_device_index()  # vLLM's worker made its device current
 
     # ---- scheduler side -------------------------------------------------------------------------
 
@@ -214,8 +218,11 @@ class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, Layerwi
         self._work().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """P: queue the layer's push (its KV was just written into the registered cache)."""
-        self._work().save_kv_layer(layer_name)
+        """P: queue the layer's push; its send waits for the device event after the layer's KV write."""
+        self._work().save_kv_layer(layer_name, self._fence)
+
+    def _fence(self) -> Callable[[], None] | None:
+        return write_fence(self.device_index, self._lw_config.gate_timeout_s)
 
     def wait_for_save(self) -> None:
         """Pushes are asynchronous; storage reuse is ordered by the reuse gate."""

@@ -31,6 +31,7 @@ from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import RpcServer
 from ascend_dist.kv_mooncake.core.blocks import TensorGeom
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
+from ascend_dist.kv_mooncake.core.device_fence import Fence
 from ascend_dist.kv_mooncake.core.engine import Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, token_rows
@@ -306,15 +307,18 @@ class LayerwiseWorker:
         elif self._receiver is not None and request_ids:
             self._receiver.wait_layer(idx, request_ids, self._config.layer_timeout_s)
 
-    def save_kv_layer(self, layer_name: str) -> None:
-        """P: queue the layer's writes for this step's requests (its KV is already in the cache); D: no-op.
+    def save_kv_layer(self, layer_name: str, fence: Fence | None = None) -> None:
+        """P: queue the layer's writes for this step's requests; D: no-op.
+
+        ``fence`` (on a device) is called once the layer's work on the compute stream is enqueued
+        (after resharding); the send thread waits for what it returns before reading the cache.
 
         Raises:
             DeadlineExceeded: No staging slot became free within ``gate_timeout_s`` (resharding).
             TransferError: The send thread is not running.
         """
         if self._producer is not None:
-            self._producer.save_kv_layer(layer_name)
+            self._producer.save_kv_layer(layer_name, fence)
 
     def layer_batches(self, layer_name: str) -> list[tuple[str, Descriptors]]:
         """P: the plain-path writes of one layer for this step, per D session (the bench's raw baseline)."""

@@ -8,10 +8,12 @@ per step `start_load_kv` (destinations of newly allocated requests) -> `get_fini
 The read thread (the `RpcServer`'s thread) serves P's messages in arrival order: a `Hello` is
 checked (protocol, compatibility fields, every layer's block bytes and indexer presence) and
 remembered per sender; a `ReadReady` is turned into descriptors (`plan.plan_request_reads`),
-coalesced and read with one ``batch_transfer_sync_read``; D answers `ReadDone` (naming requests it
-could not serve) or `ReadFailed`. A request is done when all ``tp_ratio`` contributors sent its
-last layer; it fails on a failed read, a refused layer, or when nothing finished it within
-``recv_timeout_s``. Failed block ids (main and indexer) are reported at once; the request itself
+coalesced and read with one ``batch_transfer_sync_read`` (no attempt starts after P's
+``read_budget_ms``, measured on D's clock from the frame's handling); D answers `ReadDone` (naming
+requests it could not serve) or `ReadFailed`. A request is done when all ``tp_ratio`` contributors
+committed it (`Commit`: P's verdict, after its last layer's reads were answered before P's
+deadline); it fails on a failed read, a refused layer, P's verdict, or when nothing finished it
+within ``recv_timeout_s``. Failed block ids (main and indexer) are reported at once; the request itself
 is reported finished ``quarantine_s`` later (a late engine write must not land in reused blocks).
 """
 
@@ -35,6 +37,8 @@ from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import Refused, admit
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import (
+    Commit,
+    Committed,
     Hello,
     HelloAck,
     LayerMeta,
@@ -176,6 +180,8 @@ class ConsumerWorker:
             return self._replies.encode(ReadFailed(layer_idx=-1, error=f"malformed message: {exc}"))
         if isinstance(msg, Hello):
             return self._replies.encode(self._hello(msg))
+        if isinstance(msg, Commit):
+            return self._replies.encode(self._commit(msg))
         try:
             reply = self._read_ready(msg)
         except Exception as exc:  # every failure becomes a reply, never a dead thread
@@ -230,11 +236,10 @@ class ConsumerWorker:
             return {e: self._recv[e] for e in ext_ids if e in self._recv}
 
     def _read_ready(self, msg: ReadReady) -> ReadDone | ReadFailed:
+        give_up_at = time.monotonic() + msg.read_budget_ms / 1000 if msg.read_budget_ms > 0 else float("inf")
         peer = self._peers.get(msg.sender)
         if peer is None:
             return ReadFailed(layer_idx=msg.layer_idx, error=f"no hello from {msg.sender} before its reads")
-        if msg.expires_unix_ms and time.time() * 1000 > msg.expires_unix_ms:
-            return self._fail_batch(msg, "read request expired before D could start it (P's gate has opened)")
         p_layer, dest = peer.layers.get(msg.layer_name), self._dest.get(msg.layer_name)
         if p_layer is None or dest is None:
             return self._fail_batch(msg, f"layer {msg.layer_name} unknown on {'P' if p_layer is None else 'D'}")
@@ -274,7 +279,7 @@ class ConsumerWorker:
         batch = Descriptors.concat(parts) if parts else None
         if batch is not None and len(batch):
             batch = coalesce(np.asarray(batch.local), np.asarray(batch.remote), np.asarray(batch.lengths))
-            error = self._read(peer.session, batch, msg.layer_name)
+            error = self._read(peer.session, batch, msg.layer_name, give_up_at)
             if error is not None:
                 self._fail([*served, *msg.done_ext_ids], f"layer {msg.layer_name}: {error}")
                 return ReadFailed(layer_idx=msg.layer_idx, error=error)
@@ -283,13 +288,17 @@ class ConsumerWorker:
                 self.reads += 1
                 if self.trace is not None:
                     self.trace.append((peer.session, batch))
-        self._complete(msg, set(failed))
         return ReadDone(layer_idx=msg.layer_idx, failed=failed)
 
-    def _read(self, session: str, batch: Descriptors, layer_name: str) -> str | None:
-        """One batch read, repeated ``read_retries`` times on failure; the last error or None."""
+    def _read(self, session: str, batch: Descriptors, layer_name: str, give_up_at: float) -> str | None:
+        """One batch read, repeated ``read_retries`` times on failure; the last error or None.
+
+        No attempt starts after ``give_up_at`` (P's read budget): P would not take its answer.
+        """
         error = ""
         for attempt in range(self._config.read_retries + 1):
+            if time.monotonic() >= give_up_at:
+                return error or "P's read budget passed before D could start the read"
             try:
                 if len(batch):
                     self._backend.read(session, batch)
@@ -300,15 +309,23 @@ class ConsumerWorker:
                     logger.warning("sfa D%d: read of %s failed (%s); retrying", self._tp_rank, layer_name, exc)
         return error
 
-    def _complete(self, msg: ReadReady, failed: set[str]) -> None:
+    def _commit(self, msg: Commit) -> Committed:
+        """P's verdict: count its contribution to ``ext_ids``; fail ``failed_ext_ids`` now."""
+        if msg.sender not in self._peers:
+            return Committed(failed=list(msg.ext_ids))
+        if msg.failed_ext_ids:
+            self._fail(msg.failed_ext_ids, f"P ({msg.sender}) gave up on a read of it (its deadline or D's failure)")
+        refused: list[str] = []
         with self._cond:
-            for ext in msg.done_ext_ids:
+            for ext in msg.ext_ids:
                 rec = self._recv.get(ext)
-                if rec is None or ext in failed or rec.error is not None:
+                if rec is None or rec.error is not None:
+                    refused.append(ext)
                     continue
                 rec.contributors.add(msg.group_member_idx)
                 if len(rec.contributors) >= msg.tp_ratio:
                     rec.done = True
+        return Committed(failed=refused)
 
     def _fail_batch(self, msg: ReadReady, reason: str) -> ReadFailed:
         self._fail([*(r.ext_id for r in msg.reads), *msg.done_ext_ids], reason)

@@ -9,6 +9,12 @@ layer's gates; a failure marks its requests failed on P (logged; D reports its o
 An endpoint that missed a deadline is skipped for ``endpoint_retry_s`` (its parts fail at once
 instead of stalling every layer), then greeted again.
 
+After the answer to a part that ends requests (its ``done_ext_ids``), the link sends D a
+`Commit`: the requests every one of whose parts to this endpoint was answered in time count as
+received; those P gave up on (any part failed: deadline, endpoint down, D's failure) are failed
+at once. A `ReadDone` that arrives after P's deadline is dropped with the socket, so D never
+counts a read P did not wait for.
+
 Threads own no business state beyond their queue; `shutdown` joins every thread and resolves
 every queued part, so no gate stays closed.
 """
@@ -19,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +36,8 @@ from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.core.messages import accept_reply
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import (
+    Commit,
+    Committed,
     Hello,
     HelloAck,
     ReadDone,
@@ -43,6 +52,10 @@ from ascend_dist.kv_mooncake.sfa.messages import (
 __all__ = ["Dispatcher", "Part", "Slot"]
 
 logger = logging.getLogger(__name__)
+
+# Requests a part failed for, remembered until their last part was committed or refused; bounded
+# because an aborted request never reaches its last part.
+_VOIDED_MEMORY = 65536
 
 
 class Slot:
@@ -106,6 +119,8 @@ class _Link(threading.Thread):
             if isinstance(exc, DeadlineExceeded):
                 self.down_until = time.monotonic() + o.config.endpoint_retry_s
             o.resolve(part, f"{type(exc).__name__}: {exc}")
+            if part.message.done_ext_ids and time.monotonic() >= self.down_until:
+                self._commit(part.message)  # fail them on D now rather than at its recv_timeout_s
             return
         if isinstance(reply, ReadDone):
             o.resolve(part, None, failed=reply.failed)
@@ -113,6 +128,31 @@ class _Link(threading.Thread):
             o.resolve(part, f"D failed layer {reply.layer_idx}: {reply.error}")
         else:
             o.resolve(part, f"unexpected reply {type(reply).__name__}")
+        if part.message.done_ext_ids:
+            self._commit(part.message)
+
+    def _commit(self, ready: ReadReady) -> None:
+        """Tell D which of ``ready``'s finished requests count: those no part failed for."""
+        o = self.owner
+        counted, failed = o.verdict(ready.done_ext_ids)
+        commit = Commit(
+            sender=ready.sender,
+            ext_ids=counted,
+            failed_ext_ids=failed,
+            group_member_idx=ready.group_member_idx,
+            tp_ratio=ready.tp_ratio,
+        )
+        try:
+            reply = o.call(self.endpoint, commit, o.config.read_timeout_s)
+        except (DeadlineExceeded, ProtocolError) as exc:
+            # D never counts these: it fails them at its recv_timeout_s.
+            self.greeted = False
+            o.mark_failed(counted, f"commit to {self.endpoint} failed: {type(exc).__name__}: {exc}")
+            return
+        if not isinstance(reply, Committed):
+            o.mark_failed(counted, f"unexpected reply to commit: {type(reply).__name__}")
+        elif reply.failed:
+            o.mark_failed(reply.failed, "D had failed the request before P's commit")
 
     def _hello(self) -> None:
         o = self.owner
@@ -141,6 +181,7 @@ class Dispatcher:
         self._links: dict[tuple[str, int], _Link] = {}
         self._lock = threading.Lock()
         self._failed: dict[str, str] = {}
+        self._voided: OrderedDict[str, None] = OrderedDict()
         self._closed = False
         self.sent = 0
 
@@ -175,8 +216,7 @@ class Dispatcher:
                 return
             part.resolved = True
             bad = part.ext_ids if error is not None else list(failed)
-            for ext in bad:
-                self._failed.setdefault(ext, error or "D could not serve it")
+            self._void(bad, error or "D could not serve it")
             for slot in part.slots:
                 slot.pending -= 1
                 if error is not None:
@@ -192,6 +232,30 @@ class Dispatcher:
                 len(part.ext_ids),
                 error,
             )
+
+    def _void(self, ext_ids: list[str] | tuple[str, ...], reason: str) -> None:
+        """Mark requests failed on P (under the lock): never committed as received."""
+        for ext in ext_ids:
+            self._failed.setdefault(ext, reason)
+            self._voided[ext] = None
+            self._voided.move_to_end(ext)
+        while len(self._voided) > _VOIDED_MEMORY:
+            self._voided.popitem(last=False)
+
+    def mark_failed(self, ext_ids: list[str], reason: str) -> None:
+        """Mark requests failed on P after their commit did not go through."""
+        if ext_ids:
+            with self._lock:
+                self._void(ext_ids, reason)
+            logger.warning("sfa: %d request(s) not committed: %s", len(ext_ids), reason)
+
+    def verdict(self, ext_ids: list[str]) -> tuple[list[str], list[str]]:
+        """``(counted, failed)`` for requests whose last part was answered; forgets them after."""
+        with self._lock:
+            failed = [e for e in ext_ids if e in self._voided]
+            for ext in failed:
+                del self._voided[ext]
+            return [e for e in ext_ids if e not in failed], failed
 
     def take_failed(self) -> dict[str, str]:
         """Requests marked failed on P since the last call (ext id -> reason)."""

@@ -8,6 +8,11 @@ schedulers (the contact info D posts to the metaserver). Built on the shared voc
   metadata; upstream MF_META) is answered by `HelloAck` or `Refused`.
 * `ReadReady` (one layer: per request P's block ids and chunk start; upstream READ_READY_BATCH)
   is answered by `ReadDone` (naming requests D could not serve) or `ReadFailed`.
+* `Commit` (P's verdict on the requests whose last layer it dispatched: the ones to count as
+  received and the ones P gave up on) is answered by `Committed`. Only P's clock decides whether a
+  read came in time: a `ReadDone` that reaches P after its deadline has no effect, so D counts a
+  request received only on P's `Commit` (upstream counts it at D's last read, so a read that
+  outlasted P's reuse gate was reported as loaded).
 
 D remembers a `Hello` per ``sender`` (upstream: per DEALER identity); a `ReadReady` from a sender
 without one fails.
@@ -28,6 +33,8 @@ from ascend_dist.kv_mooncake.core.wire import Request as _Request
 
 __all__ = [
     "CHANNEL",
+    "Commit",
+    "Committed",
     "ContactInfo",
     "Hello",
     "HelloAck",
@@ -90,9 +97,10 @@ class ReadReq(msgspec.Struct, frozen=True, array_like=True):
 class ReadReady(_Request, frozen=True, kw_only=True, tag="read_ready"):
     """P wrote ``layer_name`` for these requests' chunks: D may read them now.
 
-    ``expires_unix_ms`` is P's wall-clock deadline for this read: after it P's reuse gate has
-    opened and the blocks may hold other data, so D refuses to start the read (same host or
-    NTP-synchronised clocks assumed; 0 = no expiry).
+    ``done_ext_ids`` end their last chunk with this layer (P's `Commit` for them follows D's
+    answer). ``read_budget_ms``: how long after receiving this D may still start a read attempt
+    (a duration, so no clocks are compared across hosts; 0 = no limit). It only spares D reads P
+    will not accept: whether a read counts is P's verdict in its `Commit`.
     """
 
     sender: str
@@ -102,7 +110,22 @@ class ReadReady(_Request, frozen=True, kw_only=True, tag="read_ready"):
     done_ext_ids: list[str] = msgspec.field(default_factory=list)
     group_member_idx: int = 0
     tp_ratio: int = 1
-    expires_unix_ms: int = 0
+    read_budget_ms: int = 0
+
+
+class Commit(_Request, frozen=True, kw_only=True, tag="commit"):
+    """P's verdict after its last layer's reads for these requests were answered in time.
+
+    ``ext_ids``: every one of this sender's reads for them was answered by D before P's deadline:
+    count this contributor (``group_member_idx`` of ``tp_ratio``). ``failed_ext_ids``: P gave up
+    on a read of theirs (deadline, endpoint down, D's failure): fail them now.
+    """
+
+    sender: str
+    ext_ids: list[str] = msgspec.field(default_factory=list)
+    failed_ext_ids: list[str] = msgspec.field(default_factory=list)
+    group_member_idx: int = 0
+    tp_ratio: int = 1
 
 
 class HelloAck(Message, frozen=True, kw_only=True, tag="hello_ack"):
@@ -118,6 +141,12 @@ class ReadDone(Message, frozen=True, kw_only=True, tag="read_done"):
     failed: list[str] = msgspec.field(default_factory=list)
 
 
+class Committed(Message, frozen=True, kw_only=True, tag="committed"):
+    """D took P's verdict; ``failed`` lists committed requests D had already failed or never had."""
+
+    failed: list[str] = msgspec.field(default_factory=list)
+
+
 class ReadFailed(Message, frozen=True, kw_only=True, tag="read_failed"):
     """The whole layer batch failed (every request in it is failed on D)."""
 
@@ -125,8 +154,8 @@ class ReadFailed(Message, frozen=True, kw_only=True, tag="read_failed"):
     error: str
 
 
-Request = Hello | ReadReady
-Reply = HelloAck | Refused | ReadDone | ReadFailed
+Request = Hello | ReadReady | Commit
+Reply = HelloAck | Refused | ReadDone | ReadFailed | Committed
 
 CHANNEL = Channel("kv-mooncake/sfa-rd2h", Request, Reply)
 request_codec, reply_codec = CHANNEL.request_codec, CHANNEL.reply_codec  # P -> D; D -> P

@@ -5,7 +5,8 @@ Runs in: every P worker process. Call order per step, as vLLM's model runner mak
 gate: waits until D finished reading what the previous step dispatched for this layer's storage)
 -> the layer writes its KV -> `on_kv_cache_written` or `save_kv_layer` (dispatch once per step:
 tell each D endpoint the layer's blocks are readable) -> `get_finished` (nothing: P frees its
-blocks at once, the gates protect them).
+blocks at once, the gates protect them). After a request's last layer was answered, P's link
+sends D its verdict (`Commit`): only reads answered before P's deadline count.
 
 P never moves bytes itself: D reads P's memory with its engine. P's only duties are to describe
 its memory (`Hello`), to say when a layer's chunk is ready (`ReadReady`), and not to overwrite a
@@ -100,6 +101,9 @@ def make_sfa_handshake(config: SfaConfig, sender: str, layers: int, layout: str 
         layout=layout,
         prefill_tp=config.prefill.tp_size,
         decode_tp=config.decode.tp_size,
+        # D counts a request received on P's Commit (not at its last read): a peer that still
+        # counts at the last read must be refused, naming this field.
+        completion="p-commit",
     )
 
 
@@ -271,7 +275,8 @@ class ProducerWorker:
             reads.append(read)
             if last and r.chunk_finish:
                 done.append(r.ext_id)
-        expires = int(time.time() * 1000 + self._config.read_timeout_s * 500) if self._config.read_timeout_s else 0
+        # Half P's deadline: a read D starts later could not be answered in time anyway.
+        budget_ms = int(self._config.read_timeout_s * 500)
         for endpoint, (reads, done, member, ratio) in groups.items():
             msg = ReadReady(
                 sender=self._sender,
@@ -281,7 +286,7 @@ class ProducerWorker:
                 done_ext_ids=done,
                 group_member_idx=member,
                 tp_ratio=ratio,
-                expires_unix_ms=expires,
+                read_budget_ms=budget_ms,
             )
             self._dispatcher.submit(Part(endpoint, msg, list(layer.slots), ready, ext_ids=[q.ext_id for q in reads]))
 

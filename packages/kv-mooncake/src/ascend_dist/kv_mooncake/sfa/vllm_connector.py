@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
+from ascend_dist.common.device import current_device_index
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.secret import load_secret, warn_unauthenticated
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
+from ascend_dist.kv_mooncake.core.device_fence import write_fence
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     MooncakeAdapterBase,
@@ -104,6 +106,7 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         self._consumer: ConsumerWorker | None = None
         self._started: object | None = None  # the bound metadata whose step was started
         self.host_pool: dict[str, list[torch.Tensor]] = {}
+        self.device_index = 0  # the worker's device (set below on the worker role)
         if role == KVConnectorRole.SCHEDULER:
             secret = load_secret()  # D signs its contact, P offers reads only for signed ones
             if secret is None:
@@ -125,9 +128,14 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
             return
         side = "Prefill" if self._sfa.is_producer else "Decode"
         sfa = self._sfa
+        # vLLM's worker made its device current before building the connector: MemFabric and the
+        # write events use that device (upstream opened device 0 on every rank).
+        self.device_index = current_device_index()
         # Built now, not on first use: a backend this host cannot run (memfabric without the Ascend
         # driver) must refuse at start, not at the first transfer.
-        engine = make_backend(sfa.transfer_backend, sfa.host, protocol=sfa.protocol, role=side)
+        engine = make_backend(
+            sfa.transfer_backend, sfa.host, protocol=sfa.protocol, role=side, device_id=self.device_index
+        )
         backend = self.counting_engine(lambda: engine)
         if self._sfa.is_producer:
             self._producer = ProducerWorker(self._sfa, tp_rank=parallel_ranks()[0], backend=backend)
@@ -219,6 +227,9 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         main_bs = self._block_sizes[self._group_ids.main]
         idx_bs = self._block_sizes[self._group_ids.indexer]
         parts, layout = read_kv_caches(kv_caches, self._vllm_config)
+        on = {t.device.index for ts in parts.values() for t in ts if t.device.type != "cpu"}
+        if on - {self.device_index}:
+            raise ConfigError("kv_caches device", sorted(on), f"the worker's device {self.device_index}")
         if self._producer is not None:
             self._producer.register_kv_caches(parts, block_size=main_bs, indexer_block_size=idx_bs, layout=layout)
             return
@@ -286,14 +297,7 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
 
     def _written_event(self) -> Callable[[], None] | None:
         """On a device: an event after the layer's KV write, waited for by the send thread. CPU: None."""
-        from ascend_dist.common.device import get_runtime
-
-        runtime = get_runtime()
-        if runtime.name == "cpu":
-            return None  # the write already happened on this thread
-        event = runtime.current_stream().record_event()
-        timeout_s = self._sfa.read_timeout_s
-        return lambda: event.synchronize(timeout=timeout_s)
+        return write_fence(self.device_index, self._sfa.read_timeout_s)
 
     def on_kv_cache_written(self, layer_name: str) -> None:
         """vllm-ascend's early hook right after the KV scatter: dispatch now, D's read overlaps attention."""
