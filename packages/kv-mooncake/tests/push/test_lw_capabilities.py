@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from ascend_dist.common.secret import SECRET_ENV, DeploymentSecret
-from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver, LwInstance
+from ascend_dist.kv_mooncake._demo.synthetic import Model
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.scheduler import LayerwiseScheduler, Scheduled
@@ -125,3 +127,42 @@ def test_a_real_p_writes_nothing_into_another_requests_blocks(
     mine_blocks = {b for ids in pair.d.blocks["mine"] for b in ids}
     assert pair.d.wait_recv({"mine"}, timeout_s=20.0) == mine_blocks  # nothing came: D recomputes it
     assert pair.d.verify("victim", 11) > 0  # the victim's KV was not overwritten
+
+
+@pytest.mark.timeout(120)
+def test_a_real_p_writes_nothing_into_another_d_behind_a_redirected_port(
+    make_lw_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Signed params aimed at another D (host and port are not signed) whose live request has the same id."""
+    monkeypatch.setenv(SECRET_ENV, "3c" * 32)
+    pair = make_lw_pair(p_procs=True, d_extra={"first_layer_timeout_s": 2.0})
+    base = {k: v for k, v in pair.extra.items() if k not in ("engine_id", "kv_port")}
+    other_port = free_port_range(1)
+    other = LwInstance(
+        LayerwiseConfig.from_kv_transfer_config(
+            engine_id="LD-other",
+            kv_role="kv_consumer",
+            kv_port=other_port,
+            extra={**base, "first_layer_timeout_s": 2.0},
+            model="synthetic",
+            dtype="int16",
+        ),
+        Model(**pair.spec),
+        metaserver=CollectingMetaserver(),
+    )
+    try:
+        pair.d.announce("pad", 40)  # D's own "mine" then gets other block ids than the other D's
+        pair.metaserver.take("pad")
+        pair.d.announce("mine", 40)
+        mine = pair.metaserver.take("mine")
+        other.announce("mine", 40)  # the other D's live request with the same id
+        assert other.blocks["mine"] != pair.d.blocks["mine"]
+
+        redirected = {**mine, "remote_port": other.config.d_ports.dp_base(0)}
+        pair.send_prefill(redirected, 40, seed=77)
+        pair.read_prefill()
+        errors = other.wait_recv({"mine"}, timeout_s=20.0)
+        # Never reported loaded: the other D's blocks of "mine" hold nothing P computed for it.
+        assert errors == {b for ids in other.blocks["mine"] for b in ids}
+    finally:
+        other.shutdown()
