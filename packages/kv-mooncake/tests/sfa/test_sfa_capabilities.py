@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
 
-from ascend_dist.common.secret import DeploymentSecret
+from ascend_dist.common.secret import SECRET_ENV, DeploymentSecret
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance, SfaModel
+from ascend_dist.kv_mooncake.core.engine import get_engine
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo
 from ascend_dist.kv_mooncake.sfa.plan import GroupIds
@@ -85,3 +89,33 @@ def test_without_a_secret_contacts_are_unsigned_and_unchecked() -> None:
     contact = _posted(d, sink, "r")
     assert contact.get("remote_capability") is None
     assert _offered(ProducerScheduler(_cfg("kv_producer", "P0"), [16, 16], GroupIds(0, 1)), contact) == ["r"]
+
+
+@pytest.mark.timeout(120)
+def test_p_reads_are_never_offered_to_another_d_behind_a_redirected_port(
+    make_sfa_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real P child and two D instances (127.0.0.1), the secret on all: a signed contact aimed at the
+    other D's port (host and port are not signed), whose live request has the same id, reads nothing there."""
+    monkeypatch.setenv(SECRET_ENV, "e1" * 32)  # the P child inherits it; the D instances read it
+    pair = make_sfa_pair(own_process=True, d_extra={"recv_timeout_s": 3.0})
+    other_extra = {**pair.extra, "kv_port": free_port_range(1), "recv_timeout_s": 3.0}
+    spec = {"layers": 3, "block_size": 8, "num_blocks": 48, "main_dims": (32, 8), "indexer_dims": (8,)}
+    other_cfg = SfaConfig.from_kv_transfer_config(
+        engine_id="D-other",
+        kv_role="kv_consumer",
+        kv_port=other_extra["kv_port"],
+        extra=other_extra,
+        model="synthetic-sfa",
+        dtype="int16",
+    )
+    other = SfaDInstance(other_cfg, SfaModel(**spec), get_engine("127.0.0.1"))
+    try:
+        mine = pair.d.decode("mine", 24)
+        other.decode("mine", 24)  # the other D's own live request of the same id
+        redirected = {**mine, "remote_port": other_extra["kv_port"]}
+        pair.p.prefill([{"rid": "p-mine", "prompt_len": 24, "seed": 7, "params": redirected, "chunk": 0}])
+        errors = other.wait_recv({"mine"}, timeout_s=20.0)
+        assert errors, "the other D reported its request loaded from reads P made for another D"
+    finally:
+        other.shutdown()

@@ -375,6 +375,7 @@ class ProducerScheduler:
                     transferred,
                     send.computed,
                     finish,
+                    d_engine_id=c.remote_engine_id,
                 )
             )
             if finish:
