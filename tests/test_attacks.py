@@ -2,7 +2,10 @@
 while legitimate traffic is still served (issues 23 and 24). More cases live with their packages:
 ``packages/common/tests/wire/test_wire_rpc_bounds.py`` (floods, slow senders, log flooding),
 ``packages/kv-mooncake/tests/test_wire.py`` (channel binding, other wire versions, bounded fields,
-refusals without our values) and ``packages/kv-mooncake/tests/test_pd_failures.py`` (a real P)."""
+refusals without our values), ``packages/kv-mooncake/tests/test_pd_failures.py`` (a real P),
+``packages/kv-mooncake/tests/test_pd_capabilities.py`` (signed pull capabilities against a real P:
+block ids widened to another live request's, forged ``Renew`` and ``Done``) and
+``packages/kv-mooncake/tests/push/test_lw_capabilities.py`` (signed push announcements)."""
 
 from __future__ import annotations
 

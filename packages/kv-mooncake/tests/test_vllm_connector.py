@@ -8,9 +8,11 @@ blocks byte-exact into the blocks D allocated, and P frees its blocks after D's 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dist.common.errors import ConfigError  # noqa: E402
+from ascend_dist.common.secret import SECRET_ENV  # noqa: E402
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range  # noqa: E402
 from ascend_dist.kv_mooncake.pull.vllm_connector import MooncakeConnectorV1  # noqa: E402
 from ascend_dist.testing import vllm_builders as vb  # noqa: E402
@@ -66,6 +69,61 @@ def test_p_to_d_pull_through_the_vllm_connector(model_dir: Path) -> None:
             sent |= p.worker.get_finished(set())[0] or set()
             time.sleep(0.005)
         assert sent == {"p-req"}  # P may free its blocks now
+    finally:
+        d.close()
+        p.close()
+
+
+def _pull_once(p: Side, d: Side, rid: str, p_blocks: list[int], d_blocks: list[int], *, forge: Any = None) -> set[int]:
+    """P prefills ``rid`` into ``p_blocks``; D pulls its params (JSON, as through a proxy; ``forge``
+    edits them first) into ``d_blocks``; returns D's load errors once D reports the request."""
+    req_p = request(f"p-{rid}", 40, {"do_remote_decode": True})
+    p.sched.get_num_new_matched_tokens(req_p, 0)
+    p.sched.update_state_after_alloc(req_p, blocks(p_blocks), 0)
+    p.step()
+    req_p.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.sched.request_finished(req_p, p_blocks)
+    p.step()
+    assert params is not None
+    params = json.loads(json.dumps(params))
+    if forge is not None:
+        params = forge(params)
+    req_d = request(f"d-{rid}", 40, params)
+    assert d.sched.get_num_new_matched_tokens(req_d, 0) == (40, True)
+    d.sched.update_state_after_alloc(req_d, blocks(d_blocks), 40)
+    d.step()
+    finished: set[str] = set()
+    deadline = time.monotonic() + 20
+    while f"d-{rid}" not in finished and time.monotonic() < deadline:
+        finished |= d.worker.get_finished(set())[1] or set()
+        time.sleep(0.005)
+    assert f"d-{rid}" in finished
+    return d.worker.get_block_ids_with_load_errors()
+
+
+def test_with_a_deployment_secret_signed_params_pull_and_widened_ones_are_recomputed(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SECRET_ENV, "a7" * 32)  # both adapters read it at construction
+    port = free_port_range(1)
+    p = Side(make_config(model_dir, "kv_producer", "P-signed", port), seed=1)
+    d = Side(make_config(model_dir, "kv_consumer", "D-signed", port), seed=2)
+    try:
+        victim: dict[str, Any] = {}
+
+        def keep(params: dict[str, Any]) -> dict[str, Any]:
+            assert len(params["remote_capability"]) == 64 and params["remote_capability_expires"] > 0
+            victim.update(params)
+            return params
+
+        assert _pull_once(p, d, "victim", [4, 5, 6, 7], [21, 22, 23], forge=keep) == set()  # control: signed, pulled
+        assert [d.block(b) for b in (21, 22, 23)] == [p.block(b) for b in (4, 5, 6)]
+        before = [d.block(b) for b in (24, 25, 26)]
+        widened = _pull_once(
+            p, d, "mine", [8, 9, 10, 11], [24, 25, 26], forge=lambda prm: {**prm, "remote_block_ids": [[4, 5, 6]]}
+        )
+        assert widened == {24, 25, 26}  # refused: load errors, vLLM recomputes the request
+        assert [d.block(b) for b in (24, 25, 26)] == before  # nothing of the victim's blocks landed
     finally:
         d.close()
         p.close()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, TransferError
+from ascend_dist.common.secret import DeploymentSecret, load_secret
 from ascend_dist.kv_mooncake._demo.synthetic import Model, pattern
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
@@ -79,6 +80,7 @@ class LwInstance:
     all_to_all: AllToAll | None = None
     metaserver: Metaserver | None = None
     ranks: list[_Rank] = field(default_factory=list)
+    secret: DeploymentSecret | None = field(default_factory=load_secret)  # as a deployment's nodes read it
 
     def __post_init__(self) -> None:
         m = self.model
@@ -86,7 +88,9 @@ class LwInstance:
             self.engine = get_engine(self.config.host, self.config.protocol)
         topo = self.config.prefill if self.config.is_producer else self.config.decode
         self.tp = topo.tp_size
-        self.scheduler = LayerwiseScheduler(self.config, [m.block_size] * m.groups, metaserver=self.metaserver)
+        self.scheduler = LayerwiseScheduler(
+            self.config, [m.block_size] * m.groups, metaserver=self.metaserver, secret=self.secret
+        )
         self.free: list[list[int]] = [list(range(1, m.num_blocks)) for _ in range(m.groups)]
         self.blocks: dict[str, list[list[int]]] = {}
         self.requests: dict[str, SchedRequest] = {}

@@ -17,6 +17,7 @@ import msgspec
 import torch
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import load_secret
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, Reader
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
@@ -133,7 +134,7 @@ class SfaPInstance:
     def __init__(self, config: SfaConfig, model: SfaModel, engine: MooncakeEngine) -> None:
         """Allocate caches, register them, create the workers."""
         self.config, self.model = config, model
-        self.scheduler = ProducerScheduler(config, [model.block_size] * 2, model.groups)
+        self.scheduler = ProducerScheduler(config, [model.block_size] * 2, model.groups, secret=load_secret())
         self.alloc = _Alloc([list(range(1, model.num_blocks)) for _ in range(2)])
         self.caches: list[dict[str, tuple[torch.Tensor, ...]]] = []
         self.workers: list[ProducerWorker] = []
@@ -234,7 +235,9 @@ class SfaDInstance:
         """Allocate the pool and caches, register them, start every rank's read thread."""
         self.config, self.model = config, model
         self.sink = ContactLog()
-        self.scheduler = ConsumerScheduler(config, [model.block_size] * 2, model.groups, self.sink)
+        self.scheduler = ConsumerScheduler(
+            config, [model.block_size] * 2, model.groups, self.sink, secret=load_secret()
+        )
         self.alloc = _Alloc([list(range(1, model.num_blocks)) for _ in range(2)])
         self.pool = {model.main_name(i): tuple(_blocks(model, d) for d in model.main_dims) for i in range(model.layers)}
         self.indexers: list[dict[str, tuple[torch.Tensor, ...]]] = []

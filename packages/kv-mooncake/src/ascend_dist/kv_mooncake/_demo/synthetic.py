@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import DeploymentSecret, load_secret
 from ascend_dist.kv_mooncake._demo.synthetic_common import aggregate_ranks, wait_received
 from ascend_dist.kv_mooncake._demo.synthetic_layouts import NATIVE_LAYOUTS, build_attention_caches
 from ascend_dist.kv_mooncake._demo.synthetic_state import StateShape
@@ -123,6 +124,7 @@ class SyntheticInstance:
     engine: Reader | None = None
     ranks: list[_Rank] = field(default_factory=list)
     p_block_size: int = 0
+    secret: DeploymentSecret | None = field(default_factory=load_secret)  # as a deployment's nodes read it
 
     def __post_init__(self) -> None:
         topo = self.config.prefill if self.config.is_producer else self.config.decode
@@ -134,6 +136,7 @@ class SyntheticInstance:
             [self.model.block_size] * self.model.groups,
             list(self.model.windows),
             state_groups=list(self.model.state_groups),
+            secret=self.secret,
         )
         ids = list(range(1, self.model.num_blocks))
         # Each group's free list starts elsewhere, so a plan that mixes up groups' ids is caught.
@@ -175,7 +178,14 @@ class SyntheticInstance:
             layout_name=m.layout if native else "",
         )
         worker = PullWorker(
-            self.config, tp_rank=tp, pp_rank=pp, pcp_rank=pcp, num_kv_heads=m.heads, use_mla=m.mla, engine=self.engine
+            self.config,
+            tp_rank=tp,
+            pp_rank=pp,
+            pcp_rank=pcp,
+            num_kv_heads=m.heads,
+            use_mla=m.mla,
+            engine=self.engine,
+            secret=self.secret,
         )
         groups = [[m.layer_name(i) for i in layers if i % m.groups == g] for g in range(m.groups)]
         p_tp = self.config.prefill.tp_size

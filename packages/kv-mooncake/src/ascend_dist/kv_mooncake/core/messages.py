@@ -36,6 +36,7 @@ import numpy as np
 
 from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
 from ascend_dist.common.wire import Handshake, check_compatible
+from ascend_dist.kv_mooncake.core.capability import Grant
 from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION, Message, Request
 
 __all__ = [
@@ -152,12 +153,15 @@ class Done(Request, frozen=True, kw_only=True, tag="pull_done"):
         d_rank: The D rank that finished pulling.
         sender: The D task beside ``d_rank`` (CP rank and shard): P counts each ``(d_rank, sender)``
             once, so a copy the RPC client resent never frees blocks another D task still reads.
+        grant: With a deployment secret, the capability P signed for ``request_id``
+            (`core.capability`): P counts no DONE it did not sign for, so nobody else frees them.
     """
 
     request_id: WireText
     ok: bool
     d_rank: Rank
     sender: WireText = ""
+    grant: Grant | None = None
 
 
 class Ack(Message, frozen=True, kw_only=True, tag="ack"):

@@ -32,7 +32,9 @@ __all__ = ["WIRE_VERSION", "Channel", "Message", "Request"]
 # a version-1 peer cannot decode these frames, so it is refused at the handshake.
 # 3: every message bound to its channel (pull's ``pull_done``, push's ``push_done``), bounded fields,
 # `Refused` without the server's value.
-WIRE_VERSION = 3
+# 4: pull's `Renew` and `Done` carry the signed capability (`core.capability.Grant`) of each request
+# (`Renew.grants`, `Done.grant`); a version-3 D could not present it, so it is refused at the handshake.
+WIRE_VERSION = 4
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):

@@ -9,17 +9,23 @@ exchange over `ascend_dist.common.zmq_server` per message:
 | `GetMeta` (D's `Handshake`) | `MetaReply` (P's handshake + `AgentMetadata`) or `Refused` |
 | `Renew` (extend the lease of a request's blocks) | `Ack` (``known``) |
 | `Done` (D finished with a request, ok or not) | `Ack` (``known``) |
+
+With a deployment secret, P signs the params it hands out (`core.capability`: request id, engine
+id, block ids, prompt digest, expiry; ``remote_capability`` and ``remote_capability_expires``) and
+D presents that `Grant` in every `Renew` (``grants``, one per request id) and `Done` (``grant``):
+P holds, renews or frees only what it signed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import Count, Port, Text, check_host, convert_params
+from ascend_dist.kv_mooncake.core.capability import Grant, Tag, WallMs
 from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Refused
 from ascend_dist.kv_mooncake.core.wire import Channel
 from ascend_dist.kv_mooncake.core.wire import Request as _Request
@@ -37,9 +43,14 @@ __all__ = [
 
 
 class Renew(_Request, frozen=True, kw_only=True, tag="renew"):
-    """D is about to pull these requests: P extends their leases."""
+    """D is about to pull these requests: P extends their leases.
+
+    ``grants``: with a deployment secret, the capability P signed for each request id (same
+    order); P answers ``known=False`` for any that does not verify.
+    """
 
     request_ids: list[str]
+    grants: Annotated[list[Grant], msgspec.Meta(max_length=64)] = msgspec.field(default_factory=list)
 
 
 Request = GetMeta | Renew | Done
@@ -57,6 +68,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``remote_state_groups`` let D refuse to pair groups it sees differently (D then recomputes).
     ``remote_prompt_digest`` binds the params to the prompt P computed (its first
     ``remote_prompt_tokens`` tokens, see `prompt_digest`): D pulls only for that prompt.
+    ``remote_capability`` (hex) is P's signature over the request id, engine id, block ids, prompt
+    digest and ``remote_capability_expires`` (wall ms), with a deployment secret (`core.capability`).
     Every field is bounded (strings `Text`, counts and ids `Count`): the params come from clients.
     """
 
@@ -77,6 +90,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     remote_state_groups: list[Count] | None = None
     remote_prompt_tokens: Count | None = None
     remote_prompt_digest: Text | None = None
+    remote_capability: Tag | None = None
+    remote_capability_expires: WallMs | None = None
 
 
 _REQUIRED_FOR_PULL = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")

@@ -16,6 +16,7 @@ from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.core.capability import Grant
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, accept_reply
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.messages import Renew, Reply, Request, reply_codec, request_codec
@@ -76,25 +77,37 @@ class PeerClient:
             self._cache[(engine_id, host, port)] = reply.metadata
         return reply.metadata
 
-    def renew(self, host: str, port: int, remote_request_id: str) -> bool:
+    def renew(self, host: str, port: int, remote_request_id: str, grant: Grant | None = None) -> bool:
         """Extend the lease of a request's blocks on one P worker; whether P still holds them.
+
+        ``grant``: P's signed capability for the request (a P with a secret renews nothing without it).
 
         Raises:
             ProtocolError: An unexpected reply (and like `metadata` on a dead or slow P).
         """
-        reply = self._rpc(host, port, Renew(request_ids=[remote_request_id]))
+        grants = [grant] if grant is not None else []
+        reply = self._rpc(host, port, Renew(request_ids=[remote_request_id], grants=grants))
         if not isinstance(reply, Ack):
             raise ProtocolError(f"expected an ack from {host}:{port}, got {type(reply).__name__}")
         return reply.known
 
-    def send_done(self, host: str, port: int, remote_request_id: str, ok: bool, sender: str = "") -> None:
+    def send_done(
+        self,
+        host: str,
+        port: int,
+        remote_request_id: str,
+        ok: bool,
+        *,
+        sender: str = "",
+        grant: Grant | None = None,
+    ) -> None:
         """Tell a P worker D is done with a request; never raises (P's lease frees the blocks if lost).
 
         ``sender`` names the D task beside this rank (P counts each (rank, sender) once, so a
-        resent copy never frees blocks another D task still reads).
+        resent copy never frees blocks another D task still reads). ``grant``: as for `renew`.
         """
         try:
-            done = Done(request_id=remote_request_id, d_rank=self._d_rank, ok=ok, sender=sender)
+            done = Done(request_id=remote_request_id, d_rank=self._d_rank, ok=ok, sender=sender, grant=grant)
             reply = self._rpc(host, port, done)
             if not isinstance(reply, Ack):
                 logger.warning("DONE for %s to port %d answered by %s", remote_request_id, port, type(reply).__name__)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.kv_mooncake.core.admission import check_block_ids
 from ascend_dist.kv_mooncake.core.blocks import trim_block_ids
+from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, Capability, expiry_ms, sign_capability
 from ascend_dist.kv_mooncake.core.ports import MAX_PORT, PortLayout
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.pull.config import PullConfig
@@ -40,6 +43,8 @@ class PullScheduler:
         *,
         state_groups: Sequence[int] = (),
         num_speculative_tokens: int = 0,
+        secret: DeploymentSecret | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """Create the scheduler.
 
@@ -51,6 +56,9 @@ class PullScheduler:
                 the last prompt token (a recurrent state cannot be rewound) and D
                 loads ``prompt - 1`` tokens, then recomputes the last one.
             num_speculative_tokens: Speculative tokens (P's state block is the ``spec + 1``-th last).
+            secret: The deployment secret: P signs the params it hands out (`core.capability`),
+                valid for ``lease_s + pull_timeout_s``; None hands them out unsigned.
+            wall_clock: Wall seconds for the capability's expiry (injectable for tests).
 
         Raises:
             ConfigError: No groups, the lists differ in length, a group index is out of range,
@@ -71,6 +79,8 @@ class PullScheduler:
             raise ConfigError("window_blocks", windows, "0 for state groups")
         if num_speculative_tokens < 0:
             raise ConfigError("num_speculative_tokens", num_speculative_tokens, "an int >= 0")
+        self._secret = secret
+        self._wall_clock = wall_clock
         self._states = states
         self._attn_block = next((b for g, b in enumerate(block_sizes) if g not in states), block_sizes[0])
         self._num_spec = num_speculative_tokens
@@ -278,6 +288,9 @@ class PullScheduler:
             num_speculative_tokens=self._num_spec,
             remote_block_size=params.remote_block_size or 0,
             notify_only=notify_only,
+            prompt_digest=params.remote_prompt_digest or "",
+            capability=params.remote_capability or "",
+            capability_expires_ms=params.remote_capability_expires or 0,
         )
 
     def build_connector_meta(self) -> PullMetadata:
@@ -330,22 +343,43 @@ class PullScheduler:
             self._to_send.append(request.request_id)
         else:
             self._drop(request.request_id)  # nothing to lend: D gets empty ids and sends no DONE
-        return delay, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": trimmed,
-            "remote_engine_id": self._config.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self._config.host,
-            "remote_port": self._remote_port,
-            "remote_ptp_size": self._config.prefill.tp_size,
-            "remote_block_size": self._attn_block,
-            "num_prompt_blocks": math.ceil(request.prompt_len / self._attn_block),
-            "remote_window_blocks": list(self._windows),
-            "remote_state_groups": list(self._states),
-            **(
-                {"remote_prompt_tokens": request.prompt_len, "remote_prompt_digest": request.prompt_digest}
-                if request.prompt_digest is not None
-                else {}
-            ),
-        }
+        return delay, self._sign(
+            {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": trimmed,
+                "remote_engine_id": self._config.engine_id,
+                "remote_request_id": request.request_id,
+                "remote_host": self._config.host,
+                "remote_port": self._remote_port,
+                "remote_ptp_size": self._config.prefill.tp_size,
+                "remote_block_size": self._attn_block,
+                "num_prompt_blocks": math.ceil(request.prompt_len / self._attn_block),
+                "remote_window_blocks": list(self._windows),
+                "remote_state_groups": list(self._states),
+                **(
+                    {"remote_prompt_tokens": request.prompt_len, "remote_prompt_digest": request.prompt_digest}
+                    if request.prompt_digest is not None
+                    else {}
+                ),
+            }
+        )
+
+    def _sign(self, params: dict[str, Any]) -> dict[str, Any]:
+        """P's params with its capability added (unchanged without a secret).
+
+        Valid for the lease plus D's pull timeout: past that P has freed the blocks anyway.
+        """
+        if self._secret is None:
+            return params
+        expires = expiry_ms(self._config.lease_s + self._config.pull_timeout_s, self._wall_clock)
+        capability = Capability(
+            params["remote_request_id"],
+            params["remote_engine_id"],
+            params["remote_block_ids"],
+            params.get("remote_prompt_digest") or "",
+            expires,
+        )
+        params["remote_capability"] = sign_capability(self._secret, PULL_PURPOSE, capability)
+        params["remote_capability_expires"] = expires
+        return params

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["PullMetadata", "ReqMeta"]
+from ascend_dist.kv_mooncake.core.capability import Capability, Grant
+
+__all__ = ["PullMetadata", "ReqMeta", "pull_capability", "pull_grant"]
 
 
 class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +35,28 @@ class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
     # Only tells P to free (the request is not waiting on D): never reported in finished_recving, since
     # vLLM asserts that a finished receive belongs to a request it still holds.
     notify_only: bool = False
+    # P's signed capability over (remote_request_id, remote_engine_id, remote_block_ids, prompt_digest,
+    # capability_expires_ms), as the params carried it ("" = unsigned): checked by D before any read
+    # and presented to P in every Renew and Done (`core.capability`).
+    prompt_digest: str = ""
+    capability: str = ""
+    capability_expires_ms: int = 0
+
+
+def pull_capability(meta: ReqMeta) -> Capability:
+    """The capability ``meta``'s params claim (what P must have signed for this pull to go ahead)."""
+    return Capability(
+        meta.remote_request_id,
+        meta.remote_engine_id,
+        [list(ids) for ids in meta.remote_block_ids],
+        meta.prompt_digest,
+        meta.capability_expires_ms,
+    )
+
+
+def pull_grant(meta: ReqMeta) -> Grant | None:
+    """What D presents to P in ``Renew`` and ``Done`` (None when the params were unsigned)."""
+    return Grant(capability=pull_capability(meta), tag=meta.capability) if meta.capability else None
 
 
 class PullMetadata(msgspec.Struct, frozen=True, kw_only=True):

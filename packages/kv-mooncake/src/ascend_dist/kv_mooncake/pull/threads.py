@@ -17,6 +17,12 @@ still queued then skip the read and only count down. Each DONE names its task (`
 a copy P receives twice (a timed-out request's and the task's own, or an RPC retry) counts once. A
 request id pulled again while still tracked fails alone (both pulls' blocks reported).
 
+Capabilities: with a deployment secret a task first checks that P signed the params exactly as
+they are (`core.capability`; a client may have widened ``remote_block_ids``). One that does not
+verify fails the task before P is contacted (load errors, vLLM recomputes the request) and sends no
+DONE (P would not count it: the params were never P's). Every ``Renew`` and DONE presents P's
+`Grant`.
+
 Quarantine: a failed or timed-out read may still write into D's blocks later
 (Mooncake #4247), so its request's blocks are reported as load errors at once but the request
 reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of its reads runs and
@@ -35,7 +41,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ascend_dist.common.errors import DeadlineExceeded, LeaseExpired, TransferError, TransferTimeout
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Handshake
+from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, check_capability, wall_ms
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
@@ -46,7 +54,7 @@ from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState,
 from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
 from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
-from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 
 __all__ = ["LocalCache", "Receiver", "ShardKind", "done_sender"]
@@ -108,8 +116,16 @@ class Receiver:
         pcp_rank: int = 0,
         use_mla: bool = False,
         on_failure: Callable[[BaseException], None] = lambda exc: None,
+        secret: DeploymentSecret | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats)."""
+        """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats).
+
+        ``secret``: the deployment secret; with it every pull's params must carry P's capability
+        (checked before any contact with P) and D presents it in each ``Renew`` and ``Done``.
+        """
+        self._secret = secret
+        self._wall_clock = wall_clock
         self._config = config
         self._pcp_rank = pcp_rank
         self._use_mla = use_mla
@@ -285,6 +301,7 @@ class Receiver:
         meta = pull.meta
         port = meta.remote_port + task.global_rank
         ok = contacted = True
+        unsigned = False  # the params' capability did not verify: P was not contacted and gets no DONE
         try:
             with self._lock:
                 live = self._requests.pulling(pull.request_id) is pull
@@ -296,9 +313,11 @@ class Receiver:
                 contacted = self._read_task(pull, task, port)
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
+            unsigned = isinstance(exc, CapabilityRefused)
             logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, port, exc)
             self._on_failure(exc)
-            self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
+            if not unsigned:  # P did nothing wrong: its metadata stays cached
+                self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
             self._fail(pull)
             if _peer_stopped_answering(exc):
                 lane.failed(pull)
@@ -309,9 +328,11 @@ class Receiver:
             # Report the request first (D's latency), then release P's blocks with DONE. A P that
             # stopped answering gets none: it would cost this lane's thread the RPC retries.
             self._task_done(pull)
-            if self._claim_notice(task) and not (lane.is_open and not ok):
+            if self._claim_notice(task) and not unsigned and not (lane.is_open and not ok):
                 sender = done_sender(self._pcp_rank, task.shard)
-                self._peers.send_done(meta.remote_host, port, meta.remote_request_id, ok, sender)
+                self._peers.send_done(
+                    meta.remote_host, port, meta.remote_request_id, ok, sender=sender, grant=pull_grant(meta)
+                )
 
     def _read_task(self, pull: DRequest, task: PullTask, port: int) -> bool:
         """Read what ``task`` covers; False when D has no block of it to fill (P was not asked)."""
@@ -335,15 +356,30 @@ class Receiver:
             task.notified = True
             return True
 
+    def _check_capability(self, meta: ReqMeta) -> None:
+        """Refuse params P did not sign exactly as they are (a client widened or swapped the block ids)."""
+        if self._secret is None:
+            return
+        check_capability(
+            self._secret,
+            PULL_PURPOSE,
+            pull_capability(meta),
+            meta.capability,
+            field="kv_transfer_params.remote_capability",
+            now_ms=wall_ms(self._wall_clock),
+        )
+
     def _pull(self, pull: DRequest, port: int, p_rank: int, shard: int) -> None:
         meta = pull.meta
+        self._check_capability(meta)  # before P is contacted or any byte is read
+        grant = pull_grant(meta)
         agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
         # A WHOLE task's global rank spans P's PP stages; CP shard and state-only tasks read stage 0.
         stage = (port - meta.remote_port) // meta.remote_ptp_size if shard == ShardKind.WHOLE else 0
         check_peer_rank(agent, port=port, pp_rank=stage, tp_rank=p_rank)
         # Before reading, P must confirm it still holds this request's blocks: params replayed after
         # D consumed them, or aimed at a request P already freed, would read reused blocks.
-        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
+        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id, grant):
             raise NotHeld(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
         batch = task_batch(
             self._cache,
@@ -365,7 +401,7 @@ class Receiver:
         # The read may have outlasted P's lease: if P let the blocks go meanwhile they may hold
         # another request's bytes by now, so the read counts only if P still holds them after it.
         # (P's entry for an id never comes back once freed, so "held" now means held throughout.)
-        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id):
+        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id, grant):
             raise NotHeld(f"P {meta.remote_host}:{port} released {meta.remote_request_id!r} during the read")
         with self._lock:
             pull.pulled_layers.update(batch.layers)
@@ -453,8 +489,9 @@ class Receiver:
         """DONE (not ok) for a task of a timed-out request: P frees its blocks now."""
         meta = pull.meta
         port = meta.remote_port + task.global_rank
+        sender = done_sender(self._pcp_rank, task.shard)
         self._peers.send_done(
-            meta.remote_host, port, meta.remote_request_id, False, done_sender(self._pcp_rank, task.shard)
+            meta.remote_host, port, meta.remote_request_id, False, sender=sender, grant=pull_grant(meta)
         )
 
     def take_load_errors(self) -> set[int]:

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import load_secret, warn_unauthenticated
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.engine import get_engine
 from ascend_dist.kv_mooncake.core.vllm_glue import (
@@ -120,6 +121,9 @@ class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
         self._block_size = self._block_sizes[attn[0]] if attn else self._block_sizes[0]
         mamba = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
         self._state_layout = _state_layout(vllm_config, mamba[0] if mamba else None)
+        secret = load_secret()  # P signs its params, D and P check them (`core.capability`)
+        if secret is None:
+            warn_unauthenticated(type(self).__name__)
         if role == KVConnectorRole.SCHEDULER:
             windows = [
                 math.ceil(w / bs) + 1 if (w := getattr(g.kv_cache_spec, "sliding_window", None)) else 0
@@ -131,6 +135,7 @@ class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
                 windows,
                 state_groups=self._state_groups,
                 num_speculative_tokens=max((m.num_speculative_blocks for m in mamba), default=0),
+                secret=secret,
             )
             self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, TransferParams.__struct_fields__)
         else:
@@ -146,6 +151,7 @@ class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
                 use_mla=bool(model.use_mla),
                 engine=(engine := self.counting_engine(lambda: get_engine(cfg.host, cfg.protocol))),
                 on_failure=engine.failure_sink("load"),
+                secret=secret,
             )
 
     # ---- scheduler side -------------------------------------------------------------------------

@@ -4,18 +4,26 @@ Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, 
 `Done` on ``kv_port + device_index`` (bound to the configured host only) and tracks lent blocks
 with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected (any
 `Reader`), by default the process-wide Mooncake engine.
+
+With a deployment secret P renews, and counts DONEs, only with a `Grant` it signed for that request
+(`core.capability`): other block ids answer "not held" (D reads nothing); other DONEs are ignored.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ascend_dist.common.errors import ConfigError, LayoutError
+from ascend_dist.common.log import IntervalLog
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_grant, wall_ms
 from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, tensor_geometry, token_rows
@@ -33,6 +41,8 @@ from ascend_dist.kv_mooncake.pull.threads import Receiver
 from ascend_dist.kv_mooncake.pull.tracker import SendTracker
 
 __all__ = ["KVCaches", "PullWorker", "state_geometry", "tensor_geometry"]  # the geometry lives in kv_views
+
+logger = logging.getLogger(__name__)
 
 KVCaches = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
 
@@ -55,6 +65,8 @@ class PullWorker:
         use_mla: bool = False,
         engine: Reader | None = None,
         on_failure: Callable[[BaseException], None] = lambda exc: None,
+        secret: DeploymentSecret | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """Create the worker (nothing is started until `register_kv_caches`).
 
@@ -67,6 +79,9 @@ class PullWorker:
             use_mla: MLA latent cache (one replicated "head").
             engine: The transfer engine; default the process-wide Mooncake engine.
             on_failure: Called with the error of each of D's failed pull tasks (the connector's stats).
+            secret: The deployment secret (P: checks each Renew's and Done's capability; D: checks
+                the params' capability before reading); None: nothing is checked (upstream's way).
+            wall_clock: Wall seconds for capability expiry (injectable for tests).
         """
         topo = config.prefill if config.is_producer else config.decode
         if not 0 <= tp_rank < topo.tp_size:
@@ -83,6 +98,9 @@ class PullWorker:
         self._heads = 1 if use_mla else num_kv_heads
         self._engine = engine
         self._on_failure = on_failure
+        self._secret = secret
+        self._wall_clock = wall_clock
+        self._refusals = IntervalLog(10.0, capacity=64)  # forged Renews/DONEs: one line per field per 10 s
         self._regions: RegisterRegions | None = None
         self._server: RpcServer | None = None
         self._receiver: Receiver | None = None
@@ -255,6 +273,8 @@ class PullWorker:
                 pcp_rank=self._pcp_rank,
                 use_mla=self._use_mla,
                 on_failure=self._on_failure,
+                secret=self._secret,
+                wall_clock=self._wall_clock,
             )
 
     def _handle(self, payload: bytes) -> bytes:
@@ -265,13 +285,34 @@ class PullWorker:
             refused = admit(self._handshake, self._config.engine_id, msg)
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._metadata))
         if isinstance(msg, Renew):
+            if self._secret is not None and (
+                len(msg.grants) != len(msg.request_ids)
+                or not all(self._signed(r, g, expiry=True) for r, g in zip(msg.request_ids, msg.grants, strict=True))
+            ):
+                return self._replies.encode(Ack(known=False))  # D then reads nothing
             known = [self._tracker.renew(r) for r in msg.request_ids]
             return self._replies.encode(Ack(known=all(known)))
         assert isinstance(msg, Done)
         # One count per D task (rank, CP rank and shard): a retried copy names the same sender. The
-        # answer is the same whether P knew the id: not a membership oracle.
-        self._tracker.done(msg.request_id, (msg.d_rank, msg.sender))
+        # answer is the same whether P knew the id, or signed it: not an oracle.
+        if self._secret is None or self._signed(msg.request_id, msg.grant, expiry=False):
+            self._tracker.done(msg.request_id, (msg.d_rank, msg.sender))
         return self._replies.encode(Ack())
+
+    def _signed(self, request_id: str, grant: Grant | None, *, expiry: bool) -> bool:
+        """Whether ``grant`` is ours for ``request_id`` (``expiry``: unexpired too; a DONE may come late)."""
+        assert self._secret is not None
+        now = wall_ms(self._wall_clock) if expiry else None
+        try:
+            check_grant(
+                self._secret, PULL_PURPOSE, grant, request_id=request_id, engine_id=self._config.engine_id, now_ms=now
+            )
+        except CapabilityRefused as exc:
+            self._refusals.log(
+                logger, logging.WARNING, exc.field, "refused a pull Renew/Done for %r: %s", request_id[:64], exc
+            )
+            return False
+        return True
 
     def _reformat(self, layer: str, block_ids: Sequence[int], pulls: int, sub_tokens: int = 0) -> None:
         """Stacked pulls ``[pull][token][h]`` -> ``[token][pull*h]`` in each listed block.

@@ -31,6 +31,7 @@ import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import Count, ParallelSize, Port, Text, check_host, convert_params
+from ascend_dist.kv_mooncake.core.capability import Tag, WallMs
 from ascend_dist.kv_mooncake.core.messages import Ack, GetMeta, MetaReply, Refused, WireText
 from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION, Channel
 from ascend_dist.kv_mooncake.core.wire import Request as _Request
@@ -104,6 +105,9 @@ class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ``remote_block_ids`` has one list per KV-cache group (D's logical ids, prefix-hit blocks included).
     ``remote_prompt_digest`` (of D's first ``remote_prompt_tokens`` prompt tokens): P pushes only for
     that prompt, so params copied from another request cannot overwrite its blocks.
+    ``remote_capability`` (hex) is D's signature over ``request_id``, ``remote_engine_id``,
+    ``remote_block_ids``, the prompt digest and ``remote_capability_expires`` (wall ms), with a
+    deployment secret (`core.capability`): P writes only into blocks D signed for that request.
     Every field is bounded (`Text`, `Count`, `ParallelSize`): P receives them from the proxy's clients.
     """
 
@@ -122,6 +126,8 @@ class PushParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     protocol_version: int = WIRE_VERSION
     remote_prompt_tokens: Count | None = None
     remote_prompt_digest: Text | None = None
+    remote_capability: Tag | None = None
+    remote_capability_expires: WallMs | None = None
 
 
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")

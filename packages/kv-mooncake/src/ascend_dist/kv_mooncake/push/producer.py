@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_dist.common.errors import AscendDistError, BlockIdError, ConfigError, DeadlineExceeded, LayoutError
+from ascend_dist.common.errors import (
+    AscendDistError,
+    BlockIdError,
+    ConfigError,
+    DeadlineExceeded,
+    IncompatiblePeer,
+    LayoutError,
+)
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.device_fence import Fence
@@ -179,6 +186,10 @@ class Producer:
         for endpoint in {t.endpoint for t in plan.tasks}:
             try:
                 agent = self._meta_cache.get(endpoint)
+                if agent.engine_id != prm.remote_engine_id:
+                    # Host and port come from the params unsigned: the D answering there must be the
+                    # one whose blocks these are, or another D's live request of the same id is written.
+                    raise IncompatiblePeer("remote_engine_id", prm.remote_engine_id, agent.engine_id)
                 top = max((b for t in plan.tasks if t.endpoint == endpoint for b in t.remote_block_ids), default=-1)
                 if top >= agent.num_blocks:
                     raise BlockIdError("remote_block_ids", top, f"ids below D's num_blocks={agent.num_blocks}")

@@ -14,6 +14,12 @@ Order of calls (vLLM v1): ``get_num_new_matched_tokens`` -> ``update_state_after
   computed-token window; the chunk that computes the prompt's end is the last one. P frees its
   blocks at once (``request_finished`` -> ``(False, None)``); the workers' reuse gate protects
   storage still being pushed.
+
+With a deployment secret D signs the blocks it announces (`core.capability`, valid for
+``first_layer_timeout_s``) and P checks that signature once, when it first allocates for the
+request, before it plans any write: params whose block ids, request id, engine id or prompt digest
+differ from what D signed (or that carry none) are never pushed (logged; D's wait for them times
+out and it recomputes). P does not tell D: the request id in forged params may be another client's.
 """
 
 from __future__ import annotations
@@ -21,14 +27,25 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.kv_mooncake.core.admission import Preview, check_block_ids, check_flags, check_url
+from ascend_dist.kv_mooncake.core.capability import (
+    PUSH_PURPOSE,
+    Capability,
+    CapabilityRefused,
+    check_capability,
+    expiry_ms,
+    sign_capability,
+    wall_ms,
+)
 from ascend_dist.kv_mooncake.core.metaserver import AsyncAnnouncer, HttpMetaserver, Metaserver
 from ascend_dist.kv_mooncake.core.ports import MAX_PORT
 from ascend_dist.kv_mooncake.core.request import SchedRequest
@@ -81,6 +98,8 @@ class LayerwiseScheduler:
         block_sizes: Sequence[int],
         *,
         metaserver: Metaserver | None = None,
+        secret: DeploymentSecret | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """Create the scheduler.
 
@@ -88,6 +107,8 @@ class LayerwiseScheduler:
             config: The connector configuration.
             block_sizes: Tokens per block of each KV-cache group (all equal: one block size).
             metaserver: Where D announces (default: the HTTP(S) client with the configured TLS).
+            secret: The deployment secret (D signs its announcements, P checks them); None: neither.
+            wall_clock: Wall seconds for the capability's expiry (injectable for tests).
 
         Raises:
             ConfigError: No groups, or groups with different block sizes.
@@ -95,6 +116,8 @@ class LayerwiseScheduler:
         if not block_sizes or any(b <= 0 for b in block_sizes) or len(set(block_sizes)) != 1:
             raise ConfigError("block_sizes", list(block_sizes), "one positive, equal block size per KV-cache group")
         self._config = config
+        self._secret = secret
+        self._wall_clock = wall_clock
         self._block_sizes = list(block_sizes)
         self._block = block_sizes[0]
         self._recv: dict[str, _Recv] = {}
@@ -208,6 +231,8 @@ class LayerwiseScheduler:
                 return
             params = parse_push_params({"request_id": request.request_id, **raw})
             if request.request_id not in self._send:
+                if not self._signed(params):
+                    return
                 self._send[request.request_id] = _Send(
                     params, [list(ids) for ids in block_ids], request.prompt_len, transed=params.remote_cached_tokens
                 )
@@ -234,6 +259,7 @@ class LayerwiseScheduler:
             remote_prompt_tokens=request.prompt_len if request.prompt_digest is not None else None,
             remote_prompt_digest=request.prompt_digest,
         )
+        payload = self._sign(payload)
         state.meta = RecvReqMeta(request_id=rid, transfer_id=wire_id, block_ids=ids)
         state.ids = ids
         url = raw.get("metaserver")
@@ -242,6 +268,41 @@ class LayerwiseScheduler:
             return
         assert self._announcer is not None
         self._announcer.announce(rid, url, msgspec.to_builtins(payload))
+
+    def _capability(self, params: PushParams, expires_ms: int) -> Capability:
+        return Capability(
+            params.request_id,
+            params.remote_engine_id,
+            [list(ids) for ids in params.remote_block_ids],
+            params.remote_prompt_digest or "",
+            expires_ms,
+        )
+
+    def _sign(self, payload: PushParams) -> PushParams:
+        """D's announcement with its capability (unchanged without a secret)."""
+        if self._secret is None:
+            return payload
+        expires = expiry_ms(self._config.first_layer_timeout_s, self._wall_clock)
+        tag = sign_capability(self._secret, PUSH_PURPOSE, self._capability(payload, expires))
+        return msgspec.structs.replace(payload, remote_capability=tag, remote_capability_expires=expires)
+
+    def _signed(self, params: PushParams) -> bool:
+        """P: whether D signed exactly these params (always, without a secret); logged when not."""
+        if self._secret is None:
+            return True
+        try:
+            check_capability(
+                self._secret,
+                PUSH_PURPOSE,
+                self._capability(params, params.remote_capability_expires or 0),
+                params.remote_capability,
+                field="kv_transfer_params.remote_capability",
+                now_ms=wall_ms(self._wall_clock),
+            )
+        except CapabilityRefused as exc:
+            logger.error("request %s: not pushing to D: %s", params.request_id[:128], exc)
+            return False
+        return True
 
     def _announce_failed(self, request_id: str, reason: str) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ascend_dist.common.device import current_device_index
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import load_secret, warn_unauthenticated
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.device_fence import write_fence
 from ascend_dist.kv_mooncake.core.engine import get_engine
@@ -110,7 +111,10 @@ class MooncakeLayerwiseConnector(SchedRequestAdapter[LayerwiseScheduler, Layerwi
         self._heads = model.get_total_num_kv_heads()
         self._use_mla = bool(model.use_mla)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = LayerwiseScheduler(self._lw_config, self._block_sizes)
+            secret = load_secret()  # D signs the blocks it announces, P checks them (`core.capability`)
+            if secret is None:
+                warn_unauthenticated(type(self).__name__)
+            self._scheduler = LayerwiseScheduler(self._lw_config, self._block_sizes, secret=secret)
             self._gate = ParamsGate(type(self).__name__, self._scheduler.check_params, PushParams.__struct_fields__)
         else:
             self._tp_rank, _, self._pcp_rank = parallel_ranks()

@@ -79,6 +79,7 @@ class Part:
     ready: Callable[[], None] | None = None
     resolved: bool = False
     ext_ids: list[str] = field(default_factory=list)
+    engine_id: str = ""  # the D engine the requests' contacts name ("": not checked)
 
 
 class _Link(threading.Thread):
@@ -91,6 +92,7 @@ class _Link(threading.Thread):
         self.queue: queue.Queue[Part | None] = queue.Queue()
         self.greeted = False
         self.down_until = 0.0
+        self.receiver_engine = ""  # the engine id D answered the hello with
 
     def run(self) -> None:
         while True:
@@ -113,6 +115,11 @@ class _Link(threading.Thread):
         try:
             if not self.greeted:
                 self._hello()
+            if part.engine_id and part.engine_id != self.receiver_engine:
+                # Another D answers at the contact's (unsigned) host and port: its live request of the
+                # same id must not read this P's bytes. It is told nothing (no commit).
+                o.resolve(part, f"D at {self.endpoint} is {self.receiver_engine!r}, not {part.engine_id!r}")
+                return
             reply = o.call(self.endpoint, part.message, o.config.read_timeout_s)
         except (DeadlineExceeded, ProtocolError) as exc:
             self.greeted = False
@@ -157,9 +164,10 @@ class _Link(threading.Thread):
     def _hello(self) -> None:
         o = self.owner
         hello = o.hello()
-        accept_reply(
+        ack = accept_reply(
             o.call(self.endpoint, hello, o.config.hello_timeout_s), HelloAck, hello.handshake, str(self.endpoint)
         )
+        self.receiver_engine = ack.receiver.rsplit("/d", 1)[0]  # "<engine id>/d<tp rank>"
         self.greeted = True
 
 

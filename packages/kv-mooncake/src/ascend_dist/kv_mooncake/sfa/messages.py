@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from ascend_dist.kv_mooncake.core.admission import Count, ParallelSize, Port, Text, check_host, convert_params
+from ascend_dist.kv_mooncake.core.capability import Tag, WallMs
 from ascend_dist.kv_mooncake.core.messages import Greeting, Refused
 from ascend_dist.kv_mooncake.core.wire import Channel, Message
 from ascend_dist.kv_mooncake.core.wire import Request as _Request
@@ -170,6 +171,10 @@ class ContactInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         remote_port: D's base port for its DP rank (``kv_port + dp_rank * D_tp``).
         remote_tp_size: D's TP size.
         remote_cached_tokens: Prompt tokens D already holds (P starts after them).
+        remote_capability: With a deployment secret, D's signature (hex) over ``request_id``,
+            ``remote_engine_id`` and ``remote_capability_expires`` (`core.capability`, no block ids:
+            P never names D's blocks); P sends reads only for a contact D signed.
+        remote_capability_expires: Wall-clock ms after which P refuses the contact.
     """
 
     request_id: Text
@@ -182,6 +187,8 @@ class ContactInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     do_remote_decode: bool = True
     remote_pcp_size: ParallelSize = 1
     remote_dcp_size: ParallelSize = 1
+    remote_capability: Tag | None = None
+    remote_capability_expires: WallMs | None = None
 
 
 def parse_contact(raw: Mapping[str, Any]) -> ContactInfo:

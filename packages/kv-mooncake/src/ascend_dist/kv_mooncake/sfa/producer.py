@@ -259,7 +259,8 @@ class ProducerWorker:
             return  # indexer names ride with their main layer; one dispatch per step
         self._dispatched.add(layer_name)
         last = layer.meta.layer_idx == self._last_layer
-        groups: dict[tuple[str, int], tuple[list[ReadReq], list[str], int, int]] = {}
+        # Per endpoint and the D engine the contacts name: a group whose engine does not answer there fails alone.
+        groups: dict[tuple[tuple[str, int], str], tuple[list[ReadReq], list[str], int, int]] = {}
         for r in self._reqs:
             try:
                 d_rank, member, ratio = contributor_of(self._tp_rank, self._config.prefill.tp_size, r.d_tp)
@@ -271,13 +272,13 @@ class ProducerWorker:
                 continue
             if read is None:
                 continue
-            reads, done, _, _ = groups.setdefault(endpoint, ([], [], member, ratio))
+            reads, done, _, _ = groups.setdefault((endpoint, r.d_engine_id), ([], [], member, ratio))
             reads.append(read)
             if last and r.chunk_finish:
                 done.append(r.ext_id)
         # Half P's deadline: a read D starts later could not be answered in time anyway.
         budget_ms = int(self._config.read_timeout_s * 500)
-        for endpoint, (reads, done, member, ratio) in groups.items():
+        for (endpoint, engine_id), (reads, done, member, ratio) in groups.items():
             msg = ReadReady(
                 sender=self._sender,
                 layer_idx=layer.meta.layer_idx,
@@ -288,7 +289,8 @@ class ProducerWorker:
                 tp_ratio=ratio,
                 read_budget_ms=budget_ms,
             )
-            self._dispatcher.submit(Part(endpoint, msg, list(layer.slots), ready, ext_ids=[q.ext_id for q in reads]))
+            ext_ids = [q.ext_id for q in reads]
+            self._dispatcher.submit(Part(endpoint, msg, list(layer.slots), ready, ext_ids=ext_ids, engine_id=engine_id))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The reuse gate: wait until D answered every read dispatched for this layer's storage.

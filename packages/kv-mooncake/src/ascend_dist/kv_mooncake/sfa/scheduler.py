@@ -12,17 +12,35 @@ Runs in: vLLM's scheduler process. Call order per request:
   reuse gates hold the next writer of a layer until D's read of it finished).
 
 Both halves only translate; the metadata they build is frozen and never mutated afterwards.
+
+With a deployment secret D signs the contact it posts (`core.capability`: D's external id, engine
+id and an expiry; ``remote_capability``) and P tracks only contacts D signed, so an API client of P
+cannot point P's reads at another client's D request (P's reads would land in that request's
+blocks). An unsigned or altered contact is logged and never offered to D.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.kv_mooncake.core.admission import Preview, check_flags, check_url
+from ascend_dist.kv_mooncake.core.capability import (
+    SFA_PURPOSE,
+    Capability,
+    CapabilityRefused,
+    check_capability,
+    expiry_ms,
+    sign_capability,
+    wall_ms,
+)
 from ascend_dist.kv_mooncake.core.ports import MAX_PORT
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import ContactInfo, parse_contact
@@ -39,9 +57,15 @@ __all__ = [
     "SendReq",
     "SfaRequest",
     "StepRequest",
+    "contact_capability",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def contact_capability(contact: ContactInfo, expires_ms: int) -> Capability:
+    """What D signs of its contact: its external id and engine id (no block ids: P never names D's)."""
+    return Capability(contact.request_id, contact.remote_engine_id, [], "", expires_ms)
 
 
 def _check_role(raw: object, *, refused: str, role: str) -> None:
@@ -85,7 +109,16 @@ class SfaRequest:
 class ConsumerScheduler:
     """D's scheduler half."""
 
-    def __init__(self, config: SfaConfig, block_sizes: Sequence[int], groups: GroupIds, sink: ContactSink) -> None:
+    def __init__(
+        self,
+        config: SfaConfig,
+        block_sizes: Sequence[int],
+        groups: GroupIds,
+        sink: ContactSink,
+        *,
+        secret: DeploymentSecret | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         """Create the scheduler.
 
         Args:
@@ -93,8 +126,12 @@ class ConsumerScheduler:
             block_sizes: Block size of every vLLM KV-cache group.
             groups: Which groups hold the main and the indexer caches.
             sink: Where the contact info goes.
+            secret: The deployment secret: D signs its contact (valid ``recv_timeout_s``); None: unsigned.
+            wall_clock: Wall seconds for the capability's expiry (injectable for tests).
         """
         self._config = config
+        self._secret = secret
+        self._wall_clock = wall_clock
         self._block_sizes = list(block_sizes)
         self._groups = groups
         self._sink = sink
@@ -170,6 +207,10 @@ class ConsumerScheduler:
             remote_tp_size=c.decode.tp_size,
             remote_cached_tokens=num_computed,
         )
+        if self._secret is not None:
+            expires = expiry_ms(c.recv_timeout_s, self._wall_clock)
+            tag = sign_capability(self._secret, SFA_PURPOSE, contact_capability(contact, expires))
+            contact = msgspec.structs.replace(contact, remote_capability=tag, remote_capability_expires=expires)
         if not params.get("do_virtual"):
             url = params.get("metaserver")
             self._sink.post(request.ext_id, contact, url if isinstance(url, str) else None)
@@ -214,9 +255,23 @@ class _Send:
 class ProducerScheduler:
     """P's scheduler half."""
 
-    def __init__(self, config: SfaConfig, block_sizes: Sequence[int], groups: GroupIds) -> None:
-        """Create the scheduler (``block_sizes``: one per vLLM KV-cache group)."""
+    def __init__(
+        self,
+        config: SfaConfig,
+        block_sizes: Sequence[int],
+        groups: GroupIds,
+        *,
+        secret: DeploymentSecret | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """Create the scheduler (``block_sizes``: one per vLLM KV-cache group).
+
+        ``secret``: the deployment secret: P tracks (and so reads are offered for) only contacts D
+        signed; None: every well-formed contact, as upstream.
+        """
         self._config = config
+        self._secret = secret
+        self._wall_clock = wall_clock
         self._block = min(block_sizes)
         self._groups = groups
         self._sends: dict[str, _Send] = {}
@@ -275,7 +330,22 @@ class ProducerScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or request.request_id in self._sends:
             return
-        self._sends[request.request_id] = _Send(self._contact(request.ext_id, params), request.prompt_len)
+        contact = self._contact(request.ext_id, params)
+        if self._secret is not None:
+            try:
+                check_capability(
+                    self._secret,
+                    SFA_PURPOSE,
+                    contact_capability(contact, contact.remote_capability_expires or 0),
+                    contact.remote_capability,
+                    field="kv_transfer_params.remote_capability",
+                    now_ms=wall_ms(self._wall_clock),
+                )
+            except CapabilityRefused as exc:
+                # D is not told: the id in an unsigned contact may be another client's request.
+                logger.error("request %s: no reads offered to D: %s", request.request_id[:128], exc)
+                return
+        self._sends[request.request_id] = _Send(contact, request.prompt_len)
 
     def build_connector_meta(self, steps: Sequence[StepRequest]) -> ProducerMetadata:
         """This step's chunks; forgets requests whose prompt completes in this step."""
@@ -305,6 +375,7 @@ class ProducerScheduler:
                     transferred,
                     send.computed,
                     finish,
+                    d_engine_id=c.remote_engine_id,
                 )
             )
             if finish:

@@ -43,6 +43,8 @@ class SendReq:
         transferred_tokens: Tokens made readable by earlier chunks (block aligned).
         computed_tokens: Tokens computed once this step's forward finished.
         chunk_finish: This step completes the prompt.
+        d_engine_id: D's engine id as its contact names it: P reads are offered only to a D
+            endpoint that answers the hello as this engine (host and port are not signed).
     """
 
     ext_id: str
@@ -55,6 +57,7 @@ class SendReq:
     transferred_tokens: int
     computed_tokens: int
     chunk_finish: bool
+    d_engine_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ascend_dist.common.device import current_device_index
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.secret import load_secret, warn_unauthenticated
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.device_fence import write_fence
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
@@ -107,14 +108,19 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         self.host_pool: dict[str, list[torch.Tensor]] = {}
         self.device_index = 0  # the worker's device (set below on the worker role)
         if role == KVConnectorRole.SCHEDULER:
+            secret = load_secret()  # D signs its contact, P offers reads only for signed ones
+            if secret is None:
+                warn_unauthenticated(type(self).__name__)
             if self._sfa.is_producer:
                 sched: ProducerScheduler | ConsumerScheduler = ProducerScheduler(
-                    self._sfa, self._block_sizes, self._group_ids
+                    self._sfa, self._block_sizes, self._group_ids, secret=secret
                 )
                 self._producer_sched = sched
             else:
                 self._metaserver = RetryingAnnouncer()
-                sched = ConsumerScheduler(self._sfa, self._block_sizes, self._group_ids, self._metaserver)
+                sched = ConsumerScheduler(
+                    self._sfa, self._block_sizes, self._group_ids, self._metaserver, secret=secret
+                )
                 self._consumer_sched = sched
             known = {*ContactInfo.__struct_fields__, "batch_kv_transfer_params", "do_virtual"}
             check = sched.check_params
