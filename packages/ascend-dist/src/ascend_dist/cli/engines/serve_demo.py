@@ -98,20 +98,20 @@ def control_differs(
     return sum(complete(proxy_other, p).token_ids != reference(p).token_ids for p in batch)
 
 
-def wait_transferred(d: Server, timeout_s: float = 30.0) -> str:
-    """D's /metrics once our bytes-transferred sum is above 0 (vLLM records stats after the step).
+def wait_transferred(d: Server, *, above: float = 0.0, timeout_s: float = 30.0) -> str:
+    """D's /metrics once our bytes-transferred sum exceeds ``above`` (vLLM records stats after the step).
 
     Raises:
-        EngineError: Still 0 (or absent) after ``timeout_s``.
+        EngineError: Not above ``above`` (or absent) after ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         text = d.metrics()
-        if metric_total(text, BYTES_METRIC) > 0:
+        if metric_total(text, BYTES_METRIC) > above:
             return text
         if time.monotonic() > deadline:
             lines = "\n".join(transfer_stats_lines(text)) or "(no vllm:mooncake_* line at all)"
-            raise EngineError(f"{d.name}: {BYTES_METRIC} is not above 0 after {timeout_s} s:\n{lines}")
+            raise EngineError(f"{d.name}: {BYTES_METRIC} is not above {above} after {timeout_s} s:\n{lines}")
         time.sleep(0.5)
 
 
