@@ -52,6 +52,7 @@ SERVE_ENV = {
 MODEL_NAME = "tiny"
 _STATS_PREFIX = "vllm:mooncake_"  # our pull connector's p2p channel uses vLLM's Mooncake metric names
 _PR_SET_PDEATHSIG = 1
+_HTTP_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, or a garbled answer
 
 
 def free_port() -> int:
@@ -132,7 +133,7 @@ class Server:
         while time.monotonic() < deadline:
             if not self.alive:
                 raise EngineError(f"{self.name} exited with {self._proc.returncode}; log:\n{self.tail()}")
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(*_HTTP_ERRORS):
                 if _request(self.url, "GET", "/health", None, 5.0)[0] == 200:
                     return
             time.sleep(0.5)
@@ -147,11 +148,14 @@ class Server:
         """
         try:
             status, raw = _request(self.url, "POST", path, payload, timeout_s)
-        except OSError as exc:  # TimeoutError included
+        except _HTTP_ERRORS as exc:  # TimeoutError included
             raise EngineError(f"{self.name}: POST {path}: {exc}") from exc
         if status != 200:
             raise EngineError(f"{self.name}: POST {path} answered {status}: {raw[:500].decode(errors='replace')}")
-        answer = json.loads(raw)
+        try:
+            answer = json.loads(raw)
+        except ValueError as exc:
+            raise EngineError(f"{self.name}: POST {path} answered something other than JSON") from exc
         if not isinstance(answer, dict):
             raise EngineError(f"{self.name}: POST {path} answered a non-object")
         return answer
@@ -164,7 +168,7 @@ class Server:
         """
         try:
             status, raw = _request(self.url, "GET", "/metrics", None, timeout_s)
-        except OSError as exc:
+        except _HTTP_ERRORS as exc:
             raise EngineError(f"{self.name}: GET /metrics: {exc}") from exc
         if status != 200:
             raise EngineError(f"{self.name}: GET /metrics answered {status}")
