@@ -85,8 +85,8 @@ def _post(base: str, path: str, payload: dict[str, Any], request_id: str, timeou
         return response.status, response.read(16 * MAX_BODY)
     except TimeoutError as exc:
         raise ProxyError(504, f"{base}{path} did not answer within {timeout_s} s") from exc
-    except OSError as exc:
-        raise ProxyError(502, f"{base}{path}: {exc}") from exc
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, or a garbled answer
+        raise ProxyError(502, f"{base}{path}: {exc!r}") from exc
     finally:
         conn.close()
 
