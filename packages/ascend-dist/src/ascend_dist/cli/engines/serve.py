@@ -251,13 +251,21 @@ class ServeStack:
         python: The engine environment's interpreter (runs `serve_launch`).
         workdir: Where the logs go.
         cache_root: ``VLLM_CACHE_ROOT`` of every server (vLLM caches its model inspection there: the
-            first start under a fresh root spends minutes on it).
+            first start under a fresh root spends minutes on it, so then the first ``vllm serve``
+            is waited for before the next starts, which reads the cache instead of inspecting too).
+        start_timeout_s: Deadline of that wait.
     """
 
     python: str
     workdir: Path
     cache_root: Path
+    start_timeout_s: float = 900.0
     servers: list[Server] = field(default_factory=list)
+    _inspecting: Server | None = field(default=None, init=False, repr=False)
+
+    def _inspection_cached(self) -> bool:
+        # vLLM's file name for the Llama class's cached inspection (registry._LazyRegisteredModel)
+        return any((self.cache_root / "modelinfos").glob("*-LlamaForCausalLM.json"))
 
     @property
     def commands(self) -> list[str]:
@@ -270,7 +278,13 @@ class ServeStack:
         return server
 
     def start_vllm(self, name: str, model: Path, *, role: str | None = None, engine_id: str = "") -> Server:
-        """``vllm serve model`` (with `MooncakeConnectorV1` as ``role`` unless None); not yet waited for."""
+        """``vllm serve model`` (with `MooncakeConnectorV1` as ``role`` unless None); not yet waited for.
+
+        Raises:
+            EngineError: The first server, inspecting the model under a cold cache, failed to start.
+        """
+        if self._inspecting is not None and not self._inspection_cached():
+            self._inspecting.wait_ready(self.start_timeout_s)
         port = free_port()
         argv = [self.python, "-m", "ascend_dist.cli.engines.serve_launch", "serve", str(model),
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
@@ -280,7 +294,10 @@ class ServeStack:
             config = pull_connector_config("MooncakeConnectorV1", role, engine_id=engine_id, kv_port=free_port())
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
         env = {**SERVE_ENV, "VLLM_CACHE_ROOT": str(self.cache_root)}
-        return self._start(name, Launch(tuple(argv), env), port)
+        server = self._start(name, Launch(tuple(argv), env), port)
+        if self._inspecting is None and not self._inspection_cached():
+            self._inspecting = server
+        return server
 
     def start_proxy(self, name: str, prefill_url: str, decode_url: str) -> Server:
         """The demo proxy (`serve_proxy`) in front of P and D (their base URLs); not yet waited for."""

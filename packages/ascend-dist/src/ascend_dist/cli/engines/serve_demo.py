@@ -42,7 +42,6 @@ __all__ = ["PdServe", "PdServeScenario", "control_differs", "identity_rows", "se
 
 LOGPROB_ATOL = 2e-3
 BYTES_METRIC = "vllm:mooncake_bytes_transferred_sum"
-START_TIMEOUT_S = 900.0  # a fresh VLLM_CACHE_ROOT costs minutes of vLLM's model inspection on 2 cores
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def start_pd(stack: ServeStack, model: Path, other_model: Path, *, also: Sequenc
     p_other = stack.start_vllm("prefill-other-weights", other_model, role="kv_producer", engine_id="serve-p-other")
     proxy = stack.start_proxy("proxy", p.url, d.url)
     proxy_other = stack.start_proxy("proxy-control", p_other.url, d.url)
-    stack.wait_ready([proxy, proxy_other, *also, p, d, p_other], START_TIMEOUT_S)
+    stack.wait_ready([proxy, proxy_other, *also, p, d, p_other], stack.start_timeout_s)
     return PdServe(p, d, p_other, proxy, proxy_other)
 
 
