@@ -49,6 +49,10 @@ SERVE_ENV = {
 }
 """The environment every ``vllm serve`` here gets on top of the caller's (offline, no usage stats)."""
 
+SIDE_CHANNEL = {"rpc_timeout_s": 10.0, "rpc_retries": 3}
+"""D's side-channel deadlines here: the 1 s default timed out under a load of 40-60 on 2 cores (four
+servers and other work), so D recomputed and only the control noticed (the first run of the demo)."""
+
 MODEL_NAME = "tiny"
 _STATS_PREFIX = "vllm:mooncake_"  # our pull connector's p2p channel uses vLLM's Mooncake metric names
 _PR_SET_PDEATHSIG = 1
@@ -291,7 +295,9 @@ class ServeStack:
                 "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--seed", "0",
                 "--enforce-eager", "--skip-tokenizer-init", "--no-enable-prefix-caching"]  # fmt: skip
         if role is not None:
-            config = pull_connector_config("MooncakeConnectorV1", role, engine_id=engine_id, kv_port=free_port())
+            config = pull_connector_config(
+                "MooncakeConnectorV1", role, engine_id=engine_id, kv_port=free_port(), extra=SIDE_CHANNEL
+            )
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
         env = {**SERVE_ENV, "VLLM_CACHE_ROOT": str(self.cache_root)}
         server = self._start(name, Launch(tuple(argv), env), port)
