@@ -50,8 +50,9 @@ SERVE_ENV = {
 """The environment every ``vllm serve`` here gets on top of the caller's (offline, no usage stats)."""
 
 SIDE_CHANNEL = {"rpc_timeout_s": 10.0, "rpc_retries": 3}
-"""D's side-channel deadlines here: the 1 s default timed out under a load of 40-60 on 2 cores (four
-servers and other work), so D recomputed and only the control noticed (the first run of the demo)."""
+"""D's side-channel deadlines here (default 1 s x 2). The first demo run timed out at the default; a
+longer deadline did not help (P's side channel under `vllm serve` gave no reply in 3 x 10 s either:
+see the README's operator section, an open problem)."""
 
 MODEL_NAME = "tiny"
 _STATS_PREFIX = "vllm:mooncake_"  # our pull connector's p2p channel uses vLLM's Mooncake metric names
