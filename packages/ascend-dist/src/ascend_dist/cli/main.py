@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="synthetic: our scheduler and worker code around a synthetic model (default); vllm: real vLLM "
             "engines (the CPU build) generating tokens, run under $ASCEND_DIST_ENGINE_PYTHON",
         )
+        if mode == "demo":
+            cmd.add_argument(
+                "--serve",
+                action="store_true",
+                help="pd only: P and D under `vllm serve` (the CPU build) behind a small proxy, checked against a "
+                "plain engine; prints the commands it ran and D's transfer stats from /metrics (implies --engine vllm)",
+            )
         if mode == "bench":
             cmd.add_argument(
                 "--repeat", type=int, default=3, help="timed repetitions per figure (each scenario summarises them)"
@@ -66,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _discover(engine: str) -> Callable[[], tuple[dict[str, Scenario], dict[str, str]]]:
-    """Where the scenarios come from: installed entry points, or the real-engine ones."""
+    """Where the scenarios come from: installed entry points, the real-engine ones, or the `vllm serve` one."""
+    if engine == "serve":
+        from ascend_dist.cli.engines.serve_demo import serve_scenarios
+
+        return serve_scenarios
     if engine == "vllm":
         from ascend_dist.cli.engines.demo import engine_scenarios
 
@@ -123,8 +134,9 @@ def _run(args: argparse.Namespace) -> int:
         return run_doctor(json_path=args.json, host=args.host, kv_port=args.kv_port)
     if args.command == "secret":
         return _write_secret(args.write)
+    engine = "serve" if getattr(args, "serve", False) else args.engine
     if args.list:
-        return _list(args.command, args.engine)
+        return _list(args.command, engine)
     from ascend_dist.cli.runner import run_scenarios
 
     if args.command == "bench" and args.repeat < 1:
@@ -137,14 +149,14 @@ def _run(args: argparse.Namespace) -> int:
             quick=args.quick,
             repeat=getattr(args, "repeat", 1),
             json_path=args.json,
-            discover=_discover(args.engine),
+            discover=_discover(engine),
         )
     from ascend_dist.cli.demo_secret import demo_secret
 
     with demo_secret() as source:  # the demo shows the deployment as it should run: peers authenticated
         print(f"peer authentication on: every side-channel frame is MAC'ed with {source}", file=sys.stderr)
         return run_scenarios(
-            "demo", args.scenarios, quick=args.quick, json_path=args.json, discover=_discover(args.engine)
+            "demo", args.scenarios, quick=args.quick, json_path=args.json, discover=_discover(engine)
         )
 
 

@@ -88,3 +88,22 @@ def _save(model: Any, out: Path, seed: int, *, scale: float) -> Path:
                 param.copy_(scale * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ascend_dist.cli.engines.model PATH --seed N``: write the tiny Llama into PATH."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny Llama with seeded random weights.")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args(argv)
+    print(write_tiny_llama(args.path, args.seed, num_layers=args.layers))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

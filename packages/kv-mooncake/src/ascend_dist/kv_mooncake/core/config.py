@@ -249,7 +249,8 @@ def parse_common(
         kv_role: ``kv_producer`` or ``kv_consumer``.
         kv_port: The side channel's base port.
         extra: ``kv_connector_extra_config``: ``prefill`` and ``decode`` are required,
-            ``host`` (``127.0.0.1``) and ``mooncake_protocol`` (``tcp``) optional.
+            ``host`` (``127.0.0.1``) and ``mooncake_protocol`` (``tcp``; vllm-ascend's
+            ``use_ascend_direct: true`` means ``ascend``) optional.
         topology_expected: What the error says a missing ``prefill`` / ``decode`` should be.
 
     Raises:
@@ -268,8 +269,34 @@ def parse_common(
         prefill=Topology.parse("prefill", extra["prefill"]),
         decode=Topology.parse("decode", extra["decode"]),
         host=str(extra.get("host", "127.0.0.1")),
-        protocol=str(extra.get("mooncake_protocol", "tcp")),
+        protocol=_protocol(extra),
     )
+
+
+_ASCEND_DIRECT = "kv_connector_extra_config.use_ascend_direct"
+
+
+def _protocol(extra: Mapping[str, Any]) -> str:
+    """``mooncake_protocol`` (default ``tcp``), or what vllm-ascend's guides write instead.
+
+    Their Mooncake guides set ``use_ascend_direct: true`` (Mooncake's Ascend transport): that is
+    ``mooncake_protocol: "ascend"`` here. ``false`` (their older HCCL transport) is not built, and a
+    ``mooncake_protocol`` that disagrees with the flag is refused rather than guessed.
+
+    Raises:
+        ConfigError: ``use_ascend_direct`` is not a bool, is false, or contradicts ``mooncake_protocol``.
+    """
+    protocol = str(extra.get("mooncake_protocol", "tcp"))
+    if "use_ascend_direct" not in extra:
+        return protocol
+    direct = bool_field(_ASCEND_DIRECT, extra["use_ascend_direct"])
+    if not direct:
+        raise ConfigError(_ASCEND_DIRECT, False, 'true, or leave it out and set mooncake_protocol ("tcp", "rdma" or '
+                          '"ascend"): the HCCL transport it selects in vllm-ascend is not built here')  # fmt: skip
+    if "mooncake_protocol" in extra and protocol != "ascend":
+        expected = f'to be left out with mooncake_protocol={protocol!r} (true means "ascend")'
+        raise ConfigError(_ASCEND_DIRECT, True, expected)
+    return "ascend"
 
 
 def check_common(engine_id: object, protocol: str, host: str) -> None:
