@@ -155,9 +155,7 @@ def _run(args: argparse.Namespace) -> int:
 
     with demo_secret() as source:  # the demo shows the deployment as it should run: peers authenticated
         print(f"peer authentication on: every side-channel frame is MAC'ed with {source}", file=sys.stderr)
-        return run_scenarios(
-            "demo", args.scenarios, quick=args.quick, json_path=args.json, discover=_discover(engine)
-        )
+        return run_scenarios("demo", args.scenarios, quick=args.quick, json_path=args.json, discover=_discover(engine))
 
 
 def _write_secret(path: str) -> int:
