@@ -62,9 +62,9 @@ from ascend_dist.weight_transfer.packing import (
     as_bytes,
     bucket_views,
     check_tensor,
-    copy_bytes,
     expect_end,
     next_tensor,
+    pack_bucket,
     pack_buffer,
     plan_buckets,
     plan_stream,
@@ -218,13 +218,7 @@ def _send_streamed(
         slot = free.pop()
         buffer = slots[slot]
         t0 = time.perf_counter()
-        for i, offset in enumerate(bucket.offsets):
-            index = bucket.first + i
-            name, tensor = next_tensor(source, manifest, index)
-            check_tensor(manifest.tensors[index], name, tensor, index)
-            image = as_bytes(tensor)
-            if image.numel():
-                copy_bytes(buffer[offset : offset + image.numel()], image)
+        pack_bucket(buffer, bucket, source, manifest)
         phases.pack_s += time.perf_counter() - t0
         if bucket.length:
             in_flight.append((comm.broadcast(buffer[: bucket.length], _SRC), slot))

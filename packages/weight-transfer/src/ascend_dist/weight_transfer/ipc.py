@@ -30,11 +30,10 @@ from ascend_dist.weight_transfer.messages import IpcChunk, Manifest
 from ascend_dist.weight_transfer.packing import (
     LazyImages,
     StreamPlan,
-    as_bytes,
     check_tensor,
-    copy_bytes,
     expect_end,
     next_tensor,
+    pack_bucket,
     pack_buffer,
     plan_buckets,
     plan_stream,
@@ -277,13 +276,7 @@ def bucket_chunks(
     buffer = exporter.buffer(max(b.length for b in buckets))
     source = iter(tensors)
     for k, bucket in enumerate(buckets):
-        for i, offset in enumerate(bucket.offsets):
-            index = bucket.first + i
-            name, tensor = next_tensor(source, manifest, index)
-            check_tensor(manifest.tensors[index], name, tensor, index)
-            image = as_bytes(tensor)
-            if image.numel():
-                copy_bytes(buffer[offset : offset + image.numel()], image)
+        pack_bucket(buffer, bucket, source, manifest)
         exporter.runtime.synchronize()
         yield k, {exporter.uuid: exporter.runtime.ipc_handle(buffer[: bucket.length])}
     expect_end(source, manifest)

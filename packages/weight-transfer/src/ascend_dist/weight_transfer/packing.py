@@ -42,6 +42,7 @@ __all__ = [
     "next_tensor",
     "new_staging",
     "bucket_views",
+    "pack_bucket",
     "pack_buffer",
     "plan_buckets",
     "plan_stream",
@@ -360,6 +361,19 @@ def next_tensor(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, 
         raise ManifestMismatch(
             f"the source ended after {index} tensors but the manifest declares {len(manifest.tensors)}"
         ) from None
+
+
+def pack_bucket(
+    buffer: torch.Tensor, bucket: Bucket, source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest
+) -> None:
+    """Pull ``bucket``'s tensors from ``source`` (checked against the manifest) into ``buffer`` at their offsets."""
+    for i, offset in enumerate(bucket.offsets):
+        index = bucket.first + i
+        name, tensor = next_tensor(source, manifest, index)
+        check_tensor(manifest.tensors[index], name, tensor, index)
+        image = as_bytes(tensor)
+        if image.numel():
+            copy_bytes(buffer[offset : offset + image.numel()], image)
 
 
 def expect_end(source: Iterator[tuple[str, Any]], manifest: Manifest) -> None:
