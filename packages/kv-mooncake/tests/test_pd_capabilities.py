@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from fault_engines import EngineWrapper
 
 from ascend_dist.common.secret import SECRET_ENV
 from ascend_dist.common.zmq_rpc import RpcClient
@@ -25,21 +26,12 @@ from ascend_dist.kv_mooncake.pull.messages import Renew, reply_codec, request_co
 SECRET_HEX = "5e" * 32
 
 
-class CountingReader:
+class CountingReader(EngineWrapper):
     """Our `Reader` around the real engine: counts the reads D issues."""
 
     def __init__(self, real: Any) -> None:
-        self.real, self.reads = real, 0
-
-    @property
-    def session(self) -> str:
-        return self.real.session
-
-    def register(self, regions: Any) -> None:
-        self.real.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.real.unregister(regions)
+        super().__init__(real)
+        self.reads = 0
 
     def read(self, session: str, batch: Any, *, timeout_s: float = 60.0) -> None:
         self.reads += 1

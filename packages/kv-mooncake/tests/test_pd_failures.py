@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fault_engines import EngineWrapper
 
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.common.wire import make_handshake
@@ -36,21 +37,12 @@ def test_p_dies_d_reports_exactly_the_failed_blocks_and_finishes(make_pair: Call
     assert all(r.worker.get_block_ids_with_load_errors() == set() for r in pair.d.ranks)  # reported once
 
 
-class KillPeerDuringRead:
+class KillPeerDuringRead(EngineWrapper):
     """Our `TransferBackend` around the real engine: SIGKILLs P shortly after a read has started."""
 
     def __init__(self, real: MooncakeEngine, delay_s: float) -> None:
-        self.real, self.delay_s, self.victim, self.reads = real, delay_s, None, 0
-
-    @property
-    def session(self) -> str:
-        return self.real.session
-
-    def register(self, regions: Any) -> None:
-        self.real.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.real.unregister(regions)
+        super().__init__(real)
+        self.delay_s, self.victim, self.reads = delay_s, None, 0
 
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         self.reads += 1

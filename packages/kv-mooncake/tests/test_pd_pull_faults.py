@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_engines import EngineWrapper
 
 from ascend_dist.common.errors import TransferError
 from ascend_dist.common.zmq_rpc import RpcClient
@@ -126,23 +127,13 @@ def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
     raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
 
 
-class HangingReads:
+class HangingReads(EngineWrapper):
     """Our `TransferBackend` around the real engine: reads wait for ``gate`` (a P that hangs mid-read)."""
 
     def __init__(self, real: MooncakeEngine) -> None:
-        self.real = real
+        super().__init__(real)
         self.gate = threading.Event()
         self.entered = threading.Event()
-
-    @property
-    def session(self) -> str:
-        return self.real.session
-
-    def register(self, regions: Any) -> None:
-        self.real.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.real.unregister(regions)
 
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         self.entered.set()
@@ -245,7 +236,7 @@ def test_after_p_dies_later_requests_fail_fast_until_it_answers_again(make_pair:
         p.drop()
 
 
-class OutlastsTheLease:
+class OutlastsTheLease(EngineWrapper):
     """Our `TransferBackend` around the real engine: a read that takes longer than P's lease.
 
     Before the real read it waits past the lease and lets P run its lease check (``on_stall``), so
@@ -253,19 +244,10 @@ class OutlastsTheLease:
     """
 
     def __init__(self, real: MooncakeEngine, stall_s: float) -> None:
-        self.real, self.stall_s = real, stall_s
+        super().__init__(real)
+        self.stall_s = stall_s
         self.on_stall: Callable[[], Any] = lambda: None
         self.reads = 0
-
-    @property
-    def session(self) -> str:
-        return self.real.session
-
-    def register(self, regions: Any) -> None:
-        self.real.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.real.unregister(regions)
 
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         self.reads += 1

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fault_engines import EngineWrapper
 
 from ascend_dist.common.errors import TransferError
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 
 
-class LateWriter:
+class LateWriter(EngineWrapper):
     """Our `TransferBackend` around the real engine: a read that hangs, then writes late, then fails.
 
     ``hang`` is cleared by the test to let the hung read go on: the real engine then writes the
@@ -27,21 +28,11 @@ class LateWriter:
     """
 
     def __init__(self, real: MooncakeEngine, *, hang: bool) -> None:
-        self.real = real
+        super().__init__(real)
         self.release = threading.Event()
         self.hang = hang
         self.entered = threading.Event()
         self.returned = threading.Event()
-
-    @property
-    def session(self) -> str:
-        return self.real.session
-
-    def register(self, regions: Any) -> None:
-        self.real.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.real.unregister(regions)
 
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         self.entered.set()

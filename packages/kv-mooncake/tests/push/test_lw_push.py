@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fault_engines import SlowWriter
 
 SINGLE = [
     pytest.param({}, id="tp1-1"),
@@ -91,27 +92,6 @@ def test_layers_arrive_while_p_still_computes(make_lw_pair: Callable[..., Any]) 
     assert pair.d.verify("o0", 4) > 0
 
 
-class _SlowEngine:
-    """A `Writer` delaying every write of the real engine (the push lags far behind the forward)."""
-
-    def __init__(self, inner: Any, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
-
-    @property
-    def session(self) -> str:
-        return self.inner.session
-
-    def register(self, regions: Any) -> None:
-        self.inner.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.inner.unregister(regions)
-
-    def write(self, session: str, pieces: Any, *, timeout_s: float = 60.0) -> None:
-        time.sleep(self.delay_s)
-        self.inner.write(session, pieces, timeout_s=timeout_s)
-
-
 @pytest.mark.timeout(60)
 def test_reuse_gate_keeps_freed_blocks_until_their_push_read_them() -> None:
     """P frees request A's blocks at once and request B reuses the SAME blocks while A's layers are still
@@ -129,7 +109,7 @@ def test_reuse_gate_keeps_freed_blocks_until_their_push_read_them() -> None:
     d_cfg = LayerwiseConfig.from_kv_transfer_config(engine_id="gD", kv_role="kv_consumer", kv_port=port, extra=extra)
     p_cfg = LayerwiseConfig.from_kv_transfer_config(engine_id="gP", kv_role="kv_producer", kv_port=port, extra=extra)
     d = LwInstance(d_cfg, Model(**shape, num_blocks=24), engine=MooncakeEngine("127.0.0.1"), metaserver=ms)
-    p = LwInstance(p_cfg, Model(**shape, num_blocks=11), engine=_SlowEngine(MooncakeEngine("127.0.0.1"), 0.1))
+    p = LwInstance(p_cfg, Model(**shape, num_blocks=11), engine=SlowWriter(MooncakeEngine("127.0.0.1"), 0.1))
     try:
         d.announce("A", 160)
         d.announce("B", 160)

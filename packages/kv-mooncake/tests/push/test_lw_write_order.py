@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import pytest
+from fault_engines import SlowWriter
 
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver, LwInstance
@@ -27,27 +28,6 @@ from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.core.request import SchedRequest
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.scheduler import Scheduled
-
-
-class _SlowEngine:
-    """A `Writer` delaying every write of the real engine (the push lags far behind the forward)."""
-
-    def __init__(self, inner: MooncakeEngine, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
-
-    @property
-    def session(self) -> str:
-        return self.inner.session
-
-    def register(self, regions: Any) -> None:
-        self.inner.register(regions)
-
-    def unregister(self, regions: Any) -> None:
-        self.inner.unregister(regions)
-
-    def write(self, session: str, pieces: Any, *, timeout_s: float = 60.0) -> None:
-        time.sleep(self.delay_s)
-        self.inner.write(session, pieces, timeout_s=timeout_s)
 
 
 class _NoExchange:
@@ -96,7 +76,7 @@ def test_next_request_in_freed_blocks_never_reaches_d_as_the_previous_one(p_tp: 
     p = LwInstance(
         p_cfg,
         Model(**shape, num_blocks=11),
-        engine=_SlowEngine(MooncakeEngine("127.0.0.1"), 0.1),
+        engine=SlowWriter(MooncakeEngine("127.0.0.1"), 0.1),
         all_to_all=_NoExchange(p_tp) if p_tp > 1 else None,
     )
     try:

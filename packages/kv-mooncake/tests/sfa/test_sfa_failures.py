@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fault_engines import EngineWrapper
 
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.common.zmq_server import tcp_endpoint
@@ -22,7 +22,7 @@ from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.sfa.messages import ReadFailed, ReadReady, Reply, reply_codec, request_codec
 
 
-class LateReader:
+class LateReader(EngineWrapper):
     """D's engine (our `Reader` interface) whose ``slow_call``-th read starts ``delay_s`` late.
 
     The bytes are read after the delay: what a read that outlasts P's deadline sees on a real host
@@ -30,26 +30,16 @@ class LateReader:
     """
 
     def __init__(self, inner: Reader, *, slow_call: int, delay_s: float) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._slow_call = slow_call
         self._delay_s = delay_s
         self.calls = 0
-
-    @property
-    def session(self) -> str:
-        return self._inner.session
-
-    def register(self, regions: RegisterRegions) -> None:
-        self._inner.register(regions)
-
-    def unregister(self, regions: RegisterRegions) -> None:
-        self._inner.unregister(regions)
 
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         self.calls += 1
         if self.calls == self._slow_call:
             time.sleep(self._delay_s)
-        self._inner.read(session, batch, timeout_s=timeout_s)
+        self.real.read(session, batch, timeout_s=timeout_s)
 
 
 def _all_ids(pair: Any, rid: str) -> set[int]:
