@@ -1,0 +1,89 @@
+"""Smoke test of the ``pd-vllm`` bench: ours and vLLM's MooncakeConnector through vLLM's Scheduler, at a tiny shape.
+
+Figures are only reported for waves whose every block on D equals P's; the test checks that both
+connectors' waves ran and verified, that the figures name vLLM's connector as the baseline with
+ratios, that our per-phase profile and the raw engine's ceiling are there, and (the control) that
+the check fails when D's bytes differ from P's.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+
+import pytest
+
+from ascend_dist.common.scenarios import ScenarioContext, ScenarioReport
+from ascend_dist.kv_mooncake._demo.bench_pd_vllm import OURS, PEER, PdVllmScenario, make_scenario
+from ascend_dist.kv_mooncake._demo.pd_vllm_geometry import QUICK
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_VLLM = importlib.metadata.version("vllm") if importlib.util.find_spec("vllm") else ""
+needs_vllm_033 = pytest.mark.skipif(
+    not _VLLM.startswith("0.33"), reason=f"the bench drives vLLM 0.33's MooncakeConnector (found {_VLLM or 'none'})"
+)
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.steps: list[str] = []
+
+    def step(self, message: str) -> None:
+        self.steps.append(message)
+
+    def advance(self, done: int, total: int) -> None:
+        pass
+
+
+def _run(scenario: PdVllmScenario) -> tuple[ScenarioReport, list[str]]:
+    progress = _Progress()
+    return scenario.run(ScenarioContext("bench", progress, quick=True, repeat=1)), progress.steps
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_the_bench_fails_saying_what_to_install() -> None:
+    report, _ = _run(make_scenario())
+    assert not report.ok and report.error is not None and "needs vLLM" in report.error
+    assert not report.measurements
+
+
+@pytest.mark.vllm
+@pytest.mark.mooncake
+@needs_vllm_033
+@pytest.mark.timeout(300)
+def test_quick_bench_verifies_both_connectors_and_reports_ratios_and_profile() -> None:
+    report, steps = _run(make_scenario())
+    assert report.ok, (report.error, [c for c in report.checks if not c.ok])
+    for label in (OURS, PEER):
+        waves = [c for c in report.checks if c.name.startswith(f"{label} {QUICK.name} ")]
+        assert len(waves) == 1 + QUICK.waves  # the warm-up and every timed wave, each verified
+        assert all(c.ok and f"{QUICK.requests} requests" in c.detail for c in waves), waves
+    assert any(c.name.startswith(f"raw engine {QUICK.name}") and c.ok for c in report.checks)
+    gbps, latency, ceiling = report.measurements
+    for m in (gbps, latency):
+        assert m.baseline_name.startswith(PEER) and m.value > 0 and m.baseline > 0
+    assert gbps.unit == "GB/s" and gbps.ratio == pytest.approx(gbps.value / gbps.baseline)
+    assert latency.unit == "ms" and not latency.higher_is_better
+    assert ceiling.baseline_name.startswith("raw batch_transfer_sync_read") and ceiling.baseline > 0
+    ratios = [s for s in steps if s.startswith(f"{QUICK.name}: ours / vLLM's")]
+    assert len(ratios) == 1 and "GB/s" in ratios[0] and "latency p50" in ratios[0], steps
+    profile = [s for s in steps if s.startswith(f"{QUICK.name}: ours per request")]
+    assert len(profile) == 1, steps
+    for phase in ("queue wait", "lease check", "planning", "engine read", "Done", "gap until get_finished"):
+        assert phase in profile[0], profile[0]
+
+
+@pytest.mark.vllm
+@pytest.mark.mooncake
+@needs_vllm_033
+@pytest.mark.timeout(300)
+def test_a_wave_whose_bytes_differ_fails_and_reports_no_figure() -> None:
+    """Control: D's cache is overwritten after each load (as if the connector moved nothing)."""
+    scenario = PdVllmScenario(corrupt_d=True)
+    report, _ = _run(scenario)
+    assert not report.ok and report.error is None
+    failed = [c for c in report.checks if not c.ok]
+    assert failed and all("differ from P's" in c.detail for c in failed), failed
+    assert not report.measurements
