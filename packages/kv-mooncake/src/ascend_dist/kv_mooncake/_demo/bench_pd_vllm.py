@@ -137,7 +137,7 @@ class PdVllmScenario:
             "HF_HUB_OFFLINE": "1",
         }
         sides: list[_Side] = []
-        with vd.environment(env), vd.cpu_device_shims():
+        with vd.environment(env), vd.cpu_host_shims():
             probe_cfg = vd.vllm_config(model_dir, shape, self._ours(shape, "kv_both", "probe", 1))
             with vd.distributed_env(probe_cfg, free_port_range(1)):
                 try:

@@ -12,9 +12,12 @@ layout vLLM's ``MooncakeConnector`` requires; ours reads it from the strides).
 Shims (bench only, never in the product; see the kv-mooncake README, *pd-vllm*):
 
 * vLLM's ``MooncakeConnectorWorker.__init__`` asks ``torch.accelerator.current_device_index()``
-  and ``current_platform.set_device`` (its sender threads too): on a host without a GPU driver the
-  first raises and the second is not implemented. `cpu_device_shims` answers device 0 and makes
-  ``set_device`` a no-op while vLLM's connector is built and runs (only the host memory is used).
+  and ``current_platform.set_device`` (its sender threads too), and picks the attention backend of
+  the model's layers (none are built here, so it asks the platform): on a host without a GPU
+  driver (vLLM's CUDA wheel sees no platform) the first raises, the second is not implemented and
+  the third answers no backend. `cpu_host_shims` answers device 0, makes ``set_device`` a no-op and
+  answers vLLM's CPU attention backend (what vLLM's CPU platform picks for these caches) while
+  the bench runs; only host memory is used.
 * ``torch.cuda.Event`` (`host_events`), as vLLM's own CPU model runner swaps it, around every
   connector's ``wait_for_save`` alike.
 * vLLM's P launches its bootstrap server on ``0.0.0.0`` unless ``bootstrap_server_address`` is
@@ -61,7 +64,7 @@ __all__ = [
     "BootstrapServer",
     "Instance",
     "StepResult",
-    "cpu_device_shims",
+    "cpu_host_shims",
     "distributed_env",
     "environment",
     "vllm_config",
@@ -159,24 +162,27 @@ def host_events() -> Iterator[None]:
 
 
 @contextmanager
-def cpu_device_shims() -> Iterator[None]:
-    """Device 0 and a no-op ``set_device`` on a host without a GPU driver (see the module docstring).
+def cpu_host_shims() -> Iterator[None]:
+    """Device 0, a no-op ``set_device`` and vLLM's CPU attention backend without a GPU driver (see above).
 
     Held for the whole run: vLLM's sender threads call ``set_device`` when its pool starts them.
     """
     if _has_cuda():
         yield
         return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     accel = torch.accelerator
-    original_index = accel.current_device_index
-    original_set = current_platform.set_device
+    platform: Any = current_platform
+    saved = (accel.current_device_index, platform.set_device, platform.get_attn_backend_cls)
+    cpu_attn = AttentionBackendEnum.CPU_ATTN.get_path()
     accel.current_device_index = lambda: 0  # type: ignore[assignment]
-    current_platform.set_device = lambda device: None  # type: ignore[method-assign]
+    platform.set_device = lambda device: None
+    platform.get_attn_backend_cls = lambda *args, **kwargs: cpu_attn
     try:
         yield
     finally:
-        accel.current_device_index = original_index  # type: ignore[assignment]
-        current_platform.set_device = original_set  # type: ignore[method-assign]
+        accel.current_device_index, platform.set_device, platform.get_attn_backend_cls = saved  # type: ignore[assignment]
 
 
 @contextmanager

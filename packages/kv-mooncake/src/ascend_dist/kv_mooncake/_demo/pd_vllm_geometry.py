@@ -55,5 +55,5 @@ LARGE = Shape("large", requests=8, layers=8, kv_heads=8, head_dim=128, tokens=11
 """The issue's large shape: 8 requests x 8 layers x 1,100 tokens x 8 KV heads x 128, block 32 (35 MiB each)."""
 SMALL = Shape("small", requests=8, layers=4, kv_heads=2, head_dim=32, tokens=1100)
 """The issue's small shape: 8 requests x 4 layers x 2 KV heads x 32 (same prompts: 1.1 MiB each)."""
-QUICK = Shape("quick", requests=2, layers=2, kv_heads=2, head_dim=16, tokens=70, block=16, waves=2)
+QUICK = Shape("quick", requests=2, layers=2, kv_heads=2, head_dim=16, tokens=70, waves=2)
 """A smoke run's shape (``--quick``)."""
