@@ -51,8 +51,14 @@ class Shape:
         return self.requests * self.request_bytes
 
 
-LARGE = Shape("large", requests=8, layers=8, kv_heads=8, head_dim=128, tokens=1100)
-"""The issue's large shape: 8 requests x 8 layers x 1,100 tokens x 8 KV heads x 128, block 32 (35 MiB each)."""
+LARGE = Shape("large", requests=8, layers=8, kv_heads=8, head_dim=128, tokens=1024)
+"""The issue's large shape at 1,024 tokens (32 blocks, 32 MiB per request): 8 x 8 layers x 8 KV heads x 128, block 32.
+
+Not 1,100: vLLM's P writes every request ready in a step in one ``batch_transfer_sync_write``, one
+piece per block and layer when block ids are not contiguous on both sides (as after the first
+wave), and Mooncake TCP refuses a batch above 2,048 pieces: at 1,100 tokens (35 blocks) that is
+2,240 pieces and every request of the wave fails (seen in the first run). 32 blocks is 2,048.
+"""
 SMALL = Shape("small", requests=8, layers=4, kv_heads=2, head_dim=32, tokens=1100)
 """The issue's small shape: 8 requests x 4 layers x 2 KV heads x 32 (same prompts: 1.1 MiB each)."""
 QUICK = Shape("quick", requests=2, layers=2, kv_heads=2, head_dim=16, tokens=70, waves=2)
