@@ -359,8 +359,15 @@ class Instance:
             time.sleep(0.0005)
 
     def close(self) -> None:
-        """Shut both connector roles down."""
+        """Shut both connector roles down, then close the event loops vLLM's connector leaves open."""
         connector = self.scheduler.connector if self.scheduler is not None else None
         if connector is not None:
             connector.shutdown()
         self.worker.shutdown()
+        # vLLM 0.33's MooncakeConnectorWorker.shutdown stops its sender/receiver loops and joins their
+        # threads but never closes the loops (their sockets stay open until garbage collection).
+        inner = getattr(self.worker, "connector_worker", None)
+        for name in ("sender_loop", "receiver_loop"):
+            loop = getattr(inner, name, None)
+            if loop is not None and not loop.is_running() and not loop.is_closed():
+                loop.close()
