@@ -1,0 +1,528 @@
+"""Bench scenario ``pd-vllm``: our ``MooncakeConnectorV1`` beside vLLM's ``MooncakeConnector``, both driven by vLLM.
+
+Runs in: the ``ascend-dist bench`` process. Needs vLLM (0.33; the ``[vllm]`` extra), Mooncake (the
+``[cpu]`` extra) and ``ascend-dist-testing`` (the vLLM builders): without them the scenario fails at
+once, saying what to install.
+
+For each KV shape (`LARGE` and `SMALL`; `QUICK` with ``--quick``) and each contender, a P and a D
+instance, each vLLM 0.33's own ``Scheduler`` plus a worker connector from vLLM's factory over CPU
+caches in the ``LBHNC`` layout (`pd_vllm_driver`), Mooncake TCP on 127.0.0.1 (each instance its own
+transfer engine). Ours pulls (D reads from P); vLLM's is asked by D and writes from P. One wave:
+
+1. P is sent ``requests`` prompts with ``do_remote_decode`` and computes them (one step), then
+   steps once more (both connectors learn the finished requests' blocks in the next step).
+2. A proxy step hands D what a proxy would: ours, P's returned ``kv_transfer_params``; vLLM's,
+   ``remote_engine_id``, ``remote_bootstrap_addr`` and the ``transfer_id`` P was sent (vLLM's P
+   returns none).
+3. D is sent the prompts; from D's first step, D and P step in turn (as two engine loops would)
+   until D's ``get_transfer_results`` reported every request: **per-request latency** = that
+   report minus D's first step, **GB/s** = the wave's bytes / the last report.
+4. Every block's prompt tokens on D are compared byte for byte with P's (D's cache holds a
+   sentinel before the wave, P's random bytes), so a connector that moved nothing or the wrong
+   blocks fails the wave and reports no figure.
+
+The first wave of each contender is a warm-up (verified, not timed: connections, registration,
+first touch); ``waves`` timed waves follow, contenders alternating per wave. Figures: the timed
+waves' bytes over their summed times, latency p50 over every timed request. After the waves, the
+raw engine's ceiling: one ``batch_transfer_sync_read`` of the same descriptors as our last wave's
+(every request at once, built by our planner), on D's engine. Ours is profiled per phase
+(`pd_vllm_probe`).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import importlib.util
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
+from ascend_dist.kv_mooncake._demo.pd_vllm_geometry import LARGE, QUICK, SMALL, Shape
+from ascend_dist.kv_mooncake._demo.pd_vllm_probe import PHASES, Probe
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+
+if TYPE_CHECKING:
+    from ascend_dist.kv_mooncake._demo.pd_vllm_driver import Instance
+
+__all__ = ["PdVllmScenario", "make_scenario"]
+
+GBPS_TARGET = 1.2  # large shape: ours >= 1.2x vLLM's GB/s
+LATENCY_TARGET = 2.0  # small shape: ours <= 0.5x vLLM's latency (Measurement's ratio is vLLM's / ours)
+PHASE_TIMEOUT_S = 120.0
+OURS = "ours (MooncakeConnectorV1, pull)"
+PEER = "vLLM MooncakeConnector"
+_OURS_MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
+
+
+def missing_requirements() -> str | None:
+    """What to install when vLLM, Mooncake or the testing builders are absent, else None (never imports)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "pd-vllm needs vLLM: pip install 'ascend-dist-kv-mooncake[vllm]' (vllm>=0.32,<0.34)"
+    if importlib.util.find_spec("mooncake") is None:
+        return "pd-vllm needs Mooncake: pip install 'ascend-dist-kv-mooncake[cpu]' (and libibverbs1)"
+    if importlib.util.find_spec("ascend_dist.testing") is None:
+        return "pd-vllm needs ascend-dist-testing (the workspace's vLLM builders): uv sync --all-packages"
+    version = importlib.metadata.version("vllm")
+    if not version.startswith("0.33"):
+        return f"pd-vllm drives vLLM 0.33's MooncakeConnector (its CPU-host shims are for 0.33); found vllm {version}"
+    return None
+
+
+@dataclass
+class _Side:
+    """One contender's P and D and its timed results."""
+
+    label: str
+    peer: bool
+    p: Instance
+    d: Instance
+    bootstrap: Any = None
+    boot_addr: str = ""  # vLLM's: the bootstrap server's URL, what its proxy hands D
+    p_engine_id: str = ""
+    wave_s: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    verified: bool = True
+    probe: Probe | None = None
+    profile: list[dict[str, float]] = field(default_factory=list)  # per timed request: phase -> s
+    last_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    last_d_blocks: dict[str, list[int]] = field(default_factory=dict)
+    ceiling: tuple[float, int, int] | None = None  # raw engine: (seconds, pieces, bytes)
+
+
+class PdVllmScenario:
+    """The ``pd-vllm`` bench scenario."""
+
+    name = "pd-vllm"
+    summary = "P/D through vLLM's Scheduler: ours (MooncakeConnectorV1) vs vLLM's MooncakeConnector, GB/s, latency"
+    modes = frozenset({"bench"})
+
+    def __init__(self, *, shapes: tuple[Shape, ...] | None = None, corrupt_d: bool = False) -> None:
+        """Defaults: `LARGE` and `SMALL` (`QUICK` with ``--quick``).
+
+        ``corrupt_d`` (tests: the control) refills D's caches with the sentinel after each load, as if
+        nothing had moved: every wave must then fail its byte check and no figure be reported.
+        """
+        self._shapes = shapes
+        self._corrupt_d = corrupt_d
+
+    def run(self, ctx: ScenarioContext) -> ScenarioReport:
+        report = ScenarioReport(self.name, ctx.mode)
+        missing = missing_requirements()
+        if missing is not None:
+            report.error = missing
+            return report
+        shapes = self._shapes or ((QUICK,) if ctx.quick else (LARGE, SMALL))
+        with tempfile.TemporaryDirectory(prefix="pd-vllm-") as tmp:
+            for shape in shapes:
+                self._run_shape(ctx, report, shape, Path(tmp))
+        return report
+
+    def _run_shape(self, ctx: ScenarioContext, report: ScenarioReport, shape: Shape, tmp: Path) -> None:
+        from ascend_dist.kv_mooncake._demo import pd_vllm_driver as vd
+
+        ctx.progress.step(
+            f"{shape.name}: {shape.requests} requests x {shape.layers} layers x {shape.tokens} tokens x "
+            f"{shape.kv_heads} KV heads x {shape.head_dim}, block {shape.block}: "
+            f"{shape.wave_bytes / 2**20:.1f} MiB per wave, 1 warm-up + {shape.waves} timed waves"
+        )
+        model_dir = vd.write_model_dir(tmp, shape)
+        env = {
+            "VLLM_HOST_IP": "127.0.0.1",  # vLLM's connector binds its side channel and engine here
+            "HF_HUB_OFFLINE": "1",
+        }
+        sides: list[_Side] = []
+        with vd.environment(env), vd.cpu_host_shims():
+            probe_cfg = vd.vllm_config(model_dir, shape, self._ours(shape, "kv_both", "probe", 1))
+            with vd.distributed_env(probe_cfg, free_port_range(1)):
+                try:
+                    sides.append(self._start_ours(shape, model_dir))
+                    sides.append(self._start_peer(shape, model_dir))
+                    gc.collect()
+                    gc.freeze()  # as vLLM's engine does after start-up
+                    for wave in range(-1, shape.waves):
+                        order = sides if wave % 2 == 0 else sides[::-1]
+                        for side in order:
+                            name = "warm-up" if wave < 0 else f"wave {wave + 1}"
+                            ctx.progress.step(f"{shape.name} {name}: {side.label}")
+                            self._wave(report, side, shape, wave)
+                    self._ceiling(ctx, report, sides[0], shape)
+                finally:
+                    gc.unfreeze()
+                    for side in sides:
+                        self._stop(side)
+        self._measure(ctx, report, shape, sides)
+
+    # ---- contenders ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _ours(shape: Shape, role: str, engine_id: str, port: int) -> dict[str, Any]:
+        return {
+            "kv_connector": "MooncakeConnectorV1",
+            "kv_connector_module_path": _OURS_MODULE,
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_port": port,
+            "kv_connector_extra_config": {
+                "prefill": {"tp_size": 1},
+                "decode": {"tp_size": 1},
+                "host": "127.0.0.1",
+                "mooncake_protocol": "tcp",
+            },
+        }
+
+    def _start_ours(self, shape: Shape, model_dir: Path) -> _Side:
+        from ascend_dist.kv_mooncake._demo import pd_vllm_driver as vd
+        from ascend_dist.kv_mooncake.core.engine import reset_engines_for_tests
+
+        port = free_port_range(1)
+        tag = uuid.uuid4().hex[:8]
+        # Our engines are process-wide per host; forgetting the cached one before each instance gives
+        # P and D their own transfer engine, as vLLM's connector has (and as two processes would).
+        reset_engines_for_tests()
+        p = vd.Instance(
+            vd.vllm_config(model_dir, shape, self._ours(shape, "kv_producer", f"ours-p-{tag}", port)), shape
+        )
+        try:
+            reset_engines_for_tests()
+            d_port = free_port_range(1)
+            d = vd.Instance(
+                vd.vllm_config(model_dir, shape, self._ours(shape, "kv_consumer", f"ours-d-{tag}", d_port)), shape
+            )
+        except BaseException:
+            p.close()
+            raise
+        probe = Probe()
+        receiver = d.worker._worker.receiver  # type: ignore[attr-defined]
+        probe.attach(receiver)
+        return _Side(OURS, False, p, d, probe=probe)
+
+    def _start_peer(self, shape: Shape, model_dir: Path) -> _Side:
+        from ascend_dist.kv_mooncake._demo import pd_vllm_driver as vd
+
+        tag = uuid.uuid4().hex[:8]
+        boot_port = free_port_range(1)
+        bootstrap = vd.BootstrapServer("127.0.0.1", boot_port)  # vLLM's own, never on a wildcard address
+        bootstrap.start()
+        try:
+            extra = {"mooncake_protocol": "tcp", "bootstrap_server_address": f"127.0.0.1:{boot_port}"}
+
+            def cfg(role: str, engine_id: str) -> Any:
+                return vd.vllm_config(
+                    model_dir,
+                    shape,
+                    {
+                        "kv_connector": "MooncakeConnector",
+                        "kv_role": role,
+                        "engine_id": engine_id,
+                        "kv_connector_extra_config": extra,
+                    },
+                )
+
+            p_id = f"vllm-p-{tag}"
+            p = vd.Instance(cfg("kv_producer", p_id), shape)
+            try:
+                d = vd.Instance(cfg("kv_consumer", f"vllm-d-{tag}"), shape)
+            except BaseException:
+                p.close()
+                raise
+        except BaseException:
+            bootstrap.shutdown()
+            raise
+        return _Side(PEER, True, p, d, bootstrap=bootstrap, boot_addr=f"http://127.0.0.1:{boot_port}", p_engine_id=p_id)
+
+    @staticmethod
+    def _stop(side: _Side) -> None:
+        try:
+            side.d.close()
+            side.p.close()
+        finally:
+            if side.bootstrap is not None:
+                side.bootstrap.shutdown()
+
+    # ---- one wave --------------------------------------------------------------------------------
+
+    def _wave(self, report: ScenarioReport, side: _Side, shape: Shape, wave: int) -> None:
+        """One wave (see the module docstring); a timed wave's figures count only if every block verified."""
+        w = _Wave.new(side, shape, wave)
+        _fill(side)
+        _prefill(side, w)
+        _load(side, w)
+        # D computes the last token, P frees its lent blocks: both idle before the check.
+        side.d.run_until_idle(PHASE_TIMEOUT_S, also=side.p)
+        if self._corrupt_d:
+            for t in side.d.caches.values():
+                t.fill_(-3.0)
+        w.problems += _verify(shape, side, w)
+        n = shape.requests
+        wave_s = (max(w.received.values()) - w.t0) if len(w.received) == n else float("inf")
+        ok = report.check(
+            f"{side.label} {shape.name} {'warm-up' if wave < 0 else f'wave {wave + 1}'}: every block byte-exact",
+            not w.problems,
+            "; ".join(w.problems[:3]) or f"{n} requests, {shape.wave_bytes / wave_s / 1e9:.3f} GB/s",
+        )
+        if not ok:
+            side.verified = False
+            return
+        if side.probe is not None:
+            side.last_params = {d: dict(w.p_params.get(p) or {}) for p, d in zip(w.p_ids, w.d_ids, strict=True)}
+            side.last_d_blocks = {rid: w.d_blocks[rid] for rid in w.d_ids}
+        if wave >= 0:
+            side.wave_s.append(wave_s)
+            side.latencies += [w.received[r] - w.t0 for r in w.d_ids]
+            if side.probe is not None:
+                side.profile += _profile(side.probe, w)
+
+    # ---- the raw engine's ceiling ---------------------------------------------------------------
+
+    def _ceiling(self, ctx: ScenarioContext, report: ScenarioReport, ours: _Side, shape: Shape) -> None:
+        """The raw engine's ceiling: one ``batch_transfer_sync_read`` of our last wave's descriptors, all requests.
+
+        Built by our planner from the same params and blocks; P has freed those blocks by now, so the
+        bytes are stale, but the descriptors address P's registered cache and the timing is what counts.
+        """
+        from ascend_dist.kv_mooncake.core.descriptors import Descriptors
+        from ascend_dist.kv_mooncake.core.ranks import select_sources
+        from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta
+        from ascend_dist.kv_mooncake.pull.task_batch import task_batch
+
+        if not ours.verified or not ours.last_params:
+            return
+        worker = ours.d.worker._worker  # type: ignore[attr-defined]
+        receiver = worker.receiver
+        engine = worker._engine
+        raw = getattr(engine, "inner", engine)
+        batches = []
+        session = ""
+        for rid, params in ours.last_params.items():
+            agent = receiver.peer_metadata(params["remote_engine_id"], params["remote_host"], params["remote_port"])
+            meta = ReqMeta(
+                request_id=rid,
+                local_block_ids=[ours.last_d_blocks[rid][: shape.blocks_per_request]],
+                remote_block_ids=params["remote_block_ids"],
+                num_computed_tokens=0,
+                remote_request_id=params["remote_request_id"],
+                remote_engine_id=params["remote_engine_id"],
+                remote_host=params["remote_host"],
+                remote_port=params["remote_port"],
+                remote_ptp_size=1,
+                prompt_len=shape.tokens,
+                window_blocks=[0],
+                state_groups=[],
+                remote_block_size=params.get("remote_block_size") or 0,
+            )
+            slices = select_sources(0, 1, 1, shape.kv_heads, rid)
+            batches.append(
+                task_batch(receiver.cache, agent, meta, p_rank=0, d_rank=0, d_tp=1, slices=slices).descriptors
+            )
+            session = agent.te_session
+        batch = Descriptors.concat(batches)
+        best = float("inf")
+        for _ in range(max(1, shape.waves)):
+            start = time.perf_counter()
+            rc = raw.raw_read(session, batch)
+            best = min(best, time.perf_counter() - start)
+            if not report.check(f"raw engine {shape.name}: one read of {len(batch)} descriptors", rc == 0, f"rc={rc}"):
+                return
+        ours.ceiling = (best, len(batch), int(batch.lengths.sum()))
+
+    # ---- figures ---------------------------------------------------------------------------------
+
+    def _measure(self, ctx: ScenarioContext, report: ScenarioReport, shape: Shape, sides: list[_Side]) -> None:
+        ours, peer = sides[0], sides[1]
+        if not (ours.verified and peer.verified and ours.wave_s and peer.wave_s):
+            return
+        timed = len(ours.wave_s) * shape.wave_bytes
+        ours_gbps = timed / sum(ours.wave_s) / 1e9
+        peer_gbps = len(peer.wave_s) * shape.wave_bytes / sum(peer.wave_s) / 1e9
+        ours_lat = statistics.median(ours.latencies) * 1e3
+        peer_lat = statistics.median(peer.latencies) * 1e3
+        what = f"{shape.name} ({shape.requests} x {shape.request_bytes / 2**20:.2f} MiB, {len(ours.wave_s)} waves)"
+        large = shape is LARGE
+        small = shape is SMALL
+        report.measurements.append(
+            Measurement(
+                f"{what}: GB/s",
+                ours_gbps,
+                "GB/s",
+                peer_gbps,
+                f"{PEER}, same run",
+                target_ratio=GBPS_TARGET if large else None,
+            )
+        )
+        report.measurements.append(
+            Measurement(
+                f"{what}: latency p50 per request (ratio = vLLM's / ours)",
+                ours_lat,
+                "ms",
+                peer_lat,
+                f"{PEER}, same run",
+                higher_is_better=False,
+                target_ratio=LATENCY_TARGET if small else None,
+            )
+        )
+        if ours.ceiling is not None:
+            seconds, pieces, nbytes = ours.ceiling
+            report.measurements.append(
+                Measurement(
+                    f"{what}: ours vs the raw engine's ceiling (one read of all {pieces} pieces)",
+                    ours_gbps,
+                    "GB/s",
+                    nbytes / seconds / 1e9,
+                    "raw batch_transfer_sync_read, same descriptors",
+                )
+            )
+        ctx.progress.step(
+            f"{shape.name}: ours / vLLM's: GB/s {ours_gbps:.3f} / {peer_gbps:.3f} = {ours_gbps / peer_gbps:.2f}x"
+            f"{' (target >= 1.2x)' if large else ''}; latency p50 {ours_lat:.1f} / {peer_lat:.1f} ms = "
+            f"{ours_lat / peer_lat:.2f}x{' (target <= 0.5x)' if small else ''}"
+        )
+        if ours.profile:
+            mean = {k: statistics.mean(r[k] for r in ours.profile) * 1e3 for k in ours.profile[0]}
+            ctx.progress.step(
+                f"{shape.name}: ours per request, mean ms: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
+            )
+
+
+@dataclass
+class _Wave:
+    """One wave's requests and what each side reported."""
+
+    shape: Shape
+    wave: int
+    prompts: list[list[int]]
+    p_ids: list[str]
+    d_ids: list[str]
+    p_blocks: dict[str, list[int]] = field(default_factory=dict)
+    p_params: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    d_blocks: dict[str, list[int]] = field(default_factory=dict)
+    received: dict[str, float] = field(default_factory=dict)  # D request -> perf_counter of its report
+    t0: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, side: _Side, shape: Shape, wave: int) -> _Wave:
+        tag = f"w{wave + 1}-{uuid.uuid4().hex[:6]}"
+        n = shape.requests
+        prompts = [_prompt(shape, wave, i, 1 if side.peer else 0) for i in range(n)]
+        return cls(shape, wave, prompts, [f"{tag}-p{i}" for i in range(n)], [f"{tag}-d{i}" for i in range(n)])
+
+    @staticmethod
+    def transfer_id(p_rid: str) -> str:
+        return f"xfer-{p_rid}"
+
+
+def _fill(side: _Side) -> None:
+    """P's caches: fresh random bytes; D's: a sentinel that must not survive the load."""
+    import torch
+
+    gen = torch.Generator().manual_seed(int(uuid.uuid4().int % (1 << 31)))
+    for t in side.p.caches.values():
+        t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, generator=gen, dtype=torch.int16))
+    for t in side.d.caches.values():
+        t.fill_(-3.0)
+
+
+def _prefill(side: _Side, w: _Wave) -> None:
+    """P computes every prompt (``do_remote_decode``), then steps once more; the proxy keeps P's params."""
+    p, n = side.p, w.shape.requests
+    for rid, prompt in zip(w.p_ids, w.prompts, strict=True):
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if side.peer:
+            params["transfer_id"] = w.transfer_id(rid)
+        p.add(rid, prompt, params)
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    while len(w.p_params) < n and time.monotonic() < deadline:
+        res = p.step()
+        w.p_blocks.update(res.new_blocks)
+        w.p_params.update(res.finished_params)
+    p.step()  # both connectors hand the finished requests' blocks to their workers in the next step
+    if len(w.p_params) < n:
+        w.problems.append(f"P finished {len(w.p_params)}/{n} requests")
+
+
+def _d_params(side: _Side, w: _Wave, p_rid: str) -> dict[str, Any]:
+    """What a proxy hands D: P's returned params (ours); vLLM's proxy fields (vLLM's P returns none)."""
+    if side.peer:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": side.p_engine_id,
+            "remote_bootstrap_addr": side.boot_addr,
+            "transfer_id": w.transfer_id(p_rid),
+        }
+    return dict(w.p_params.get(p_rid) or {}) | {"do_remote_prefill": True, "do_remote_decode": False}
+
+
+def _load(side: _Side, w: _Wave) -> None:
+    """D admits every prompt; D and P step in turn until D reported every load (or one failed)."""
+    p, d, n = side.p, side.d, w.shape.requests
+    for p_rid, d_rid, prompt in zip(w.p_ids, w.d_ids, w.prompts, strict=True):
+        d.add(d_rid, prompt, _d_params(side, w, p_rid))
+    if side.probe is not None:
+        side.probe.clear()
+    w.t0 = time.perf_counter()
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    while len(w.received) < n and time.monotonic() < deadline:
+        res = d.step()
+        for rid in res.finished_recving:
+            w.received.setdefault(rid, res.results_at)
+            # the blocks vLLM allocated for the load (the request still holds them)
+            w.d_blocks[rid] = list(d.sched.kv_cache_manager.get_block_ids(rid)[0])
+        if res.failed_recving or res.invalid_block_ids:
+            w.problems.append(f"D's loads failed: {sorted(res.failed_recving)} {sorted(res.invalid_block_ids)[:4]}")
+            break
+        if p.sched.has_requests():
+            p.step()
+    if len(w.received) < n:
+        w.problems.append(f"D received {len(w.received)}/{n} requests")
+
+
+def _verify(shape: Shape, side: _Side, w: _Wave) -> list[str]:
+    """Every prompt token of every block on D equals P's (every layer, head, K and V)."""
+    problems = []
+    for i, (pr, dr) in enumerate(zip(w.p_ids, w.d_ids, strict=True)):
+        src, dst = w.p_blocks.get(pr, []), w.d_blocks.get(dr, [])
+        need = shape.blocks_per_request
+        if len(src) < need or len(dst) < need:
+            problems.append(f"request {i}: {len(src)} P blocks, {len(dst)} D blocks, expected {need}")
+            continue
+        for j in range(need):
+            tokens = min(shape.block, shape.tokens - j * shape.block)
+            if side.d.block(dst[j], tokens) != side.p.block(src[j], tokens):
+                problems.append(f"request {i} block {j}: D's bytes differ from P's")
+                break
+    return problems
+
+
+def _profile(probe: Probe, w: _Wave) -> list[dict[str, float]]:
+    """Per request: each phase summed over its tasks, the gap until ``get_transfer_results`` and the total."""
+    tasks = probe.by_request()
+    out = []
+    for p_rid, d_rid in zip(w.p_ids, w.d_ids, strict=True):
+        remote = (w.p_params.get(p_rid) or {}).get("remote_request_id", "")
+        mine = tasks.get(str(remote), [])
+        if not mine or d_rid not in w.received:
+            continue
+        row = {k: sum(t.phases()[k] for t in mine) for k in PHASES}
+        reads_done = max(t.done_started_at or t.ended_at for t in mine)
+        row["gap until get_finished"] = max(0.0, w.received[d_rid] - reads_done)
+        row["D admitted -> reported"] = w.received[d_rid] - w.t0
+        out.append(row)
+    return out
+
+
+def _prompt(shape: Shape, wave: int, i: int, salt: int) -> list[int]:
+    """Distinct per wave, request and contender: no prefix hit on either side."""
+    base = 1 + (((wave + 2) * 1009 + i * 31 + salt * 101) * 104_729) % 900_000
+    return [base + t for t in range(shape.tokens)]
+
+
+def make_scenario() -> PdVllmScenario:
+    """Entry point of ``ascend_dist.scenarios`` (imports neither vLLM nor torch)."""
+    return PdVllmScenario()
