@@ -105,6 +105,9 @@ def _completion(output: Any) -> Completion:
         num_cached_tokens=int(output.num_cached_tokens or 0),
         finish_reason=sample.finish_reason,
         kv_transfer_params=output.kv_transfer_params,
+        # vLLM ends a request whose KV load failed under kv_load_failure_policy="fail" (or that
+        # failed otherwise on its own) with finish reason "error" and no exception.
+        error="vLLM finished the request with an error" if sample.finish_reason == "error" else None,
     )
 
 
