@@ -9,7 +9,7 @@ live as long as their module (or test, when a test kills one). Helpers are in
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +38,21 @@ def models(host: EngineHost, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 def reference(host: EngineHost, models: dict[str, Path]) -> Engine:
     """The same model without a connector: what every transfer must reproduce."""
     return host.spawn(EngineSpec(model=str(models["a"])), "reference")
+
+
+_REPORT_KEY = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture(scope="session")
+def engine_report(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Adds a line to the engine tier's report (figures such as TTFT), printed at the end of the run."""
+    lines = request.config.stash.setdefault(_REPORT_KEY, [])
+    return lines.append
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    lines = config.stash.get(_REPORT_KEY, [])
+    if lines:
+        terminalreporter.section("engine tier report")
+        for line in lines:
+            terminalreporter.write_line(line)
