@@ -154,3 +154,18 @@ def test_without_a_secret_a_process_warns_once_with_one_it_authenticates_silentl
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["a", str(with_secret), "b", str(with_secret)]
     assert proc.stderr.count("peers are not authenticated") == (0 if with_secret else 1)
+
+
+def test_every_mac_is_counted_in_the_process_auth_cost() -> None:
+    """The pd bench reads `AUTH_COST` on both sides: a request and its reply are four MACs."""
+    from ascend_dist.common.auth_cost import AUTH_COST
+
+    clock = Clock()
+    client, server = FrameAuth(SECRET, clock_ns=clock), FrameAuth(SECRET, clock_ns=clock)
+    before = AUTH_COST.snapshot()
+    nonce = server.check_request(HEADER, b"x" * 4096, client.seal_request(HEADER, b"x" * 4096))
+    reply_header = pack_header(KIND_REPLY, 1)
+    client.check_reply(nonce, reply_header, b"answer", server.seal_reply(nonce, reply_header, b"answer"))
+    spent = AUTH_COST.snapshot().since(before)
+    assert spent.ops == 4  # seal, check, seal the reply, check the reply
+    assert spent.ns > 0

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
+from ascend_dist.common.auth_cost import AUTH_COST
 from ascend_dist.common.errors import ConfigError, PeerNotAuthenticated
 from ascend_dist.common.secret import TAG_BYTES, DeploymentSecret, load_secret, warn_unauthenticated
 
@@ -115,12 +116,15 @@ class FrameAuth:
         self._lock = threading.Lock()
 
     def _tag(self, direction: bytes, header: bytes, stamp: bytes, body: bytes | bytearray | memoryview) -> bytes:
+        started = AUTH_COST.start()
         mac = self._base.copy()
         mac.update(direction)
         mac.update(header)
         mac.update(stamp)
         mac.update(body)
-        return mac.digest()
+        tag = mac.digest()
+        AUTH_COST.add(started)
+        return tag
 
     def seal_request(self, header: bytes, payload: bytes | bytearray | memoryview) -> bytes:
         """The ``auth`` frame for one request: fresh timestamp and nonce, then the tag."""

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ascend_dist.common.auth_cost import AUTH_COST
 from ascend_dist.kv_mooncake._demo.peer_serve import serve
 from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance, block_view
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
@@ -64,6 +65,7 @@ def _poll(inst: SyntheticInstance) -> dict[str, Any]:
         "blocks_lent": lent,
         "expired": expired,
         "late_dones": sum(r.worker.tracker.late_dones for r in inst.ranks),
+        "auth_cost": list(AUTH_COST.snapshot()),  # P's signing and MACs so far (ns, operations)
     }
 
 

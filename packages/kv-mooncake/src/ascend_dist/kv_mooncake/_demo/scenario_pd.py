@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from ascend_dist.common.auth_cost import AUTH_COST, AuthCostSnapshot
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
+from ascend_dist.common.secret import load_secret
 from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, free_port_range
 from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
 from ascend_dist.kv_mooncake.core.blocks import TensorGeom, plan_block_pairs
@@ -32,6 +34,7 @@ from ascend_dist.kv_mooncake.pull.task_batch import task_batch
 __all__ = ["PdHybridScenario", "PdScenario", "make_hybrid_scenario", "make_scenario"]
 
 THROUGHPUT_TARGET = 0.9
+AUTH_TARGET = 50.0  # signing and MACs <= 2 % of the transfer time (issue 23)
 PLANNING_TARGET = 20.0  # planning <= 5 % of the transfer time
 _RAW = "raw batch_transfer_sync_read, same descriptors"
 
@@ -95,6 +98,7 @@ class PdScenario:
         conn, raw, total_bytes, tokens, errors = [], [], 0, 0, 0
         receiver, engine = self._engine(d)
         ctx.progress.step(f"{n} requests of {prompt} tokens: prefill on P, proxy, pull on D, verify")
+        auth_before = self._auth_cost(p) if ctx.mode == "bench" else None
         for i in range(n):
             rid = f"req-{i}"
             params = p.prefill(rid, prompt, seed=i)  # P's response; the proxy forwards the params to D
@@ -111,6 +115,17 @@ class PdScenario:
             d.finish_decode(rid)
             ctx.progress.advance(i + 1, n)
         freed = self._wait_p_idle(p)
+        if auth_before is not None:  # small requests: the side channel weighs most here (no target)
+            self._auth_share(
+                ctx,
+                report,
+                p,
+                auth_before,
+                transfer_s=sum(conn),
+                requests=n,
+                label=f"{prompt}-token pulls",
+                target=None,
+            )
         report.check(
             "every pulled byte equals P's",
             errors == 0,
@@ -160,13 +175,15 @@ class PdScenario:
         receiver = worker.receiver
         engine = d.ranks[0].worker._engine
         assert receiver is not None and isinstance(engine, MooncakeEngine)
-        best_conn, best_raw, nbytes = float("inf"), float("inf"), 0
+        best_conn, best_raw, nbytes, all_conn = float("inf"), float("inf"), 0, 0.0
+        auth_before = self._auth_cost(p)
         for rep in range(max(1, ctx.repeat)):
             rid = f"tp-{rep}"
             params = p.prefill(rid, prompt, seed=100 + rep)
             start = time.perf_counter()
             d.decode(rid, prompt, params)
             ok = not d.wait_recv({rid}, timeout_s=120.0)
+            all_conn += time.perf_counter() - start
             best_conn = min(best_conn, time.perf_counter() - start)
             nbytes = d.verify(rid, seed=100 + rep) if ok else 0
             batch, session = self._same_descriptors(d, rid, params, receiver)
@@ -176,6 +193,15 @@ class PdScenario:
             report.check(f"raw read {rep} of the same {len(batch)} descriptors", rc == 0 and ok, f"rc={rc}")
             d.finish_decode(rid)
             self._wait_p_idle(p)
+        self._auth_share(
+            ctx,
+            report,
+            p,
+            auth_before,
+            transfer_s=all_conn,
+            requests=max(1, ctx.repeat),
+            label=f"{nbytes / 2**20:.0f} MiB pulls",
+        )
         report.measurements.append(
             Measurement(
                 f"pull {nbytes / 2**20:.0f} MiB, 64 KiB blocks (connector end to end)",
@@ -187,6 +213,47 @@ class PdScenario:
             )
         )
         self._transfer_gbps = nbytes / best_conn / 1e9
+
+    @staticmethod
+    def _auth_cost(p: PInstance) -> tuple[AuthCostSnapshot, AuthCostSnapshot]:
+        """This process's (D's) and P's authentication work so far."""
+        return AUTH_COST.snapshot(), AuthCostSnapshot(*p.poll()["auth_cost"])
+
+    def _auth_share(
+        self,
+        ctx: ScenarioContext,
+        report: ScenarioReport,
+        p: PInstance,
+        before: tuple[AuthCostSnapshot, AuthCostSnapshot],
+        *,
+        transfer_s: float,
+        requests: int,
+        label: str,
+        target: float | None = AUTH_TARGET,
+    ) -> None:
+        """Signing and MACs on both sides since ``before`` against the transfer time they protected."""
+        if load_secret() is None:
+            ctx.progress.step("no deployment secret: peers are not authenticated, so there is no cost to show")
+            return
+        d_now, p_now = self._auth_cost(p)
+        d_cost, p_cost = d_now.since(before[0]), p_now.since(before[1])
+        auth_ms = (d_cost.ns + p_cost.ns) / 1e6 / requests
+        transfer_ms = transfer_s * 1e3 / requests
+        ctx.progress.step(
+            f"peer authentication, {label}: {(d_cost.ops + p_cost.ops) / requests:.0f} MACs and signature checks "
+            f"per request, {auth_ms:.3f} ms of {transfer_ms:.1f} ms ({auth_ms / transfer_ms:.2%} of the transfer time)"
+        )
+        report.measurements.append(
+            Measurement(
+                f"signing and MACs per request (P and D), {label}",
+                auth_ms,
+                "ms",
+                transfer_ms,
+                "the transfer time per request they protect",
+                higher_is_better=False,
+                target_ratio=target,
+            )
+        )
 
     @staticmethod
     def _same_descriptors(

@@ -25,6 +25,7 @@ from typing import Annotated
 
 import msgspec
 
+from ascend_dist.common.auth_cost import AUTH_COST
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.secret import DeploymentSecret
 
@@ -106,7 +107,10 @@ def canonical(capability: Capability) -> bytes:
 
 def sign_capability(secret: DeploymentSecret, purpose: str, capability: Capability) -> str:
     """The tag of ``capability`` under ``purpose``, as hex."""
-    return secret.sign(purpose, canonical(capability)).hex()
+    started = AUTH_COST.start()
+    tag = secret.sign(purpose, canonical(capability)).hex()
+    AUTH_COST.add(started)
+    return tag
 
 
 def check_capability(
@@ -140,7 +144,10 @@ def check_capability(
         raw = bytes.fromhex(tag)
     except ValueError:
         raise CapabilityRefused(field, tag[:16], "a hex tag") from None
-    if not secret.verify(purpose, canonical(capability), raw):
+    started = AUTH_COST.start()
+    verified = secret.verify(purpose, canonical(capability), raw)
+    AUTH_COST.add(started)
+    if not verified:
         raise CapabilityRefused(
             field,
             tag[:16] + "...",
