@@ -257,6 +257,42 @@ def test_trainer_killed_mid_update_leaves_old_weights(
     assert_same_output(outputs(updatable, prompts), want_a)
 
 
+@pytest.mark.parametrize("corrupt", ["name", "shape"])
+def test_bad_update_leaves_the_old_weights(
+    updatable: Engine, models: dict[str, Path], reference: Engine, tmp_path: Path, corrupt: str
+) -> None:
+    """The last tensor under a name the model lacks, or one row too long: refused, "a" still served.
+
+    The good tensors come first, so an engine that loaded as it went and failed at the bad one would
+    serve a mix of "a" and "b" (the outputs would match neither reference).
+    """
+    backend = backend_of(updatable)
+    prompts = make_prompts(941)
+    want_a = outputs(reference, prompts)
+    assert_same_output(outputs(updatable, prompts), want_a)  # precondition: the engine serves "a"
+    version = f"bad-{corrupt}"
+    with trainer(updatable, models, tmp_path, backend=backend, corrupt=corrupt, weight_version=version) as t:
+        try:
+            end = t.wait_event("failed", 240.0)
+        except AssertionError as exc:  # "done": the engine accepted the bad update
+            raise AssertionError(f"{backend}: the bad update ({corrupt}) was accepted: {exc}") from None
+        t.wait_event("eof", 60.0)
+        t.wait_relay(FAILURE_DEADLINE_S)
+    failed = [c for c in t.calls if c.error is not None]
+    assert failed, f"no weight-sync call failed; the trainer said {end}"
+    print(f"{backend}: bad {corrupt} -> {failed[0].method} failed: {failed[0].error}")
+    if updatable.weight_sync.last_weight_version == version:
+        raise AssertionError(f"the engine took weight version {version!r} for a refused update")
+    if any(c.method == "start_weight_update" for c in t.calls) and not any(
+        c.method == "finish_weight_update" for c in t.calls
+    ):
+        with contextlib.suppress(WeightSyncError):  # close vLLM's session, as after a killed trainer
+            updatable.weight_sync.finish_weight_update()
+    assert updatable.alive
+    assert_same_output(outputs(updatable, prompts), want_a)
+    assert_same_output(outputs(updatable, make_prompts(942)), outputs(reference, make_prompts(942)))
+
+
 def test_trainer_updates_engine_to_other_weights(
     updatable: Engine, models: dict[str, Path], reference: Engine, reference_b: Engine, tmp_path: Path
 ) -> None:

@@ -11,7 +11,9 @@ the engine (`Engine.weight_sync`). Data moves trainer -> engine directly: gloo b
 Config (JSON, argv[1]): ``backend`` ("hccl" | "npu_ipc"), ``weights`` (a safetensors file),
 ``buffer_size_bytes``, ``port`` and ``op_timeout_s`` (hccl), ``weight_version``, and
 ``pause_after_buffers`` (None, or N: after N data buffers reached the engine, say "paused" and
-wait to be killed: a trainer dying mid-update, killed by the test at a known point).
+wait to be killed: a trainer dying mid-update, killed by the test at a known point), and
+``corrupt`` (None, ``"name"`` or ``"shape"``: the last tensor in send order goes under a name the
+model lacks, or with one extra row: a bad update whose good tensors come first).
 
 Messages on stdout: ``{"call": method, "args": {...}}`` (answered ``{"ok": true}`` or
 ``{"ok": false, "error": ...}``), ``{"event": "paused"}``, ``{"event": "done", ...}``,
@@ -225,6 +227,20 @@ def run_ipc(config: dict[str, Any], tensors: list[tuple[str, Any]], client: Rela
     return {"tensors": len(tensors), "messages": sent, "runtime": runtime.name}
 
 
+def _corrupted(tensors: list[tuple[str, Any]], how: str | None) -> list[tuple[str, Any]]:
+    """``tensors`` with the last one renamed (``"name"``) or grown by one row (``"shape"``)."""
+    if how is None:
+        return tensors
+    import torch
+
+    name, last = tensors[-1]
+    if how == "name":
+        return [*tensors[:-1], ("model.layers.0.no_such_projection.weight", last)]
+    if how == "shape":
+        return [*tensors[:-1], (name, torch.cat([last, last[:1]]))]
+    raise ValueError(f"corrupt: {how!r} is not 'name' or 'shape'")
+
+
 def main() -> int:
     """Run one update as configured by argv[1]; report on the protocol channel."""
     protocol = os.fdopen(os.dup(1), "wb")
@@ -234,7 +250,7 @@ def main() -> int:
     try:
         from safetensors.torch import load_file
 
-        tensors = sorted(load_file(config["weights"]).items())
+        tensors = _corrupted(sorted(load_file(config["weights"]).items()), config.get("corrupt"))
         run = run_hccl if config["backend"] == "hccl" else run_ipc
         result = run(config, tensors, client)
     except BaseException as exc:
