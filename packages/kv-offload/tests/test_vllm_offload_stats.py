@@ -268,3 +268,27 @@ def test_simple_failed_jobs_are_failures_by_kind_and_move_no_bytes(model_dir: Pa
         assert out.sample("vllm:ascend_offload_xfer_time_seconds_count", direction="load") == 1
     finally:
         loop.close()
+
+
+def test_a_malformed_paired_payload_is_dropped_whole(model_dir: Path) -> None:
+    """A payload from outside: a wrong marker, a bad half of ours or of vLLM's is logged and counts nothing."""
+    from ascend_dist.common.vllm_stats import AscendTransferStats
+    from ascend_dist.kv_offload.vllm_native import AscendOffloadingConnector, NativeOffloadStats
+
+    extra = {"spec_name": "NPUOffloadingSpec", "spec_module_path": NATIVE, "cpu_bytes_to_use": 1 << 20}
+    config = make_config(model_dir, "AscendOffloadingConnector", NATIVE, extra, 32)
+    ours = {"ascend_dist_stats": 1, "failures": [["offload", "save", "other", 1]]}
+    negative = {"ascend_dist_stats": 1, "failures": [["offload", "save", "other", -1]]}
+    bad = [
+        ours,  # ours without the pair's marker
+        {"ascend_dist_paired_stats": 2, "vllm": None, "ascend": ours},
+        {"ascend_dist_paired_stats": 1, "vllm": None, "ascend": negative},
+        {"ascend_dist_paired_stats": 1, "vllm": [1], "ascend": ours},
+    ]
+    for payload in bad:
+        stats = AscendOffloadingConnector.build_kv_connector_stats(payload)
+        assert stats is not None and stats.is_empty()
+    out = read_back(config, *bad, {"ascend_dist_paired_stats": 1, "vllm": None, "ascend": ours})
+    assert _failed(out, "save") == {"other": 1}  # the well-formed payload only (control: it is counted)
+    with pytest.raises(TypeError, match="cannot aggregate"):  # one connector's stats only, as vLLM's own
+        NativeOffloadStats().aggregate(AscendTransferStats(data=ours))

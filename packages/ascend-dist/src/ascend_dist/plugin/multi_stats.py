@@ -88,7 +88,7 @@ def children_prom_metrics(
         shared = AscendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, tuple(channels))
         metrics.update({cls.__name__: shared for cls in ours})
         for cls, child_config in paired:
-            prom = cls.build_prom_metrics(child_config, metric_types, labelnames, per_engine_labelvalues, shared=shared)  # type: ignore[attr-defined]
-            if prom is not None:
-                metrics[cls.__name__] = prom
+            metrics[cls.__name__] = cls.build_prom_metrics(  # type: ignore[attr-defined]
+                child_config, metric_types, labelnames, per_engine_labelvalues, shared=shared
+            )
     return MultiKVConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, metrics)

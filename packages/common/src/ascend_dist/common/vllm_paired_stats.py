@@ -212,7 +212,7 @@ class PairedStatsReporting:
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
         shared: AscendPromMetrics | None = None,
-    ) -> KVConnectorPromMetrics | None:
+    ) -> KVConnectorPromMetrics:
         """The vLLM connector's metrics beside ours (``shared``: a multi-connector's one registration)."""
         theirs = super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)  # type: ignore[misc]
         ours = shared or AscendPromMetrics(
