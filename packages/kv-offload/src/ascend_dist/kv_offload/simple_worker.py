@@ -301,8 +301,9 @@ class SimpleOffloadWorker:
         """One ended job in the stats: its time, bytes and descriptors, or a failure (a copy fault: ``other``)."""
         if self._stats is None:
             return
-        if result.success and result.transfer_time is not None:
-            self._stats.record_transfer(direction, result.transfer_time, result.transfer_size, result.num_descriptors)
+        if result.success:  # (untimed: 0 s; the bytes still moved)
+            seconds = result.transfer_time or 0.0
+            self._stats.record_transfer(direction, seconds, result.transfer_size, result.num_descriptors)
         else:
             self._stats.record_failure(direction, FailureKind.OTHER)
 
