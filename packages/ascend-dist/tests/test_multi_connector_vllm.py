@@ -387,3 +387,25 @@ def test_two_of_our_children_share_one_metrics_registration(model_dir: Path) -> 
     out = read_back(config, {"AscendStoreConnector": {"ascend_dist_stats": 1, "pool_hit_tokens": 16}})
     assert out.sample("vllm:ascend_pool_hit_tokens_total") == 16
     assert out.sample("vllm:mooncake_bytes_transferred_sum") is None  # control: no p2p transfer in the payload
+
+
+def test_native_offload_child_shares_our_offload_metrics_with_the_recompute_child(model_dir: Path) -> None:
+    """Both report ``vllm:ascend_offload_num_failed_transfers``: one registration, each child's failures counted."""
+    from ascend_dist.testing.vllm_stats import read_back
+
+    config = make_config(model_dir, "kv_consumer", "D-paired", free_port_range(1))
+    native = {
+        "kv_connector": "AscendOffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "ascend_dist.kv_offload.vllm_native",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": "64 KiB"},
+    }  # fmt: skip
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector_extra_config["connectors"].append(native)
+    ours = {"ascend_dist_stats": 1, "failures": [["offload", "save", "other", 1]]}
+    paired = {"ascend_dist_paired_stats": 1, "vllm": None, "ascend": ours}
+    recompute = {"ascend_dist_stats": 1, "failures": [["offload", "load", "timeout", 2]]}
+    out = read_back(config, {"AscendOffloadingConnector": paired, "RecomputeCPUOffloadConnector": recompute})
+    failed = "vllm:ascend_offload_num_failed_transfers_total"
+    assert out.sample(failed, direction="save", kind="other") == 1  # the native child's
+    assert out.sample(failed, direction="load", kind="timeout") == 2  # the recompute child's
+    assert out.sample(failed, direction="load", kind="other") is None  # control

@@ -337,6 +337,7 @@ class Loop:
         w.wait_for_save()
         results = w.get_transfer_results(out.finished_req_ids)
         errors = w.get_block_ids_with_load_errors()
+        stats = w.get_kv_connector_stats()  # vLLM's runner order: after the load errors
         for rid in results.finished_recving - results.failed_recving:
             req = self.sched.requests.get(rid)
             if req is not None and not req.is_finished() and not set(self.block_ids(rid)) & errors:
@@ -351,7 +352,8 @@ class Loop:
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_recving=results.finished_recving or None, invalid_block_ids=errors,
-                failed_recving=results.failed_recving, kv_connector_worker_meta=worker_meta,
+                failed_recving=results.failed_recving, kv_connector_stats=stats,
+                kv_connector_worker_meta=worker_meta,
             ),
         )  # fmt: skip
 

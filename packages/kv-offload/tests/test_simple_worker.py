@@ -10,6 +10,7 @@ import torch
 
 from ascend_dist.common.device import CpuSimRuntime
 from ascend_dist.common.errors import ConfigError, LayoutError
+from ascend_dist.common.transfer_stats import FailureKind, TransferStats
 from ascend_dist.kv_offload.capacity import HostCapacity, check_worker_capacity, per_rank_capacity
 from ascend_dist.kv_offload.simple_worker import SimpleOffloadWorker, simple_block_views
 
@@ -102,3 +103,40 @@ def test_a_worker_without_a_runtime_copies_on_its_ranks_device(monkeypatch: pyte
         worker.shutdown()
     finally:
         close_runtime()
+
+
+def test_each_ended_job_is_in_the_stats_a_refused_one_as_a_failure(rt: CpuSimRuntime) -> None:
+    """Bytes, descriptors and time of a good store and load; a store the copy thread could not submit is a failure."""
+    k = torch.zeros(8, 64, dtype=torch.int8)
+    v = torch.zeros(8, 64, dtype=torch.int8)
+    stats = TransferStats("offload")
+    worker = SimpleOffloadWorker(rt, HostCapacity.from_device(8, 8 * 128, 4 * 128), timeout_s=5.0, stats=stats)
+    try:
+        worker.register_kv_caches({"layer0": (k, v)}, 8)
+        assert stats.take() is None  # control: registration moved nothing
+        worker.bind_connector_metadata(Plan(store_event=0, store_gpu_blocks=[1, 2], store_cpu_blocks=[0, 1]))
+        worker.wait_for_save()
+        worker.handle_preemptions(Plan(need_flush=True))
+        worker.get_finished(set())
+        worker.clear_connector_metadata()
+        worker.bind_connector_metadata(
+            Plan(load_event=0, load_gpu_blocks=[5], load_cpu_blocks=[1], load_event_to_reqs={0: ["r"]})
+        )
+        worker.start_load_kv()
+        worker.handle_preemptions(Plan(need_flush=True))
+        assert worker.get_finished(set()) == (None, {"r"})
+        worker.clear_connector_metadata()
+        data = stats.take()
+        assert data is not None and data.failures == []
+        assert [(t.direction, t.nbytes) for t in data.transfers] == [("save", 2 * 128), ("load", 128)]
+        assert all(t.descriptors >= 1 and t.duration_s >= 0 for t in data.transfers)
+        worker.bind_connector_metadata(Plan(store_event=1, store_gpu_blocks=[3], store_cpu_blocks=[99]))  # no host 99
+        worker.wait_for_save()
+        worker.handle_preemptions(Plan(need_flush=True))
+        worker.get_finished(set())
+        assert worker.take_failed_stores() == {1: 1}
+        data = stats.take()
+        assert data is not None and data.transfers == []
+        assert [(f.direction, f.kind, f.count) for f in data.failures] == [("save", FailureKind.OTHER, 1)]
+    finally:
+        worker.shutdown()

@@ -4,7 +4,10 @@ Recompute: one preempt/restore cycle through the factory-registered `RecomputeCP
 (vLLM's real BlockPool, Request, KVCacheBlocks, KVConnectorOutput) on a `FaultyRuntime` over the CPU
 simulation; the worker's stats go to vLLM's `KVConnectorLogging` and `KVConnectorProm` (a private
 registry) as vLLM's scheduler hands them on. Native: vLLM's own offloading stats
-(``vllm:kv_offload_*``) after real stores and loads through vLLM's running ``Scheduler``.
+(``vllm:kv_offload_*``) after real stores and loads through vLLM's running ``Scheduler``, and its
+failed jobs (ours: ``vllm:ascend_offload_num_failed_transfers``); simple: its bytes each way and
+failures (ours) beside vLLM's simple-offload stats. Faults are injected through `FaultyRuntime`, a
+fake of our `DeviceRuntime` Protocol over the CPU simulation.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 pytest.importorskip("vllm")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from offload_vllm_loop import NATIVE, FaultyRuntime, Loop, make_config, write_model_dir  # noqa: E402
+from offload_vllm_loop import NATIVE, SIMPLE, FaultyRuntime, Loop, make_config, write_model_dir  # noqa: E402
 from test_vllm_connectors import BLOCK, NUM_BLOCKS, _configs, _kv, _register  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
@@ -167,3 +170,125 @@ def test_native_offload_reports_bytes_each_way_under_vllms_own_names(model_dir: 
         assert loaded.sample("vllm:kv_offload_load_time_total") > 0
     finally:
         loop.close()
+
+
+def _native_loop(model_dir: Path) -> tuple[Any, Loop]:
+    extra = {"spec_name": "NPUOffloadingSpec", "spec_module_path": NATIVE, "cpu_bytes_to_use": 1 << 20}
+    config = make_config(model_dir, "AscendOffloadingConnector", NATIVE, extra, 32)
+    return config, Loop(config, 32, scheduler_cls=StatsScheduler)
+
+
+def test_native_failed_jobs_are_failures_by_kind_and_move_no_bytes(model_dir: Path) -> None:
+    """A failed store and a failed load: one ``other`` failure each way; vLLM's bytes count only the good jobs."""
+    config, loop = _native_loop(model_dir)
+    page = 2 * BLOCK * 1 * 4
+    try:
+        runtime = loop.shards[0].runtime
+        runtime.fail(CopyDirection.D2H)  # a's store
+        loop.add("a", 100, 48)
+        list(loop.run())
+        failed_store = read_back(config, *loop.sched.take())
+        assert _failed(failed_store, "save") == {"other": 1} and _failed(failed_store, "load") == {}
+        assert failed_store.sample("vllm:kv_offload_store_bytes_total") is None  # nothing stored
+        assert "offload save: Num failed transfers (other)=1" in failed_store.lines[0]
+        loop.add("b", 300, 48)
+        list(loop.run())
+        stored = read_back(config, *loop.sched.take())
+        assert stored.sample("vllm:kv_offload_store_bytes_total") == 3 * page  # control: a good store
+        assert _failed(stored, "save") == {}  # control: a failure is counted once, in its own poll
+        runtime.fail(CopyDirection.H2D)  # b2's first load
+        again = loop.add("b2", 300, 48)
+        list(loop.run())
+        assert again.is_finished() and loop.verified == {"b2": 48}  # vLLM retried: the host copy was intact
+        loaded = read_back(config, *loop.sched.take())
+        assert _failed(loaded, "load") == {"other": 1} and _failed(loaded, "save") == {}
+        assert loaded.sample("vllm:kv_offload_load_bytes_total") == 3 * page  # the retry only
+    finally:
+        loop.close()
+
+
+def _simple_loop(model_dir: Path) -> tuple[Any, Loop]:
+    config = make_config(
+        model_dir, "AscendSimpleCPUOffloadConnector", SIMPLE, {"cpu_bytes_to_use": 1 << 20}, 40, prefix_caching=True
+    )
+    return config, Loop(config, 40, scheduler_cls=StatsScheduler)
+
+
+def test_simple_reports_its_bytes_each_way_beside_vllms_stats(model_dir: Path) -> None:
+    config, loop = _simple_loop(model_dir)
+    try:
+        loop.add("a", 100, 48)  # three full blocks: stored to host once computed
+        list(loop.run())
+        stored = read_back(config, *loop.sched.take())
+        assert stored.sample("vllm:ascend_offload_bytes_transferred_sum", direction="save") == 3 * 2 * PAGE
+        assert stored.sample("vllm:ascend_offload_bytes_transferred_sum", direction="load") is None  # control
+        assert stored.sample("vllm:ascend_offload_num_descriptors_sum", direction="save") >= 1
+        assert _failed(stored, "save") == {} and _failed(stored, "load") == {}
+        assert loop.sched.reset_prefix_cache()  # the repeat can only hit the host copy
+        loop.add("a2", 100, 48)
+        list(loop.run())
+        loaded = read_back(config, *loop.sched.take())
+        blocks = loop.verified["a2"] // BLOCK  # loaded and checked byte for byte (vLLM computes the last block)
+        assert blocks >= 2
+        assert loaded.sample("vllm:ascend_offload_bytes_transferred_sum", direction="load") == blocks * 2 * PAGE
+        assert loaded.sample("vllm:ascend_offload_bytes_transferred_sum", direction="save") is None
+        assert loaded.sample("vllm:simple_kv_offload_load_blocks_total") == blocks  # vLLM's own half, unchanged
+        assert any("offload load: MB transferred" in line for line in loaded.lines)
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("how", ["copy-fault", "submit-raises"])
+def test_simple_failed_jobs_are_failures_by_kind_and_move_no_bytes(model_dir: Path, how: str) -> None:
+    config, loop = _simple_loop(model_dir)
+    try:
+        runtime = loop.shards[0].runtime
+        arm = runtime.fail if how == "copy-fault" else runtime.raise_on_submit
+        arm(CopyDirection.D2H)
+        loop.add("a", 100, 48)
+        list(loop.run())
+        out = read_back(config, *loop.sched.take())
+        assert _failed(out, "save") == {"other": 1} and _failed(out, "load") == {}
+        assert out.sample("vllm:ascend_offload_bytes_transferred_sum", direction="save") is None
+        loop.add("b", 300, 48)
+        list(loop.run())
+        out = read_back(config, *loop.sched.take())
+        assert out.sample("vllm:ascend_offload_bytes_transferred_sum", direction="save") == 3 * 2 * PAGE  # control
+        assert _failed(out, "save") == {}
+        assert loop.sched.reset_prefix_cache()
+        arm(CopyDirection.H2D)
+        again = loop.add("b2", 300, 48)
+        list(loop.run())
+        assert again.is_finished() and loop.load_errors  # reported; vLLM then retried from the intact host copy
+        assert loop.verified == {"b2": 32}
+        out = read_back(config, *loop.sched.take())
+        assert _failed(out, "load") == {"other": 1} and _failed(out, "save") == {}
+        # the retry only: the failed job moved nothing
+        assert out.sample("vllm:ascend_offload_bytes_transferred_sum", direction="load") == 2 * 2 * PAGE
+        assert out.sample("vllm:ascend_offload_xfer_time_seconds_count", direction="load") == 1
+    finally:
+        loop.close()
+
+
+def test_a_malformed_paired_payload_is_dropped_whole(model_dir: Path) -> None:
+    """A payload from outside: a wrong marker, a bad half of ours or of vLLM's is logged and counts nothing."""
+    from ascend_dist.common.vllm_stats import AscendTransferStats
+    from ascend_dist.kv_offload.vllm_native import AscendOffloadingConnector, NativeOffloadStats
+
+    extra = {"spec_name": "NPUOffloadingSpec", "spec_module_path": NATIVE, "cpu_bytes_to_use": 1 << 20}
+    config = make_config(model_dir, "AscendOffloadingConnector", NATIVE, extra, 32)
+    ours = {"ascend_dist_stats": 1, "failures": [["offload", "save", "other", 1]]}
+    negative = {"ascend_dist_stats": 1, "failures": [["offload", "save", "other", -1]]}
+    bad = [
+        ours,  # ours without the pair's marker
+        {"ascend_dist_paired_stats": 2, "vllm": None, "ascend": ours},
+        {"ascend_dist_paired_stats": 1, "vllm": None, "ascend": negative},
+        {"ascend_dist_paired_stats": 1, "vllm": [1], "ascend": ours},
+    ]
+    for payload in bad:
+        stats = AscendOffloadingConnector.build_kv_connector_stats(payload)
+        assert stats is not None and stats.is_empty()
+    out = read_back(config, *bad, {"ascend_dist_paired_stats": 1, "vllm": None, "ascend": ours})
+    assert _failed(out, "save") == {"other": 1}  # the well-formed payload only (control: it is counted)
+    with pytest.raises(TypeError, match="cannot aggregate"):  # one connector's stats only, as vLLM's own
+        NativeOffloadStats().aggregate(AscendTransferStats(data=ours))

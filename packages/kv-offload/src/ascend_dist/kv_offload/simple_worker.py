@@ -18,6 +18,10 @@ a submission that raises on the copy thread fails its job like a copy fault does
 is acknowledged *and* listed by `take_failed_stores` (the adapter drops its host blocks before
 vLLM would make them discoverable); a failed load finishes its requests and is reported as device
 block ids (one KV-cache group) or as the requests (`take_failed_recving`, several groups).
+
+Given a `TransferStats` recorder, each ended job is recorded there (direction ``save``: device ->
+host, ``load``: host -> device): a successful one's device-timed seconds, bytes and descriptors, a
+failed one as a failure (a copy fault: kind ``other``; a refused submission: by its error's type).
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from ascend_dist.common.device import DeviceRuntime, Event, tensors_runtime
 from ascend_dist.common.errors import DeadlineExceeded, LayoutError
+from ascend_dist.common.transfer_stats import Direction, FailureKind, TransferStats
 from ascend_dist.kv_offload.block_views import BlockView, dedup_views, generic_block_view, logical_block_bytes
 from ascend_dist.kv_offload.capacity import HostCapacity
 from ascend_dist.kv_offload.layouts import layer_parts
 from ascend_dist.kv_offload.offload_worker import OffloadWorker
-from ascend_dist.kv_offload.transfer import DEFAULT_WAIT_S, DirectionHandler
+from ascend_dist.kv_offload.transfer import DEFAULT_WAIT_S, DirectionHandler, TransferResult
 
 if TYPE_CHECKING:
     import torch
@@ -169,6 +174,7 @@ class SimpleOffloadWorker:
         *,
         timeout_s: float = DEFAULT_WAIT_S,
         block_level_errors: bool = True,
+        stats: TransferStats | None = None,
     ) -> None:
         """Remember the runtime and the host capacity (from the scheduler formula).
 
@@ -180,7 +186,9 @@ class SimpleOffloadWorker:
             timeout_s: deadline of the flush on preemption and of shutdown.
             block_level_errors: report a failed load's device blocks (one KV-cache group, where
                 block ids name requests); False: its requests (`take_failed_recving`).
+            stats: where each ended store and load is recorded (None: nowhere).
         """
+        self._stats = stats
         self.runtime: DeviceRuntime | None = runtime  # may be replaced until register_kv_caches
         self.capacity = capacity
         self.num_cpu_blocks = capacity.num_cpu_blocks
@@ -234,6 +242,8 @@ class SimpleOffloadWorker:
         event, src, dst = plan.load_event, list(plan.load_cpu_blocks), list(plan.load_gpu_blocks)
 
         def refused(exc: BaseException) -> None:
+            if self._stats is not None:
+                self._stats.record_failure("load", exc)
             with self._lock:
                 self._refused_loads.append((event, tuple(dst), str(exc)))
 
@@ -251,6 +261,8 @@ class SimpleOffloadWorker:
         event, src, dst = plan.store_event, list(plan.store_gpu_blocks), list(plan.store_cpu_blocks)
 
         def refused(exc: BaseException) -> None:
+            if self._stats is not None:
+                self._stats.record_failure("save", exc)
             with self._lock:
                 self._refused_stores.append((event, str(exc)))
 
@@ -266,6 +278,7 @@ class SimpleOffloadWorker:
             refused_stores, self._refused_stores = self._refused_stores, []
         recving: set[str] = set()
         for result in self.transfers.load.get_finished():
+            self._record("load", result)
             reqs = self._load_reqs.pop(result.job_id, ())
             recving.update(reqs)
             if not result.success:
@@ -275,6 +288,7 @@ class SimpleOffloadWorker:
             recving.update(reqs)
             self._fail_load(event, reqs, blocks, error)
         for result in self.transfers.store.get_finished():
+            self._record("save", result)
             if result.success:
                 self._completed_stores[result.job_id] = 1
             else:
@@ -282,6 +296,16 @@ class SimpleOffloadWorker:
         for event, error in refused_stores:
             self._fail_store(event, error)
         return None, recving or None
+
+    def _record(self, direction: Direction, result: TransferResult) -> None:
+        """One ended job in the stats: its time, bytes and descriptors, or a failure (a copy fault: ``other``)."""
+        if self._stats is None:
+            return
+        if result.success:  # (untimed: 0 s; the bytes still moved)
+            seconds = result.transfer_time or 0.0
+            self._stats.record_transfer(direction, seconds, result.transfer_size, result.num_descriptors)
+        else:
+            self._stats.record_failure(direction, FailureKind.OTHER)
 
     def _fail_load(self, event: int, reqs: tuple[str, ...], blocks: tuple[int, ...], error: str | None) -> None:
         logger.warning("simple offload load %d failed for %s (recomputed): %s", event, list(reqs), error)

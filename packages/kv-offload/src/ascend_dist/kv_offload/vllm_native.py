@@ -16,6 +16,9 @@ native path that import vLLM (0.32 and 0.33: ``vllm.v1.kv_offload``, ``...kv_con
   several, the request through ``failed_recving``) and still finishes its receive; a failed store
   travels in `AscendOffloadingWorkerMetadata` to `AscendOffloadingConnectorScheduler`
   (`vllm_native_scheduler`), which completes it with ``success=False`` so it is never loadable.
+- Stats: vLLM's own offloading stats (``vllm:kv_offload_*``, successful jobs only) beside ours
+  (`PairedStatsReporting`): each worker's failed jobs as ``vllm:ascend_offload_num_failed_transfers``
+  ``{direction, kind}`` (a copy fault: kind ``other``), which vLLM has no metric for.
 
 Select it with ``kv_connector_extra_config = {"cpu_bytes_to_use": ...}``: `AscendOffloadingConnector`
 builds `NPUOffloadingSpec` when ``spec_name`` is absent or names vLLM's ``CPUOffloadingSpec`` (whose
@@ -40,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -60,6 +64,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from ascend_dist.common.device import DeviceRuntime, tensors_runtime
 from ascend_dist.common.errors import ConfigError, TransferError
+from ascend_dist.common.transfer_stats import FailureKind, TransferStats
+from ascend_dist.common.vllm_paired_stats import PairedStats, PairedStatsReporting
 from ascend_dist.kv_offload.block_views import BlockView, canonical_block_views
 from ascend_dist.kv_offload.capacity import normalise_legacy_native_config
 from ascend_dist.kv_offload.layouts import layer_parts
@@ -75,6 +81,7 @@ __all__ = [
     "AscendOffloadingConnectorWorker",
     "AscendOffloadingWorkerMetadata",
     "NPUOffloadingSpec",
+    "NativeOffloadStats",
     "NPUOffloadingWorker",
     "canonicalise_kv_caches",
     "unpadded_page",
@@ -254,9 +261,12 @@ class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
     `AscendOffloadingWorkerMetadata.failed_jobs` so its host chunks never become loadable.
     """
 
-    def __init__(self, spec: OffloadingSpec, vllm_config: Any, kv_cache_config: Any) -> None:
-        """Build vLLM's worker state plus the failure bookkeeping."""
+    def __init__(
+        self, spec: OffloadingSpec, vllm_config: Any, kv_cache_config: Any, stats: TransferStats | None = None
+    ) -> None:
+        """Build vLLM's worker state plus the failure bookkeeping (``stats``: where failed jobs are counted)."""
         super().__init__(spec, vllm_config, kv_cache_config)
+        self._stats = stats
         self._load_dst: dict[int, list[int]] = {}
         self._failed_stores: set[int] = set()
         self._load_errors: set[int] = set()
@@ -314,11 +324,14 @@ class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
                 if result.transfer_time is not None and result.transfer_size is not None:
                     stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
                     stats.record(result.transfer_size, result.transfer_time)
-            elif is_load:
-                self._fail_load(job_id, req_id, device_blocks)
             else:
-                logger.warning("offload store job %d failed: its host chunks are dropped", job_id)
-                self._failed_stores.add(job_id)
+                if self._stats is not None:  # a copy fault: vLLM's stats count successful jobs only
+                    self._stats.record_failure("load" if is_load else "save", FailureKind.OTHER)
+                if is_load:
+                    self._fail_load(job_id, req_id, device_blocks)
+                else:
+                    logger.warning("offload store job %d failed: its host chunks are dropped", job_id)
+                    self._failed_stores.add(job_id)
             meta.mark_completed(job_id)
             if req_id is not None:
                 finished_recving.add(req_id)
@@ -362,8 +375,21 @@ class AscendOffloadingConnectorWorker(OffloadingConnectorWorker):
         super().shutdown()
 
 
-class AscendOffloadingConnector(OffloadingConnector):
-    """``OffloadingConnector`` override: Ascend layout adapter and copy-failure handling on both sides."""
+@dataclasses.dataclass
+class NativeOffloadStats(PairedStats):
+    """vLLM's ``OffloadingConnectorStats`` (bytes and time of successful jobs) beside ours (failures by kind)."""
+
+    vllm_stats_cls = OffloadingConnectorStats
+
+
+class AscendOffloadingConnector(PairedStatsReporting, OffloadingConnector):
+    """``OffloadingConnector`` override: Ascend layout adapter and copy-failure handling on both sides.
+
+    Stats: vLLM's (from the scheduler side) and each worker's failed jobs (ours, channel ``offload``).
+    """
+
+    stats_channels = ("offload",)
+    paired_stats_cls = NativeOffloadStats
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         """Do what ``OffloadingConnector.__init__`` does, building the Ascend scheduler or worker side.
@@ -379,7 +405,9 @@ class AscendOffloadingConnector(OffloadingConnector):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = AscendOffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
-            self.connector_worker = AscendOffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
+            self.connector_worker = AscendOffloadingConnectorWorker(
+                spec, vllm_config, kv_cache_config, stats=self.transfer_stats
+            )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Return vLLM's finished sets plus the requests whose load failed (several KV-cache groups)."""

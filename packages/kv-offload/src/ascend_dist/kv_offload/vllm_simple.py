@@ -13,6 +13,11 @@ without caching, as after a cache reset) before vLLM would make the host blocks 
 failed load finishes its requests and is reported as device block ids (one KV-cache group) or as
 failed requests (``failed_recving``, several groups, where vLLM refuses block ids).
 
+Stats: vLLM's own simple-offload stats (``vllm:simple_kv_offload_*``: blocks, save outcomes, host
+usage; no bytes) beside ours (`PairedStatsReporting`, channel ``offload``): each worker's stores
+(``save``) and loads (``load``) with their bytes, time and descriptors, and failures by kind as
+``vllm:ascend_offload_*{direction}``.
+
 Configure with ``kv_connector_extra_config``: ``cpu_bytes_to_use`` (server-wide, default 8 GiB),
 ``cpu_bytes_to_use_per_rank``, optional ``num_cpu_blocks`` (at most the byte budget's count),
 ``lazy_offload`` (vLLM's scheduler option).
@@ -31,9 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleCPUOffloadWorkerMetadata
+from vllm.v1.simple_kv_offload.metrics import SimpleCPUOffloadStats
 
 from ascend_dist.common.device import DeviceRuntime
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.transfer_stats import TransferStats
+from ascend_dist.common.vllm_paired_stats import PairedStats, PairedStatsReporting
 from ascend_dist.kv_offload.capacity import HostCapacity, per_rank_capacity
 from ascend_dist.kv_offload.simple_worker import SimpleOffloadWorker
 
@@ -41,6 +49,7 @@ __all__ = [
     "AscendSimpleCPUOffloadConnector",
     "AscendSimpleWorkerHandler",
     "AscendSimpleWorkerMetadata",
+    "SimpleOffloadStats",
     "abandon_store_event",
     "simple_capacity",
 ]
@@ -145,11 +154,12 @@ class AscendSimpleWorkerHandler:
         runtime: DeviceRuntime | None = None,
         *,
         block_level_errors: bool = True,
+        stats: TransferStats | None = None,
     ) -> None:
         """Remember the capacity and the device block count (``block_level_errors``: one KV-cache group)."""
         # None: the process-wide runtime, taken at registration (not here: a runtime set on the
         # connector before registration must be the only one started)
-        self.inner = SimpleOffloadWorker(runtime, capacity, block_level_errors=block_level_errors)
+        self.inner = SimpleOffloadWorker(runtime, capacity, block_level_errors=block_level_errors, stats=stats)
         self.num_cpu_blocks = capacity.num_cpu_blocks
         self._num_blocks = num_blocks
 
@@ -196,8 +206,18 @@ class AscendSimpleWorkerHandler:
         self.inner.shutdown()
 
 
-class AscendSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
-    """``SimpleCPUOffloadConnector`` with the Ascend worker handler."""
+@dataclasses.dataclass
+class SimpleOffloadStats(PairedStats):
+    """vLLM's ``SimpleCPUOffloadStats`` (blocks, outcomes; scheduler side) beside ours (bytes, failures; workers)."""
+
+    vllm_stats_cls = SimpleCPUOffloadStats
+
+
+class AscendSimpleCPUOffloadConnector(PairedStatsReporting, SimpleCPUOffloadConnector):
+    """``SimpleCPUOffloadConnector`` with the Ascend worker handler; its transfers in our stats."""
+
+    stats_channels = ("offload",)
+    paired_stats_cls = SimpleOffloadStats
 
     runtime: DeviceRuntime | None = None
     """Device runtime of the worker side (set before ``register_kv_caches``); None: the process-wide one."""
@@ -216,7 +236,7 @@ class AscendSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
             # vLLM maps block-level load errors back to requests only with one KV-cache group.
             single_group = len(kv_cache_config.kv_cache_groups) == 1
             self.ascend_handler = AscendSimpleWorkerHandler(
-                capacity, int(kv_cache_config.num_blocks), block_level_errors=single_group
+                capacity, int(kv_cache_config.num_blocks), block_level_errors=single_group, stats=self.transfer_stats
             )
             self.worker_handler = self.ascend_handler  # type: ignore[assignment]
 
