@@ -102,7 +102,8 @@ class PyHcclCommunicator:
 
         Args:
             group: A CPU (gloo) process group, registered with torch.distributed or not (a
-                ``ProcessGroupGloo`` on a store); its ranks are the communicator's ranks.
+                ``ProcessGroupGloo`` on a store), or vLLM's ``StatelessProcessGroup``; its ranks
+                are the communicator's ranks.
             device: Device of the tensors: an index or ``"npu:0"``; None: the runtime's device. With
                 no ``runtime``, the process's runtime of this device (None: the current device).
             library_path: The collective library; None: the dialect's env var, then its default name.
@@ -120,6 +121,11 @@ class PyHcclCommunicator:
         """
         if backend not in _BACKENDS:
             raise ConfigError("backend", backend, format_allowed(_BACKENDS))
+        # vLLM's StatelessProcessGroup (how TRL and OpenRLHF build the group): a gloo group of our own
+        # on its store carries the id exchange and the gloo engine (its own collectives pickle).
+        self.stateless_group: object | None = group if _collectives.is_stateless_group(group) else None
+        if self.stateless_group is not None:
+            group = _collectives.stateless_gloo_group(group, init_timeout_s)
         self.rank, self.world_size = _collectives.group_rank_size(group)
         self.group: Any = group  # a ProcessGroup or a gloo Backend: only its own methods are called
         # The runtime of the tensors' device: its streams are where the operations are enqueued.
@@ -179,7 +185,7 @@ class PyHcclCommunicator:
     def _warm_up(self) -> None:
         probe = torch.zeros(1, dtype=torch.float32, device=self.device)
         stream = self.runtime.current_stream()
-        self.all_reduce(probe, probe, stream=stream)
+        self.all_reduce(probe, stream=stream, out_tensor=probe)
         stream.synchronize(self.init_timeout_s)
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -227,17 +233,21 @@ class PyHcclCommunicator:
     def all_reduce(
         self,
         in_tensor: torch.Tensor,
-        out_tensor: torch.Tensor | None = None,
         op: object = dist.ReduceOp.SUM,
         stream: Stream | None = None,
+        *,
+        out_tensor: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All-reduce ``in_tensor`` into ``out_tensor`` (a new tensor when None; ``in_tensor`` for in place).
 
+        The positional order is upstream vllm-ascend ``pyhccl``'s ``all_reduce(in_tensor, op, stream)``;
+        a tensor in ``op``'s place (vLLM's ``PyNcclCommunicator`` order) raises `UnsupportedOp`.
+
         Args:
             in_tensor: Contiguous tensor on the communicator's device.
-            out_tensor: Same dtype and size; None allocates one.
             op: A ``torch.distributed.ReduceOp`` (SUM, PRODUCT, MAX, MIN).
             stream: Stream to enqueue on; None: the runtime's current stream.
+            out_tensor: Same dtype and size (keyword only); None allocates one.
 
         Returns:
             ``out_tensor``, valid once ``stream`` is synchronized.
@@ -380,6 +390,10 @@ class PyHcclCommunicator:
             engine, self._collectives = self._collectives, None
         if engine is not None:
             engine.close()
+
+    def close(self) -> None:
+        """Upstream's name for `destroy` (same behaviour: idempotent, waits for the streams first)."""
+        self.destroy()
 
     def __enter__(self) -> PyHcclCommunicator:
         """Use as a context manager that calls `destroy` on exit."""
