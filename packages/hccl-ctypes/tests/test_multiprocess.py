@@ -140,6 +140,7 @@ def test_communicator_on_vllms_stateless_process_group(
         assert res["min"] == [float(i) for i in range(8)]
         assert res["broadcast"] == [float(world - 1)] * 5
         assert res["second"] == [float(sum(range(1, world + 1)))] * 3
+        assert res["group_is_callers"] is True
         assert res["untouched_x"] == [float(i + rank) for i in range(8)]  # all_reduce(x) returns a new tensor
         assert res["vllm_order"].startswith("UnsupportedOp::op=")
         assert res["after_close"].startswith("CommunicatorClosed")

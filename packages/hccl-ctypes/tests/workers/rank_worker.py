@@ -251,12 +251,13 @@ def scenario_stateless(rank: int, world: int) -> dict[str, Any]:
     b = torch.full((5,), float(rank), dtype=torch.bfloat16)
     comm.broadcast(b, src=world - 1, stream=stream)
     stream.synchronize(30)
+    comm.group.barrier()  # TRL's pattern after a broadcast: the caller's stateless group, its own barrier
     second = PyHcclCommunicator(pg, device=0)  # a second communicator on the same group gets its own prefix
     again = second.all_reduce(torch.full((3,), float(rank + 1)))
     second.runtime.current_stream().synchronize(30)
     out = {"engine": comm.engine, "rank": comm.rank, "world": comm.world_size, "sum": total.tolist(),
            "max": biggest.tolist(), "min": smallest.tolist(), "broadcast": b.float().tolist(),
-           "second": again.tolist(), "second_engine": second.engine,
+           "second": again.tolist(), "second_engine": second.engine, "group_is_callers": comm.group is pg,
            "vllm_order": _err(lambda: comm.all_reduce(x, torch.zeros_like(x))),  # PyNccl's (in, out): refused
            "untouched_x": x.tolist()}  # fmt: skip
     second.close()

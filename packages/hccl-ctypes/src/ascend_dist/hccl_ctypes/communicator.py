@@ -121,13 +121,17 @@ class PyHcclCommunicator:
         """
         if backend not in _BACKENDS:
             raise ConfigError("backend", backend, format_allowed(_BACKENDS))
-        # vLLM's StatelessProcessGroup (how TRL and OpenRLHF build the group): a gloo group of our own
-        # on its store carries the id exchange and the gloo engine (its own collectives pickle).
-        self.stateless_group: object | None = group if _collectives.is_stateless_group(group) else None
-        if self.stateless_group is not None:
-            group = _collectives.stateless_gloo_group(group, init_timeout_s)
-        self.rank, self.world_size = _collectives.group_rank_size(group)
-        self.group: Any = group  # a ProcessGroup or a gloo Backend: only its own methods are called
+        # ``group`` stays the caller's (as upstream: TRL calls ``comm.group.barrier()`` on its stateless
+        # group). For vLLM's StatelessProcessGroup a gloo group of our own on its store carries the id
+        # exchange and the gloo engine (its object collectives pickle).
+        self.group: Any = group
+        cpu_group = (
+            _collectives.stateless_gloo_group(group, init_timeout_s)
+            if _collectives.is_stateless_group(group)
+            else group
+        )
+        self.rank, self.world_size = _collectives.group_rank_size(cpu_group)
+        self._cpu_group: Any = cpu_group  # a ProcessGroup or a gloo Backend: only its own methods are called
         # The runtime of the tensors' device: its streams are where the operations are enqueued.
         self.runtime = runtime if runtime is not None else get_runtime(device)
         requested = device_index_of(device)
@@ -158,8 +162,8 @@ class PyHcclCommunicator:
                 raise ConfigError(
                     "backend", backend, f"'library' on the {self.runtime.name} runtime (gloo is CPU-only)"
                 )
-            self._collectives = GlooCollectives(group, op_timeout_s)
-            ready_check(self.group, self.world_size, init_timeout_s)
+            self._collectives = GlooCollectives(cpu_group, op_timeout_s)
+            ready_check(cpu_group, self.world_size, init_timeout_s)
         else:
             try:
                 self.library = CollectiveLibrary(self.dialect, library_path)
@@ -168,7 +172,7 @@ class PyHcclCommunicator:
                 logger.warning("communicator disabled on rank %d: %s", self.rank, exc)
                 return
             self._collectives = init_library(
-                self.library, self.group, self.rank, self.world_size, device=self.device, timeout_s=init_timeout_s
+                self.library, cpu_group, self.rank, self.world_size, device=self.device, timeout_s=init_timeout_s
             )
         self.engine = self._collectives.name
         self.available = True
