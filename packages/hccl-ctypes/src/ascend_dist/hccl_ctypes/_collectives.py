@@ -166,7 +166,7 @@ def is_stateless_group(group: object) -> bool:
         isinstance(rank, int)
         and isinstance(size, int)
         and not isinstance(rank, bool)
-        and isinstance(getattr(group, "store", None), dist.Store)
+        and isinstance(getattr(group, "store", None), dist.Store)  # pyright: ignore[reportPrivateImportUsage]
     )
 
 

@@ -253,9 +253,7 @@ class _Communicator(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None: ...  # stream: a runtime Stream
 
-    def all_reduce(
-        self, in_tensor: torch.Tensor, op: Any = ..., stream: Any = None, *, out_tensor: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+    def all_reduce(self, in_tensor: torch.Tensor, op: Any = ..., *, out_tensor: torch.Tensor | None = None) -> Any: ...
 
     def destroy(self) -> None: ...
 
