@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from ascend_dist.weight_transfer._demo.procs import WorkerProcess, synthetic_specs
-from ascend_dist.weight_transfer.static_trainer import HCCLTrainerSendWeightsArgs, HCCLWeightTransferEngine
+from ascend_dist.weight_transfer.static_trainer import (
+    HCCLTrainerSendWeightsArgs,
+    HCCLWeightTransferEngine,
+    HCCLWeightTransferInitInfo,
+)
 
 from .conftest import free_port
 
@@ -87,6 +91,8 @@ def test_static_api_arguments_are_checked_before_anything_is_sent() -> None:
     with pytest.raises(ValueError, match=r"init_info\.rank_offset=2"):
         HCCLWeightTransferEngine.trainer_init({"master_address": "127.0.0.1", "master_port": 1, "world_size": 3,
                                                "rank_offset": 2})  # fmt: skip
+    with pytest.raises(ValueError, match=r"init_info\.rank_offset=0"):  # the dataclass form, upstream's field order
+        HCCLWeightTransferEngine.trainer_init(HCCLWeightTransferInitInfo("127.0.0.1", 1, 0, 3))
     with pytest.raises(ValueError, match=r"trainer_args\.group='object'"):
         HCCLWeightTransferEngine.trainer_send_weights([], {"group": object()})
     with pytest.raises(ValueError, match=r"trainer_args=\['stream_id'\]"):

@@ -11,8 +11,8 @@ Runs in: the trainer process (torch only, never vLLM). An RL framework written a
     HCCLWeightTransferEngine.trainer_send_weights(model.named_parameters(), dict(group=group, packed=True))
 
 The argument types are upstream's (``vllm_ascend/distributed/weight_transfer/hccl_engine.py``): init
-info with ``master_address``, ``master_port``, ``world_size`` (a dict or any object with those
-attributes, e.g. upstream's or our worker's ``HCCLWeightTransferInitInfo``), and
+info with ``master_address``, ``master_port``, ``world_size`` (a dict, this module's
+`HCCLWeightTransferInitInfo`, or any object with those attributes: upstream's, our worker's), and
 `HCCLTrainerSendWeightsArgs` (or a dict of its fields). What travels is our protocol, not
 upstream's raw per-tensor broadcasts: ``group`` is a `BroadcastTrainer`, each send carries the
 manifest and the two votes, so the workers must be ours (the ``hccl`` engine of
@@ -52,7 +52,7 @@ from ascend_dist.weight_transfer.trainer import BroadcastTrainer, manifest_of
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HCCLTrainerSendWeightsArgs", "HCCLWeightTransferEngine"]
+__all__ = ["HCCLTrainerSendWeightsArgs", "HCCLWeightTransferEngine", "HCCLWeightTransferInitInfo"]
 
 # Init-info fields read by trainer_init, with their defaults (None: required).
 _INIT_FIELDS: dict[str, Any] = {
@@ -69,6 +69,27 @@ _INIT_FIELDS: dict[str, Any] = {
 }
 # Worker-only fields of the same init dict: accepted (a framework may pass one dict to both sides), unused here.
 _WORKER_ONLY = frozenset({"layerwise_reload", "validate_names"})
+
+
+@dataclass
+class HCCLWeightTransferInitInfo:
+    """Upstream's init info (its four fields first, in its order) plus our optional packing fields.
+
+    The same values go to the workers' ``init_weight_transfer_engine`` (``dataclasses.asdict``); this
+    copy needs no vLLM. `HCCLWeightTransferEngine.trainer_init` also takes a dict or any object
+    with these attributes (upstream's dataclass, our vLLM engine's).
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
+    packed_direct_threshold_bytes: int = DEFAULT_DIRECT_THRESHOLD_BYTES
+    op_timeout_s: float = 300.0
+    streamed: bool = False
 
 
 @dataclass
