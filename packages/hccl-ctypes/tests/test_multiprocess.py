@@ -145,3 +145,11 @@ def test_communicator_on_vllms_stateless_process_group(
         assert res["vllm_order"].startswith("UnsupportedOp::op=")
         assert res["after_close"].startswith("CommunicatorClosed")
         assert res["close_twice"] == "no error"
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(240)
+def test_a_stateless_group_peer_that_never_builds_the_communicator_fails_within_its_deadline(run_ranks: Any) -> None:
+    res = run_ranks("stateless_nojoin", 2, timeout=200)[0]
+    assert res["init"].startswith("DeadlineExceeded"), res
+    assert res["seconds"] < 15, res

@@ -267,6 +267,20 @@ def scenario_stateless(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def scenario_stateless_nojoin(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 joins the stateless group but never builds the communicator: rank 0 must not hang."""
+    from vllm.distributed.utils import StatelessProcessGroup  # the vllm-marked scenario only
+
+    pg = StatelessProcessGroup.create(host="127.0.0.1", port=int(os.environ["STORE_PORT"]), rank=rank,
+                                      world_size=world)  # fmt: skip
+    if rank != 0:
+        time.sleep(8)
+        return {"skipped": True}
+    start = time.monotonic()
+    error = _err(lambda: PyHcclCommunicator(pg, device=0, init_timeout_s=3))
+    return {"init": error, "seconds": time.monotonic() - start}
+
+
 def scenario_cuda_comm(rank: int, world: int) -> dict[str, Any]:
     """The NCCL dialect on real GPUs (one per rank): the same communicator code as on the NPU."""
     rt = create_runtime("cuda", device_index=rank)
@@ -299,8 +313,10 @@ SCENARIOS = {
     "context": scenario_context,
     "unregistered": scenario_unregistered,
     "stateless": scenario_stateless,
+    "stateless_nojoin": scenario_stateless_nojoin,
 }
-STANDALONE = {"unregistered", "stateless"}  # scenarios that build their own group: no default torch.distributed group
+# scenarios that build their own group: no default torch.distributed group
+STANDALONE = {"unregistered", "stateless", "stateless_nojoin"}
 
 
 def main() -> None:
