@@ -30,6 +30,8 @@ from ascend_dist.hccl_ctypes import (
     SymbolNotExported,
     UnsupportedDtype,
     UnsupportedOp,
+    hcclDataTypeEnum,
+    hcclRedOpTypeEnum,
     hcclUniqueId,
     ncclUniqueId,
     resolve_library_path,
@@ -120,10 +122,38 @@ def test_loaded_once_per_path_and_errors_carry_the_library_string(fake_hccl: str
     assert (info.value.func, info.value.code) == ("HcclAllReduce", 9)
     a.check("x", ctypes.c_int(0))  # a ctypes zero is success, not "not equal to 0"
     with pytest.raises(HcclError, match="code 123: unknown error code"):
-        a.HCCL_CHECK(ctypes.c_int(123))
+        a.check("HcclBroadcast", ctypes.c_int(123))
     assert not a.has(Role.ABORT) and a.has(Role.SEND)
     with pytest.raises(SymbolNotExported):
         a.comm_abort(None)
+
+
+def test_hccl_check_raises_upstreams_message_as_a_typed_runtime_error(fake_hccl: str) -> None:
+    lib = HCCLLibrary(fake_hccl)
+    lib.HCCL_CHECK(0)
+    lib.HCCL_CHECK(ctypes.c_int(0))
+    with pytest.raises(RuntimeError, match=r"^HCCL error: E_TIMEOUT") as info:  # upstream: "HCCL error: <string>"
+        lib.HCCL_CHECK(9)
+    assert isinstance(info.value, HcclError)
+    assert (info.value.func, info.value.code) == ("HCCL_CHECK", 9)
+    with pytest.raises(HcclError, match=r"^HCCL error: unknown error code"):
+        lib.HCCL_CHECK(ctypes.c_int(123))
+
+
+def test_upstream_enum_names_and_from_torch() -> None:
+    """vllm-ascend's ``hcclDataTypeEnum`` / ``hcclRedOpTypeEnum``: same codes, ``from_torch``, ValueError."""
+    assert hcclDataTypeEnum.from_torch(torch.float32) == hcclDataTypeEnum.hcclFloat32 == HcclDataType.FP32 == 4
+    assert hcclDataTypeEnum.from_torch(torch.bfloat16) == hcclDataTypeEnum.hcclBfloat16 == 11
+    assert hcclDataTypeEnum.from_torch(torch.uint8) == hcclDataTypeEnum.hcclUint8 == 7
+    assert hcclDataTypeEnum.from_torch(torch.int64) == 5 and hcclDataTypeEnum.from_torch(torch.float16) == 3
+    assert hcclRedOpTypeEnum.from_torch(dist.ReduceOp.SUM) == hcclRedOpTypeEnum.hcclSum == 0
+    assert hcclRedOpTypeEnum.from_torch(dist.ReduceOp.PRODUCT) == hcclRedOpTypeEnum.hcclProd == 1
+    assert hcclRedOpTypeEnum.from_torch(dist.ReduceOp.MIN) == 3
+    assert len(list(HcclDataType)) == 13 and len(list(HcclReduceOp)) == 4  # the aliases add no members
+    with pytest.raises(ValueError, match=r"dtype=torch\.bool"):
+        hcclDataTypeEnum.from_torch(torch.bool)
+    with pytest.raises(ValueError, match="op="):
+        hcclRedOpTypeEnum.from_torch(dist.ReduceOp.AVG)
 
 
 def test_single_rank_communicator_through_the_binding(fake_hccl: str) -> None:

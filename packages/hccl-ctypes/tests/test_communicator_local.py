@@ -73,7 +73,7 @@ def test_bad_arguments_are_typed(world1: dist.ProcessGroup, runtime: CpuSimRunti
     with pytest.raises(ConfigError, match="in_tensor='list'"):
         comm.all_reduce([1.0])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="out_tensor="):
-        comm.all_reduce(torch.ones(4), torch.ones(4, dtype=torch.float64))
+        comm.all_reduce(torch.ones(4), out_tensor=torch.ones(4, dtype=torch.float64))
     comm.destroy()
 
 

@@ -27,6 +27,10 @@ def test_binding_over_fake_hccl_two_processes(fake_hccl: str, run_ranks: Any) ->
         # max over ranks of arange(4) * (r + 1): rank r keeps elements [2r, 2r + 2) of [0, 2, 4, 6]
         assert res["reduce_scatter_max"] == [2.0 * (2 * rank), 2.0 * (2 * rank + 1)]
         assert res["p2p"] is True
+        # upstream's names (hcclAllReduce, hcclBroadcast, hcclAllGather, the enums' from_torch) move the same bytes
+        assert res["upstream_allreduce_max"] == [float(i * 2) for i in range(6)]
+        assert res["upstream_broadcast"] == [1] * 4
+        assert res["upstream_gather"] == [10, 10, 11, 11]
         assert res["count_overflow"].startswith("ConfigError::count=-1")
         assert res["bad_dtype_code"].startswith("UnsupportedDtype::datatype=99")
         assert res["int128"].startswith("HcclError:5:") and "E_NOT_SUPPORT" in res["int128"]
@@ -116,3 +120,36 @@ def test_communicator_on_a_group_torch_distributed_never_registered(
         assert res["p2p"] == sum(range(1000))
         assert res["bad_src"].startswith("ConfigError::src=2")
         assert res["use_after_destroy"].startswith("CommunicatorClosed")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(240)  # each rank imports vLLM (seconds each; minutes on a loaded 2-core VM)
+@pytest.mark.parametrize(("backend", "world"), [("gloo", 2), ("library", 3)])
+def test_communicator_on_vllms_stateless_process_group(
+    fake_hccl: str, run_ranks: Any, backend: str, world: int
+) -> None:
+    """``PyHcclCommunicator(StatelessProcessGroup.create(...), device)`` with upstream's call shapes."""
+    env = {"HCCL_EXEC_TIMEOUT": "20"}
+    if backend == "library":
+        env["HCCL_SO_PATH"] = fake_hccl  # the root info travels on a gloo group over the stateless group's store
+    results = run_ranks("stateless", world, env, timeout=200)
+    for rank, res in enumerate(results):
+        assert (res["engine"], res["second_engine"], res["rank"], res["world"]) == (backend, backend, rank, world)
+        assert res["sum"] == [float(world * i + sum(range(world))) for i in range(8)]
+        assert res["max"] == [float(i + world - 1) for i in range(8)]
+        assert res["min"] == [float(i) for i in range(8)]
+        assert res["broadcast"] == [float(world - 1)] * 5
+        assert res["second"] == [float(sum(range(1, world + 1)))] * 3
+        assert res["group_is_callers"] is True
+        assert res["untouched_x"] == [float(i + rank) for i in range(8)]  # all_reduce(x) returns a new tensor
+        assert res["vllm_order"].startswith("UnsupportedOp::op=")
+        assert res["after_close"].startswith("CommunicatorClosed")
+        assert res["close_twice"] == "no error"
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(240)
+def test_a_stateless_group_peer_that_never_builds_the_communicator_fails_within_its_deadline(run_ranks: Any) -> None:
+    res = run_ranks("stateless_nojoin", 2, timeout=200)[0]
+    assert res["init"].startswith("DeadlineExceeded"), res
+    assert res["seconds"] < 15, res

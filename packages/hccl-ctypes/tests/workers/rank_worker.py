@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ascend_dist.common.device import create_runtime
-from ascend_dist.hccl_ctypes import HCCLLibrary
+from ascend_dist.hccl_ctypes import HCCLLibrary, aclrtStream_t, buffer_type, hcclDataTypeEnum, hcclRedOpTypeEnum
 from ascend_dist.hccl_ctypes.communicator import PyHcclCommunicator
 
 
@@ -66,6 +66,7 @@ def scenario_binding(rank: int, world: int) -> dict[str, Any]:
         lib.recv(got.data_ptr(), got.numel(), 2, src, comm, None)
         lib.send(msg.data_ptr(), msg.numel(), 2, dst, comm, None)
     out["p2p"] = bool(torch.equal(got, torch.arange(300_000, dtype=torch.int32) * (src + 1)))
+    out.update(_upstream_names(lib, comm, rank, world))
     out["count_overflow"] = _err(lambda: lib.all_reduce(y.data_ptr(), y.data_ptr(), -1, 4, 0, comm, None))
     out["bad_dtype_code"] = _err(lambda: lib.all_reduce(y.data_ptr(), y.data_ptr(), 1, 99, 0, comm, None))
     out["int128"] = _err(lambda: lib.all_reduce(y.data_ptr(), y.data_ptr(), 1, 12, 0, comm, None))
@@ -73,6 +74,25 @@ def scenario_binding(rank: int, world: int) -> dict[str, Any]:
     out["double_destroy"] = _err(lambda: lib.comm_destroy(comm))
     out["use_after_destroy"] = _err(lambda: lib.all_reduce(y.data_ptr(), y.data_ptr(), 1, 4, 0, comm, None))
     return out
+
+
+def _upstream_names(lib: HCCLLibrary, comm: Any, rank: int, world: int) -> dict[str, Any]:
+    """The calls as code written against vllm-ascend's pyhccl_wrapper makes them (ctypes buffers, enums)."""
+    stream = aclrtStream_t(None)  # upstream: aclrtStream_t(torch.npu.current_stream().npu_stream)
+    x = torch.arange(6, dtype=torch.bfloat16) * (rank + 1)
+    y = torch.zeros_like(x)
+    lib.hcclAllReduce(buffer_type(x.data_ptr()), buffer_type(y.data_ptr()), x.numel(),
+                      hcclDataTypeEnum.from_torch(x.dtype), hcclRedOpTypeEnum.from_torch(dist.ReduceOp.MAX), comm,
+                      stream)  # fmt: skip
+    b = torch.full((4,), rank, dtype=torch.int64)
+    code = hcclDataTypeEnum.from_torch(b.dtype)
+    lib.hcclBroadcast(buffer_type(b.data_ptr()), b.numel(), code, world - 1, comm, stream)
+    g = torch.zeros(world * 2, dtype=torch.int32)
+    mine = torch.full((2,), rank + 10, dtype=torch.int32)
+    lib.hcclAllGather(buffer_type(mine.data_ptr()), buffer_type(g.data_ptr()), 2, hcclDataTypeEnum.hcclInt32, comm,
+                      stream)  # fmt: skip
+    return {"upstream_allreduce_max": y.float().tolist(), "upstream_broadcast": b.tolist(),
+            "upstream_gather": g.tolist()}  # fmt: skip
 
 
 def scenario_mismatch(rank: int, world: int) -> dict[str, Any]:
@@ -96,7 +116,7 @@ def _exercise(comm: PyHcclCommunicator, rank: int, world: int) -> dict[str, Any]
     side = rt.new_stream()
     z = torch.full((4,), 2.0, dtype=torch.bfloat16)
     side.wait_stream(rt.current_stream())  # one communicator: its ops must be ordered across streams
-    comm.all_reduce(z, z, stream=side)
+    comm.all_reduce(z, stream=side, out_tensor=z)
     rt.current_stream().wait_stream(side)
     b = torch.full((6,), float(rank), dtype=torch.float64)
     comm.broadcast(b, src=world - 1)
@@ -216,6 +236,51 @@ def scenario_unregistered(rank: int, world: int) -> dict[str, Any]:
         rt.close()
 
 
+def scenario_stateless(rank: int, world: int) -> dict[str, Any]:
+    """vLLM's StatelessProcessGroup, built and used the way TRL / OpenRLHF / vllm-ascend's engine do."""
+    from vllm.distributed.utils import StatelessProcessGroup  # the vllm-marked scenario only
+
+    pg = StatelessProcessGroup.create(host="127.0.0.1", port=int(os.environ["STORE_PORT"]), rank=rank,
+                                      world_size=world)  # fmt: skip
+    comm = PyHcclCommunicator(pg, device=0)  # upstream's call: (group, device)
+    stream = comm.runtime.current_stream()
+    x = torch.arange(8, dtype=torch.float32) + rank
+    total = comm.all_reduce(x)  # upstream: a new tensor
+    biggest = comm.all_reduce(x, dist.ReduceOp.MAX)  # upstream's positional order: (in_tensor, op, stream)
+    smallest = comm.all_reduce(x, op=dist.ReduceOp.MIN, stream=stream)
+    b = torch.full((5,), float(rank), dtype=torch.bfloat16)
+    comm.broadcast(b, src=world - 1, stream=stream)
+    stream.synchronize(30)
+    comm.group.barrier()  # TRL's pattern after a broadcast: the caller's stateless group, its own barrier
+    second = PyHcclCommunicator(pg, device=0)  # a second communicator on the same group gets its own prefix
+    again = second.all_reduce(torch.full((3,), float(rank + 1)))
+    second.runtime.current_stream().synchronize(30)
+    out = {"engine": comm.engine, "rank": comm.rank, "world": comm.world_size, "sum": total.tolist(),
+           "max": biggest.tolist(), "min": smallest.tolist(), "broadcast": b.float().tolist(),
+           "second": again.tolist(), "second_engine": second.engine, "group_is_callers": comm.group is pg,
+           "vllm_order": _err(lambda: comm.all_reduce(x, torch.zeros_like(x))),  # PyNccl's (in, out): refused
+           "untouched_x": x.tolist()}  # fmt: skip
+    second.close()
+    comm.close()
+    out["after_close"] = _err(lambda: comm.all_reduce(x))
+    out["close_twice"] = _err(comm.close)
+    return out
+
+
+def scenario_stateless_nojoin(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 joins the stateless group but never builds the communicator: rank 0 must not hang."""
+    from vllm.distributed.utils import StatelessProcessGroup  # the vllm-marked scenario only
+
+    pg = StatelessProcessGroup.create(host="127.0.0.1", port=int(os.environ["STORE_PORT"]), rank=rank,
+                                      world_size=world)  # fmt: skip
+    if rank != 0:
+        time.sleep(8)
+        return {"skipped": True}
+    start = time.monotonic()
+    error = _err(lambda: PyHcclCommunicator(pg, device=0, init_timeout_s=3))
+    return {"init": error, "seconds": time.monotonic() - start}
+
+
 def scenario_cuda_comm(rank: int, world: int) -> dict[str, Any]:
     """The NCCL dialect on real GPUs (one per rank): the same communicator code as on the NPU."""
     rt = create_runtime("cuda", device_index=rank)
@@ -247,8 +312,11 @@ SCENARIOS = {
     "stall": scenario_stall,
     "context": scenario_context,
     "unregistered": scenario_unregistered,
+    "stateless": scenario_stateless,
+    "stateless_nojoin": scenario_stateless_nojoin,
 }
-STANDALONE = {"unregistered"}  # scenarios that build their own group: no default torch.distributed group
+# scenarios that build their own group: no default torch.distributed group
+STANDALONE = {"unregistered", "stateless", "stateless_nojoin"}
 
 
 def main() -> None:

@@ -28,7 +28,16 @@ from ascend_dist.hccl_ctypes.dialects import (
     hcclUniqueId,
     ncclUniqueId,
 )
-from ascend_dist.hccl_ctypes.enums import HcclDataType, HcclReduceOp, HcclResult, NcclDataType, NcclRedOp, NcclResult
+from ascend_dist.hccl_ctypes.enums import (
+    HcclDataType,
+    HcclReduceOp,
+    HcclResult,
+    NcclDataType,
+    NcclRedOp,
+    NcclResult,
+    hcclDataTypeEnum,
+    hcclRedOpTypeEnum,
+)
 from ascend_dist.hccl_ctypes.errors import (
     CollectiveError,
     CommunicatorClosed,
@@ -74,7 +83,9 @@ __all__ = [
     "aclrtStream_t",
     "buffer_type",
     "hcclComm_t",
+    "hcclDataTypeEnum",
     "hcclDataType_t",
+    "hcclRedOpTypeEnum",
     "hcclRedOp_t",
     "hcclResult_t",
     "hcclUniqueId",

@@ -30,6 +30,8 @@ __all__ = [
     "allreduce_options",
     "broadcast_options",
     "group_rank_size",
+    "is_stateless_group",
+    "stateless_gloo_group",
 ]
 
 
@@ -141,7 +143,8 @@ def group_rank_size(group: object) -> tuple[int, int]:
     """
     rank_fn, size_fn = getattr(group, "rank", None), getattr(group, "size", None)
     if not callable(rank_fn) or not callable(size_fn):
-        raise ConfigError("group", type(group).__name__, "a torch.distributed ProcessGroup (e.g. gloo)")
+        wanted = "a torch.distributed ProcessGroup (e.g. gloo) or vLLM's StatelessProcessGroup"
+        raise ConfigError("group", type(group).__name__, wanted)
     name_fn = getattr(group, "name", None)
     backend = str(name_fn()).lower() if callable(name_fn) else ""
     if backend in ("hccl", "nccl"):
@@ -150,6 +153,45 @@ def group_rank_size(group: object) -> tuple[int, int]:
     if not 0 <= rank < size:
         raise ConfigError("group", f"rank {rank} of {size}", "a group this process is a member of")
     return rank, size
+
+
+def is_stateless_group(group: object) -> bool:
+    """Whether ``group`` has the shape of vLLM's ``StatelessProcessGroup``.
+
+    That is a dataclass with ``rank`` and ``world_size`` ints and a c10d ``store`` (no ``rank()``
+    method); it is told apart by shape so that this package never imports vLLM.
+    """
+    rank, size = getattr(group, "rank", None), getattr(group, "world_size", None)
+    return (
+        isinstance(rank, int)
+        and isinstance(size, int)
+        and not isinstance(rank, bool)
+        and isinstance(getattr(group, "store", None), dist.Store)  # pyright: ignore[reportPrivateImportUsage]
+    )
+
+
+def stateless_gloo_group(group: Any, timeout_s: float) -> Any:
+    """A gloo group over a ``StatelessProcessGroup``'s store, for the id exchange and the gloo engine.
+
+    The stateless group's own object collectives pickle through the store; this package never
+    unpickles a peer's bytes, so it builds a ``ProcessGroupGloo`` on a fresh prefix of the same
+    store instead. The prefix comes from a per-rank counter kept in the store itself: ranks that
+    build their communicators on one group in the same order (which construction being collective
+    requires anyway) get the same prefix, also across processes that rebuilt the group object.
+
+    Raises:
+        ConfigError: ``rank`` outside ``[0, world_size)``.
+        DeadlineExceeded: A peer did not join the gloo group within ``timeout_s``.
+    """
+    rank, size = int(group.rank), int(group.world_size)
+    if not 0 <= rank < size:
+        raise ConfigError("group", f"rank {rank} of {size}", "a group this process is a member of")
+    seq = int(group.store.add(f"ascend_dist/pyhccl/seq/{rank}", 1))
+    prefix = dist.PrefixStore(f"ascend_dist/pyhccl/{seq}", group.store)  # pyright: ignore[reportPrivateImportUsage]
+    try:
+        return dist.ProcessGroupGloo(prefix, rank, size, datetime.timedelta(seconds=timeout_s))  # pyright: ignore[reportPrivateImportUsage]
+    except RuntimeError as exc:  # gloo's rendezvous through the store timed out or a peer vanished
+        raise DeadlineExceeded(f"gloo group on the stateless group's store (communicator {seq}): {exc}") from exc
 
 
 def _reduce_op(op: object) -> dist.ReduceOp:

@@ -31,7 +31,13 @@ from typing import Any, ClassVar
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.hccl_ctypes.dialects import HCCL, NCCL, Dialect, Role, hcclComm_t
-from ascend_dist.hccl_ctypes.errors import LibraryLoadError, SymbolNotExported, UnsupportedDtype, UnsupportedOp
+from ascend_dist.hccl_ctypes.errors import (
+    HcclError,
+    LibraryLoadError,
+    SymbolNotExported,
+    UnsupportedDtype,
+    UnsupportedOp,
+)
 
 __all__ = ["CollectiveLibrary", "HCCLLibrary", "NCCLLibrary", "resolve_library_path"]
 
@@ -282,8 +288,47 @@ class HCCLLibrary(CollectiveLibrary):
         return self.get_error_string(result)
 
     def HCCL_CHECK(self, result: object) -> None:  # noqa: N802  (upstream name)
-        """See `CollectiveLibrary.check`."""
-        self.check("hccl", result)
+        """Raise on a non-zero ``result`` with upstream's message, ``HCCL error: <library string>``.
+
+        Raises:
+            HcclError: a ``RuntimeError``, as upstream raises, with ``code`` and ``func`` set.
+        """
+        code = _as_code(result)
+        if code != 0:
+            raise HcclError.upstream(code, self.get_error_string(code))
+
+    # Upstream's collective names: the same calls as the snake_case ones (buffers and streams may be
+    # ctypes objects, as upstream passes them: ``buffer_type(t.data_ptr())``, ``aclrtStream_t(...)``).
+
+    def hcclAllReduce(  # noqa: N802, PLR0917  (upstream name; the C prototype's arguments, in order)
+        self, sendbuff: object, recvbuff: object, count: int, datatype: int, op: int, comm: object, stream: object
+    ) -> None:
+        """See `CollectiveLibrary.all_reduce`."""
+        self.all_reduce(sendbuff, recvbuff, count, datatype, op, comm, stream)  # type: ignore[arg-type]
+
+    def hcclBroadcast(  # noqa: N802, PLR0917  (upstream name; the C prototype's arguments, in order)
+        self, buf: object, count: int, datatype: int, root: int, comm: object, stream: object
+    ) -> None:
+        """See `CollectiveLibrary.broadcast`."""
+        self.broadcast(buf, count, datatype, root, comm, stream)  # type: ignore[arg-type]
+
+    def hcclAllGather(  # noqa: N802, PLR0917  (upstream name; the C prototype's arguments, in order)
+        self, sendbuff: object, recvbuff: object, sendcount: int, datatype: int, comm: object, stream: object
+    ) -> None:
+        """See `CollectiveLibrary.all_gather`."""
+        self.all_gather(sendbuff, recvbuff, sendcount, datatype, comm, stream)  # type: ignore[arg-type]
+
+    def hcclSend(  # noqa: N802, PLR0917  (upstream name; the C prototype's arguments, in order)
+        self, sendbuff: object, count: int, datatype: int, dest: int, comm: object, stream: object
+    ) -> None:
+        """See `CollectiveLibrary.send`."""
+        self.send(sendbuff, count, datatype, dest, comm, stream)  # type: ignore[arg-type]
+
+    def hcclRecv(  # noqa: N802, PLR0917  (upstream name; the C prototype's arguments, in order)
+        self, recvbuff: object, count: int, datatype: int, src: int, comm: object, stream: object
+    ) -> None:
+        """See `CollectiveLibrary.recv`."""
+        self.recv(recvbuff, count, datatype, src, comm, stream)  # type: ignore[arg-type]
 
     def hcclGetUniqueId(self) -> ctypes.Structure:  # noqa: N802  (upstream name)
         """See `CollectiveLibrary.get_unique_id`."""

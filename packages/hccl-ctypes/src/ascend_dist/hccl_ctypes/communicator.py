@@ -102,7 +102,8 @@ class PyHcclCommunicator:
 
         Args:
             group: A CPU (gloo) process group, registered with torch.distributed or not (a
-                ``ProcessGroupGloo`` on a store); its ranks are the communicator's ranks.
+                ``ProcessGroupGloo`` on a store), or vLLM's ``StatelessProcessGroup``; its ranks
+                are the communicator's ranks.
             device: Device of the tensors: an index or ``"npu:0"``; None: the runtime's device. With
                 no ``runtime``, the process's runtime of this device (None: the current device).
             library_path: The collective library; None: the dialect's env var, then its default name.
@@ -120,8 +121,17 @@ class PyHcclCommunicator:
         """
         if backend not in _BACKENDS:
             raise ConfigError("backend", backend, format_allowed(_BACKENDS))
-        self.rank, self.world_size = _collectives.group_rank_size(group)
-        self.group: Any = group  # a ProcessGroup or a gloo Backend: only its own methods are called
+        # ``group`` stays the caller's (as upstream: TRL calls ``comm.group.barrier()`` on its stateless
+        # group). For vLLM's StatelessProcessGroup a gloo group of our own on its store carries the id
+        # exchange and the gloo engine (its object collectives pickle).
+        self.group: Any = group
+        cpu_group = (
+            _collectives.stateless_gloo_group(group, init_timeout_s)
+            if _collectives.is_stateless_group(group)
+            else group
+        )
+        self.rank, self.world_size = _collectives.group_rank_size(cpu_group)
+        self._cpu_group: Any = cpu_group  # a ProcessGroup or a gloo Backend: only its own methods are called
         # The runtime of the tensors' device: its streams are where the operations are enqueued.
         self.runtime = runtime if runtime is not None else get_runtime(device)
         requested = device_index_of(device)
@@ -152,8 +162,8 @@ class PyHcclCommunicator:
                 raise ConfigError(
                     "backend", backend, f"'library' on the {self.runtime.name} runtime (gloo is CPU-only)"
                 )
-            self._collectives = GlooCollectives(group, op_timeout_s)
-            ready_check(self.group, self.world_size, init_timeout_s)
+            self._collectives = GlooCollectives(cpu_group, op_timeout_s)
+            ready_check(cpu_group, self.world_size, init_timeout_s)
         else:
             try:
                 self.library = CollectiveLibrary(self.dialect, library_path)
@@ -162,7 +172,7 @@ class PyHcclCommunicator:
                 logger.warning("communicator disabled on rank %d: %s", self.rank, exc)
                 return
             self._collectives = init_library(
-                self.library, self.group, self.rank, self.world_size, device=self.device, timeout_s=init_timeout_s
+                self.library, cpu_group, self.rank, self.world_size, device=self.device, timeout_s=init_timeout_s
             )
         self.engine = self._collectives.name
         self.available = True
@@ -179,7 +189,7 @@ class PyHcclCommunicator:
     def _warm_up(self) -> None:
         probe = torch.zeros(1, dtype=torch.float32, device=self.device)
         stream = self.runtime.current_stream()
-        self.all_reduce(probe, probe, stream=stream)
+        self.all_reduce(probe, stream=stream, out_tensor=probe)
         stream.synchronize(self.init_timeout_s)
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -227,17 +237,21 @@ class PyHcclCommunicator:
     def all_reduce(
         self,
         in_tensor: torch.Tensor,
-        out_tensor: torch.Tensor | None = None,
         op: object = dist.ReduceOp.SUM,
         stream: Stream | None = None,
+        *,
+        out_tensor: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All-reduce ``in_tensor`` into ``out_tensor`` (a new tensor when None; ``in_tensor`` for in place).
 
+        The positional order is upstream vllm-ascend ``pyhccl``'s ``all_reduce(in_tensor, op, stream)``;
+        a tensor in ``op``'s place (vLLM's ``PyNcclCommunicator`` order) raises `UnsupportedOp`.
+
         Args:
             in_tensor: Contiguous tensor on the communicator's device.
-            out_tensor: Same dtype and size; None allocates one.
             op: A ``torch.distributed.ReduceOp`` (SUM, PRODUCT, MAX, MIN).
             stream: Stream to enqueue on; None: the runtime's current stream.
+            out_tensor: Same dtype and size (keyword only); None allocates one.
 
         Returns:
             ``out_tensor``, valid once ``stream`` is synchronized.
@@ -380,6 +394,10 @@ class PyHcclCommunicator:
             engine, self._collectives = self._collectives, None
         if engine is not None:
             engine.close()
+
+    def close(self) -> None:
+        """Upstream's name for `destroy` (same behaviour: idempotent, waits for the streams first)."""
+        self.destroy()
 
     def __enter__(self) -> PyHcclCommunicator:
         """Use as a context manager that calls `destroy` on exit."""

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["HcclDataType", "HcclReduceOp", "HcclResult", "NcclDataType", "NcclRedOp", "NcclResult"]
+__all__ = [
+    "HcclDataType",
+    "HcclReduceOp",
+    "HcclResult",
+    "NcclDataType",
+    "NcclRedOp",
+    "NcclResult",
+    "hcclDataTypeEnum",
+    "hcclRedOpTypeEnum",
+]
 
 
 class HcclDataType(enum.IntEnum):
@@ -30,6 +39,32 @@ class HcclDataType(enum.IntEnum):
     FP64 = 10
     BFP16 = 11
     INT128 = 12
+    # Upstream pyhccl_wrapper's names of the same codes (aliases: not listed when iterating).
+    hcclInt8 = 0  # noqa: N815
+    hcclInt16 = 1  # noqa: N815
+    hcclInt32 = 2  # noqa: N815
+    hcclFloat16 = 3  # noqa: N815
+    hcclFloat32 = 4  # noqa: N815
+    hcclInt64 = 5  # noqa: N815
+    hcclUint64 = 6  # noqa: N815
+    hcclUint8 = 7  # noqa: N815
+    hcclUint16 = 8  # noqa: N815
+    hcclUint32 = 9  # noqa: N815
+    hcclFloat64 = 10  # noqa: N815
+    hcclBfloat16 = 11  # noqa: N815
+    hcclInt128 = 12  # noqa: N815
+
+    @classmethod
+    def from_torch(cls, dtype: object) -> HcclDataType:
+        """The code of a torch dtype (upstream's name; torch is imported only by the caller).
+
+        Raises:
+            UnsupportedDtype: (a ``ValueError``) no HCCL code, e.g. ``torch.bool``.
+        """
+        from ascend_dist.hccl_ctypes.dialects import HCCL  # dialects imports this module
+        from ascend_dist.hccl_ctypes.torch_compat import dtype_code
+
+        return cls(dtype_code(HCCL, dtype))  # type: ignore[arg-type]
 
 
 class HcclReduceOp(enum.IntEnum):
@@ -39,6 +74,23 @@ class HcclReduceOp(enum.IntEnum):
     PROD = 1
     MAX = 2
     MIN = 3
+    # upstream pyhccl_wrapper's names (aliases)
+    hcclSum = 0  # noqa: N815
+    hcclProd = 1  # noqa: N815
+    hcclMax = 2  # noqa: N815
+    hcclMin = 3  # noqa: N815
+
+    @classmethod
+    def from_torch(cls, op: object) -> HcclReduceOp:
+        """The code of a ``torch.distributed.ReduceOp`` (upstream's name).
+
+        Raises:
+            UnsupportedOp: (a ``ValueError``) any other op, e.g. ``AVG``.
+        """
+        from ascend_dist.hccl_ctypes.dialects import HCCL  # dialects imports this module
+        from ascend_dist.hccl_ctypes.torch_compat import op_code
+
+        return cls(op_code(HCCL, op))
 
 
 class HcclResult(enum.IntEnum):
@@ -107,3 +159,8 @@ class NcclResult(enum.IntEnum):
     INVALID_USAGE = 5
     REMOTE_ERROR = 6
     IN_PROGRESS = 7
+
+
+# Upstream vllm-ascend ``pyhccl_wrapper``'s class names, for code written against that binding.
+hcclDataTypeEnum = HcclDataType  # noqa: N816
+hcclRedOpTypeEnum = HcclReduceOp  # noqa: N816

@@ -31,6 +31,16 @@ class CollectiveError(NativeLibraryError):
 class HcclError(CollectiveError):
     """An HCCL call failed (``HcclResult`` != 0)."""
 
+    @classmethod
+    def upstream(cls, code: int, message: str) -> HcclError:
+        """The error of ``HCCLLibrary.HCCL_CHECK``: upstream's text ``HCCL error: <message>``.
+
+        Code written against vllm-ascend's binding may match that text; ``func`` is ``"HCCL_CHECK"``.
+        """
+        err = cls("HCCL_CHECK", code, message)
+        err.args = (f"HCCL error: {message}",)  # str() is upstream's; func/code/library_message stay
+        return err
+
 
 class NcclError(CollectiveError):
     """An NCCL call failed (``ncclResult_t`` != 0)."""

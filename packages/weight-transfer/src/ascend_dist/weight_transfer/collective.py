@@ -253,7 +253,7 @@ class _Communicator(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None: ...  # stream: a runtime Stream
 
-    def all_reduce(self, in_tensor: torch.Tensor, out_tensor: torch.Tensor | None = None) -> torch.Tensor: ...
+    def all_reduce(self, in_tensor: torch.Tensor, op: Any = ..., *, out_tensor: torch.Tensor | None = None) -> Any: ...
 
     def destroy(self) -> None: ...
 
@@ -299,7 +299,7 @@ class CommunicatorCollective:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """All-reduce in place and wait for it."""
-        self._live().all_reduce(tensor, tensor)
+        self._live().all_reduce(tensor, out_tensor=tensor)
         self._runtime.current_stream().synchronize(self._timeout_s)
 
     def barrier(self) -> None:

@@ -81,28 +81,38 @@ class WeightSyncClient(Protocol):
 class TorchDistExchange:
     """`HandleExchange` over an initialised torch.distributed group of the trainer ranks (gloo or device)."""
 
-    def __init__(self, group: Any = None) -> None:  # group: a torch ProcessGroup, None for the default
-        """Use ``group`` (None: the default group)."""
+    def __init__(self, group: Any = None, device: Any = None) -> None:  # a torch ProcessGroup / torch.device
+        """Use ``group`` (None: the default group).
+
+        ``device``: where the gathered byte tensors live; None: the CPU when the group's backend has
+        gloo, else the current accelerator (an HCCL/NCCL-only group gathers device tensors only).
+        """
+        import torch
         import torch.distributed as dist
 
         self._group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        if device is None:
+            backend = str(dist.get_backend(group)).lower()
+            device = "cpu" if "gloo" in backend else torch.accelerator.current_accelerator()
+        self._device = torch.device(device)
 
     def all_gather(self, payload: bytes) -> list[bytes]:
         """Gather variable-length bytes: lengths first, then padded payloads (no pickle)."""
         import torch
         import torch.distributed as dist
 
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dev = self._device
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+        lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
         dist.all_gather(lengths, length, group=self._group)
         longest = max(int(x.item()) for x in lengths)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
-        gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self._group)
-        return [g[: int(n.item())].numpy().tobytes() for g, n in zip(gathered, lengths, strict=True)]
+        gathered = [torch.zeros(longest, dtype=torch.uint8, device=dev) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine.to(dev), group=self._group)
+        return [g[: int(n.item())].cpu().numpy().tobytes() for g, n in zip(gathered, lengths, strict=True)]
 
     def barrier(self) -> None:
         """torch.distributed barrier on the group."""

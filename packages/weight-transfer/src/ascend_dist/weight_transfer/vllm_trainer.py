@@ -35,7 +35,8 @@ from vllm.distributed.weight_transfer.base import (
 from ascend_dist.common.device import get_runtime
 from ascend_dist.common.device.ipc import dtype_to_str
 from ascend_dist.common.errors import ConfigError
-from ascend_dist.weight_transfer.ipc_trainer import IpcTrainer
+from ascend_dist.weight_transfer.ipc import HandleExchange
+from ascend_dist.weight_transfer.ipc_trainer import IpcTrainer, TorchDistExchange
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -92,6 +93,11 @@ def _manifest(
 
 
 def _checked_source(source: WeightSource | None, rank: int) -> WeightSource:
+    """The source, if every trainer rank yields every parameter in full (FSDP shards are gathered by it).
+
+    A rank that owns only some parameters (a pipeline- or expert-split trainer) is refused: the
+    broadcast sender and every IPC rank (each chip's worker reads its own rank's copy) send them all.
+    """
     if source is None:
         raise ConfigError("source", None, "a vLLM WeightSource (full-resync backend)")
     if _SOURCE_HAS_MODES and not source.implements_iter_full():
@@ -99,8 +105,31 @@ def _checked_source(source: WeightSource | None, rank: int) -> WeightSource:
     names = [m.name for m in _metadata(source)]
     held = source.owned_names(rank) if _SOURCE_HAS_MODES else source.held_names()  # type: ignore[attr-defined]
     if held is not None and set(held) != set(names):
-        raise ConfigError("source", f"rank {rank} owns a subset", "every parameter on every trainer rank")
+        raise ConfigError(
+            "source", f"rank {rank} owns {len(set(held))} of {len(names)} parameters",
+            "every parameter on every trainer rank (FSDP shards are fine: iter_full gathers them)",
+        )  # fmt: skip
     return source
+
+
+def _trainer_exchange(rank: int) -> HandleExchange | None:
+    """The colocated trainer ranks for IPC: torch.distributed's default group when it has several ranks.
+
+    vLLM's own IPC trainer gathers on the default group too; it must be exactly the colocated trainer
+    ranks, numbered as the init info's ``rank``. None: a single trainer rank.
+
+    Raises:
+        ConfigError: ``rank`` is not the default group's rank, or not 0 without a group.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if rank != 0:
+            raise ConfigError("rank", rank, "0, or the rank in an initialised torch.distributed default group")
+        return None
+    if dist.get_rank() != rank:
+        raise ConfigError("rank", rank, f"the default group's rank {dist.get_rank()} (handles are gathered on it)")
+    return TorchDistExchange()
 
 
 def _base_init(engine: TrainerWeightTransferEngine[Any], client: VLLMWeightSyncClient, source: WeightSource,
@@ -244,7 +273,7 @@ class _ClientAdapter:
 
 
 class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTrainerInitInfo]):
-    """Trainer side of the same-chip IPC backend (single trainer rank; see `IpcTrainer` for more)."""
+    """Trainer side of the same-chip IPC backend; one rank per chip, gathered on the default group."""
 
     init_info_cls = NPUIPCTrainerInitInfo
 
@@ -253,9 +282,12 @@ class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTraine
         """Create the core `IpcTrainer` on the process's device runtime."""
         _base_init(self, client, source, is_sender, rank)
         self.init_info = init_info
+        # Several trainer ranks (FSDP): every rank exports its gathered copy on its own chip, the handles
+        # are merged on the default group, and only rank 0 calls the client.
         self.trainer = IpcTrainer(
             _ClientAdapter(client, init_info.layerwise_reload, init_info.validate_names), get_runtime(),
             packed=init_info.packed, buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            exchange=_trainer_exchange(rank),
         )  # fmt: skip
 
     @classmethod

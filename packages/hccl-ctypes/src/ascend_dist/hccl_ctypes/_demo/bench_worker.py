@@ -69,7 +69,7 @@ def _timed(fn: Callable[[], None], group: dist.ProcessGroup) -> float:
 def _verify(comm: PyHcclCommunicator, rank: int, world: int, numel: int) -> tuple[bool, bool]:
     stream = comm.runtime.current_stream()
     x = torch.full((numel,), float(rank + 1))
-    comm.all_reduce(x, x)
+    comm.all_reduce(x, out_tensor=x)
     pattern = torch.arange(numel, dtype=torch.float32).remainder_(251)
     b = pattern.clone() if rank == world - 1 else torch.zeros(numel)
     comm.broadcast(b, src=world - 1)
@@ -84,7 +84,7 @@ def _ops(
     stream = comm.runtime.current_stream()
 
     def comm_all_reduce() -> None:
-        comm.all_reduce(t, t)
+        comm.all_reduce(t, out_tensor=t)
         stream.synchronize(60)
 
     def comm_broadcast() -> None:
