@@ -14,7 +14,9 @@ The classes are thin: they translate vLLM's dataclasses and configs into `Broadc
 - weights are staged and applied to the model only once a whole update arrived; vLLM's layerwise
   reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``) then runs around that
   one apply, not from ``start`` to ``finish``, so an aborted update never leaves layers on the meta
-  device (disable it with ``layerwise_reload=False`` for models not loaded by vLLM);
+  device (disable it with ``layerwise_reload=False`` for models not loaded by vLLM); a loader that
+  raises during that apply is undone on every rank from a host copy taken just before it
+  (``restore_on_load_failure``, see `restore` and `broadcast`'s load vote);
 - ``update_weights`` synchronises through ``ascend_dist.common.device`` rather than
   ``torch.accelerator.synchronize()``, which raises on a CPU-only host.
 """
@@ -49,6 +51,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
 )
 from ascend_dist.weight_transfer.model_names import unknown_names
+from ascend_dist.weight_transfer.restore import ModuleSnapshot
 from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
 
 if TYPE_CHECKING:
@@ -66,12 +69,41 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+class _ReloadSnapshot:
+    """A `ModuleSnapshot` of the model that also clears what a failed layer-wise reload left behind."""
+
+    def __init__(self, model: torch.nn.Module, layerwise: bool) -> None:
+        self._model, self._layerwise = model, layerwise
+        self._snapshot = ModuleSnapshot(model)
+
+    def restore(self) -> None:
+        """Swap meta placeholders back for the original tensors, copy the old values in, reset vLLM's reload state."""
+        self._snapshot.restore()
+        if not self._layerwise:
+            return
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        # without this, the next initialize_layerwise_reload would skip every layer it still thinks is loading
+        for module in self._model.modules():
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is not None:
+                info.reset()
+        layerwise.LOADING_LAYERS.clear()
+        if hasattr(self._model, "_original_do_torchao_reload"):
+            self._model._do_torchao_reload = self._model._original_do_torchao_reload  # pyright: ignore[reportAttributeAccessIssue]
+
+
 class _ModelSink:
     """Loads into the engine's *current* target model (vLLM retargets it for draft-model updates)."""
 
     def __init__(self, engine: WeightTransferEngine[Any, Any], layerwise: bool) -> None:  # vLLM generic boundary
         self._engine = engine
         self.layerwise = layerwise
+        self.restore = True
+
+    def snapshot(self) -> _ReloadSnapshot | None:
+        """A host copy of the model before a staged update loads (None with ``restore_on_load_failure`` off)."""
+        return _ReloadSnapshot(self._engine.model, self.layerwise) if self.restore else None
 
     def validate_names(self, names: Iterable[str]) -> None:
         """Refuse (before the commit vote) names the current model cannot load.
@@ -94,8 +126,7 @@ class _ModelSink:
             return self._load(weights)
         except Exception as exc:
             raise LoadFailed(
-                f"the model's loader failed after the update was committed: {type(exc).__name__}: {exc}; "
-                "its weights may be mixed: send a complete update again or restart the engine"
+                f"the model's loader failed after the update was committed: {type(exc).__name__}: {exc}"
             ) from exc
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
@@ -135,6 +166,7 @@ class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
     layerwise_reload: bool = True
     validate_names: bool = True
     streamed: bool = False
+    restore_on_load_failure: bool = True
 
 
 @dataclass
@@ -197,6 +229,7 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
                 "layerwise_reload", True, "false with streamed=true (layer-wise reload across buckets: not yet)"
             )
         self._sink.layerwise = init_info.layerwise_reload
+        self._sink.restore = init_info.restore_on_load_failure
         self._validate_names = init_info.validate_names
         self.worker.init(
             master_address=init_info.master_address, master_port=init_info.master_port, rank=rank,
@@ -283,6 +316,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
                 "layerwise_reload", True, "false with streamed=true (layer-wise reload across chunks: not yet)"
             )
         self._sink.layerwise = init_info.layerwise_reload
+        self._sink.restore = init_info.restore_on_load_failure
         self._validate_names = init_info.validate_names
         self.worker.init(
             msgspec.convert(
