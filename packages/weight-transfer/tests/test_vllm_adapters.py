@@ -7,6 +7,7 @@ client that calls the worker engines the way vLLM's worker does: parse, init, st
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -315,6 +316,37 @@ def test_hccl_bad_tensor_name_is_refused_before_the_vote_and_every_worker_keeps_
         trainer.source = ModuleSource(good)  # the same group: the next correct update lands
         trainer.send_weights()
         assert all(_digests(m) == _digests(good) for m in models)
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()
+
+
+def test_hccl_wrong_shape_is_refused_before_the_vote_and_every_worker_keeps_its_weights(registered: list[str]) -> None:
+    """Issue 25 item 4: only names were checked at the vote; a wrong shape failed in vLLM's loader after it."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import ManifestRejected
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    engines, models = _workers("hccl", 2)
+    client = EngineClient(engines)
+    name, _, shape = next(s for s in SPECS if s[2])  # the first tensor with dims
+    reshaped_shape = (*shape[:-1], shape[-1] + 1)
+    reshaped = [(n, d, reshaped_shape if n == name else sh) for n, d, sh in SPECS]
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
+                               layerwise_reload=False)  # fmt: skip
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(LoadableModel(seed=8, specs=reshaped))
+    )
+    try:
+        before = [_digests(m) for m in models]
+        why = f"tensor '{name}': shape {reshaped_shape} does not fit the model's {tuple(shape)}"
+        with pytest.raises(ManifestRejected, match=re.escape(why)):
+            trainer.send_weights()
+        assert [_digests(m) for m in models] == before  # not one parameter written on any worker
     finally:
         trainer.shutdown()
         for e in engines:

@@ -50,7 +50,7 @@ from ascend_dist.weight_transfer.messages import (
     IpcParams,
     Manifest,
 )
-from ascend_dist.weight_transfer.model_names import unknown_names
+from ascend_dist.weight_transfer.model_names import mismatches, unknown_names
 from ascend_dist.weight_transfer.restore import ModuleSnapshot
 from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
 
@@ -105,19 +105,28 @@ class _ModelSink:
         """A host copy of the model before a staged update loads (None with ``restore_on_load_failure`` off)."""
         return _ReloadSnapshot(self._engine.model, self.layerwise) if self.restore else None
 
-    def validate_names(self, names: Iterable[str]) -> None:
-        """Refuse (before the commit vote) names the current model cannot load.
+    def validate(self, manifest: Manifest) -> None:
+        """Refuse (before the commit vote) names the current model cannot load, and shapes / dtypes it cannot take.
 
         Raises:
-            ManifestMismatch: Names the model has no parameter for (the first few are quoted).
+            ManifestMismatch: Names the model has no parameter for, or tensors whose shape or dtype
+                its loaders would refuse or silently cast (the first few are quoted).
         """
-        unknown = unknown_names(self._engine.model, names)
+        model = self._engine.model
+        unknown = unknown_names(model, (t.name for t in manifest.tensors))
         if unknown:
             shown = ", ".join(repr(n) for n in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ManifestMismatch(
                 f"{len(unknown)} tensor name(s) match no parameter of the model: {shown}{more} "
                 "(a model whose loader renames otherwise: init with validate_names=False)"
+            )
+        wrong = mismatches(model, ((t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors))
+        if wrong:
+            more = f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+            raise ManifestMismatch(
+                f"{len(wrong)} tensor(s) the model cannot take as sent: {'; '.join(wrong[:5])}{more} "
+                "(to skip these checks: init with validate_names=False)"
             )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
@@ -217,7 +226,7 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
     def _validate(self, manifest: Manifest) -> None:
         """Before the commit vote: every name must be one the model can load."""
         if self._validate_names:
-            self._sink.validate_names(t.name for t in manifest.tensors)
+            self._sink.validate(manifest)
 
     def init_transfer_engine(self, init_info: HCCLWeightTransferInitInfo) -> None:
         """Join the trainer's group as ``rank_offset + dp_index * replica_size + rank``."""
@@ -305,7 +314,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
     def _validate(self, manifest: Manifest) -> None:
         """Before anything is loaded: every name must be one the model can load."""
         if self._validate_names:
-            self._sink.validate_names(t.name for t in manifest.tensors)
+            self._sink.validate(manifest)
         self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
@@ -316,7 +325,6 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
                 "layerwise_reload", True, "false with streamed=true (layer-wise reload across chunks: not yet)"
             )
         self._sink.layerwise = init_info.layerwise_reload
-        self._sink.restore = init_info.restore_on_load_failure
         self._validate_names = init_info.validate_names
         self.worker.init(
             msgspec.convert(
