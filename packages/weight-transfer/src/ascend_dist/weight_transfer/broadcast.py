@@ -556,7 +556,8 @@ def receive_update(
         raise UpdateAborted(f"update {update_id}: ranks {[r for r, v in enumerate(votes) if v]} failed; not committed")
     t0 = time.perf_counter()
     snapshot = sink.snapshot() if isinstance(sink, RestorableSink) else None
-    phases.extra["snapshot_s"] = time.perf_counter() - t0
+    phases.extra["snapshot_s"] = time.perf_counter() - t0  # the restore point's host copy, apart from the load
+    t0 = time.perf_counter()
     load_error: BaseException | None = None
     try:
         sink.load_weights([(spec.name, t) for spec, t in zip(remote.tensors, staging, strict=True)])

@@ -84,11 +84,14 @@ class _ReloadSnapshot:
         from vllm.model_executor.model_loader.reload import layerwise
 
         # without this, the next initialize_layerwise_reload would skip every layer it still thinks is loading
+        infos = getattr(layerwise, "LAYERWISE_INFO", {})  # 0.32 and 0.33 both have it; read, never assumed
         for module in self._model.modules():
-            info = layerwise.LAYERWISE_INFO.get(module)
+            info = infos.get(module)
             if info is not None:
                 info.reset()
-        layerwise.LOADING_LAYERS.clear()
+        loading = getattr(layerwise, "LOADING_LAYERS", None)
+        if loading is not None:
+            loading.clear()
         if hasattr(self._model, "_original_do_torchao_reload"):
             self._model._do_torchao_reload = self._model._original_do_torchao_reload  # pyright: ignore[reportAttributeAccessIssue]
 
