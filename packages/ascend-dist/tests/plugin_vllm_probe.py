@@ -63,6 +63,10 @@ def main() -> None:
         bool(getattr(eplb_state._move_to_workspace, "__ascend_dist_wrapped__", False)),
     ]
     seen["hooks_ran"] = startup_hooks.ran()
+    import inspect
+
+    seen["eplb_source_readable"] = "def create_eplb_communicator" in inspect.getsource(eplb_communicator)
+    seen["eplb_state_source_readable"] = "class EplbState" in inspect.getsource(eplb_state)
     names = sys.argv[sys.argv.index("--resolve") + 1 :] if "--resolve" in sys.argv else []
     stock = {
         "OffloadingConnector": "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",

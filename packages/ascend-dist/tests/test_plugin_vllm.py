@@ -35,6 +35,7 @@ def test_vllm_plugin_loading_registers_every_installed_connector_once():
     # Issue 25 item 6: EPLB at start-up (was a documented manual step): vLLM's EPLB module, imported after
     # the plugin loaded, comes with our communicator factory and async commit wrapped
     assert seen["eplb_wrapped"] == [True, True, True] and seen["hooks_ran"]["eplb"].startswith("ok"), seen
+    assert seen["eplb_state_source_readable"]  # the hooked module's loader still answers get_source
 
 
 def test_a_name_registered_first_by_someone_else_is_kept_with_one_warning():

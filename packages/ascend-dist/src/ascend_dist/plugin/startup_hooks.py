@@ -64,6 +64,10 @@ class _Loader(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader, hooks: Sequence[StartupHook]) -> None:
         self._inner, self._hooks = inner, hooks
 
+    def __getattr__(self, name: str) -> Any:
+        # get_source, get_code, get_filename, is_package, resource readers: the module's own loader answers
+        return getattr(self._inner, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._inner.create_module(spec)
 
