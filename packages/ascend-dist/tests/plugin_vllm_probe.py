@@ -53,6 +53,20 @@ def main() -> None:
         "resolved": {},
         "by_module_path": {},
     }
+    from vllm.distributed.eplb import eplb_communicator, eplb_state  # vLLM's EPLB, imported after the plugin
+
+    from ascend_dist.plugin import startup_hooks
+
+    seen["eplb_wrapped"] = [
+        bool(getattr(eplb_communicator.create_eplb_communicator, "__ascend_dist_wrapped__", False)),
+        bool(getattr(eplb_state.create_eplb_communicator, "__ascend_dist_wrapped__", False)),
+        bool(getattr(eplb_state._move_to_workspace, "__ascend_dist_wrapped__", False)),
+    ]
+    seen["hooks_ran"] = startup_hooks.ran()
+    import inspect
+
+    seen["eplb_source_readable"] = "def create_eplb_communicator" in inspect.getsource(eplb_communicator)
+    seen["eplb_state_source_readable"] = "class EplbState" in inspect.getsource(eplb_state)
     names = sys.argv[sys.argv.index("--resolve") + 1 :] if "--resolve" in sys.argv else []
     stock = {
         "OffloadingConnector": "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",

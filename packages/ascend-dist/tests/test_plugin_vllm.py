@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ascend_dist import plugin
+from ascend_dist.plugin import startup_hooks
 
 # Fresh processes each import vLLM (~15 s alone, far more on a loaded 2-core machine).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -26,10 +27,15 @@ def _probe(*args):
 def test_vllm_plugin_loading_registers_every_installed_connector_once():
     seen = _probe()
     installed = [c for c in plugin.COMPONENTS + plugin.VLLM_NAME_OVERRIDES if plugin._installed(c.module)]
-    assert set(seen["ours"]) == {f"{c.factory}:{c.name}" for c in installed}
+    hooks = {f"startup:{h.name}" for h in startup_hooks.HOOKS if plugin._installed(h.module)}
+    assert set(seen["ours"]) == {f"{c.factory}:{c.name}" for c in installed} | hooks
     assert {c.name for c in installed if c.factory == "kv_connector"} <= set(seen["in_vllm"])
     assert {"hccl", "npu_ipc"} <= set(seen["weight_engines"]) and {"hccl", "npu_ipc"} <= set(seen["trainer_engines"])
     assert "MooncakeConnectorV1" in seen["in_vllm"]
+    # Issue 25 item 6: EPLB at start-up (was a documented manual step): vLLM's EPLB module, imported after
+    # the plugin loaded, comes with our communicator factory and async commit wrapped
+    assert seen["eplb_wrapped"] == [True, True, True] and seen["hooks_ran"]["eplb"].startswith("ok"), seen
+    assert seen["eplb_state_source_readable"]  # the hooked module's loader still answers get_source
 
 
 def test_a_name_registered_first_by_someone_else_is_kept_with_one_warning():

@@ -144,3 +144,26 @@ def test_communicator_factory_wrapper_against_vllm_signature():
     assert wrapped(group_coordinator=object(), backend="torch_nccl", expert_weights=[], expert_buffer=[]) is ours
     with pytest.raises(EplbContractError, match="factory signature"):
         wrap_communicator_factory(lambda group, backend: None, lambda c, w: None)
+
+
+@pytest.mark.parametrize(("choice", "cls"), [("hccl", "HcclEplbCommunicator"),
+                                             ("vllm", "TorchDistGlooStagedEplbCommunicator")])  # fmt: skip
+def test_installed_hooks_make_vllms_own_factory_return_the_hccl_communicator(choice, cls):
+    """Issue 25 item 6: the HCCL-backed communicator was a class no vLLM code path could pick."""
+    seen = run_ranks(vllm_ranks.run_installed, {"choice": choice}, world=2, timeout_s=90)
+    for s in seen:
+        assert s["class"] == cls, s  # control: "vllm" leaves vLLM's own choice in place
+        assert len(s["installed"]) == 3 and s["again"] == []  # both factory references and the async commit
+        if choice == "hccl":
+            assert s["engine"] == "gloo"  # the PyHcclCommunicator's CPU engine
+            assert s["weights_moved"], s  # vLLM's own rearrangement moved experts across ranks through it
+
+
+def test_communicator_choice_is_typed():
+    from ascend_dist.common.errors import ConfigError
+    from ascend_dist.eplb_ascend.vllm_install import communicator_choice
+
+    assert communicator_choice({}) == "auto"
+    assert communicator_choice({"ASCEND_DIST_EPLB_COMMUNICATOR": " HCCL "}) == "hccl"
+    with pytest.raises(ConfigError, match="ASCEND_DIST_EPLB_COMMUNICATOR"):
+        communicator_choice({"ASCEND_DIST_EPLB_COMMUNICATOR": "nccl"})

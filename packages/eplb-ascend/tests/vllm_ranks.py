@@ -133,3 +133,43 @@ def _scenario(rank, world, parallel):
     out["tables_match_maps"] = tables_match(model_state, now, rank)
     out["profile_skips_reservation"] = not communicator.needs_profile_buffer_reservation
     return out
+
+
+def run_installed(cfg):
+    """`vllm_install.install()`, then vLLM's own ``create_eplb_communicator`` call as `EplbState` makes it."""
+    rank, world = cfg["rank"], cfg["world"]
+    os.environ["ASCEND_DIST_EPLB_COMMUNICATOR"] = cfg["choice"]
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world), device_config=DeviceConfig("cpu"))
+    config.parallel_config.enable_eplb = True  # after the config check, as in `run`
+    config.parallel_config.eplb_config = EPLBConfig(use_async=False, communicator="torch_gloo")
+    os.environ["VLLM_DIST_IDENT"] = str(cfg["port"])
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{cfg['port']}")  # fmt: skip
+        ensure_model_parallel_initialized(world, 1, backend="gloo")
+        try:
+            from vllm.distributed.eplb import eplb_state
+
+            from ascend_dist.eplb_ascend.vllm_install import install
+
+            out = {"rank": rank, "installed": install(), "again": install()}
+            old, new = [[0, 1, 2, 3, 0, 1]] * LAYERS, [[3, 3, 2, 0, 1, 3], [1, 0, 3, 2, 2, 0]]
+            model = SyntheticMoE(world, rank, old)
+            buffer = [torch.empty_like(w) for w in model.expert_weights[0]]
+            communicator = eplb_state.create_eplb_communicator(
+                group_coordinator=get_eplb_group(), backend="torch_gloo", expert_weights=model.expert_weights,
+                expert_buffer=buffer,
+            )  # fmt: skip
+            out["class"] = type(communicator).__name__
+            out["engine"] = getattr(getattr(communicator, "communicator", None), "engine", None)
+            if cfg["choice"] == "vllm":
+                return out  # vLLM's own staged gloo communicator records CUDA events: not on this host
+            rearrange_expert_weights_inplace(
+                torch.tensor(old), torch.tensor(new), model.expert_weights, buffer, get_eplb_group().device_group,
+                communicator,
+            )  # fmt: skip
+            out["weights_moved"] = weights_ok(model, new, rank, world)
+            return out
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()

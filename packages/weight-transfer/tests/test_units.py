@@ -128,3 +128,44 @@ def test_unknown_names_follows_vllms_renaming_rules() -> None:
     assert unknown_names(model, good) == []
     bad = ["attn.q_prj.weight", "layers.0.wieght", "mlp.expert.0.w", "layers.2.weight", "lm_head.weight"]
     assert unknown_names(model, [*good, *bad]) == bad
+
+
+def test_shape_and_dtype_mismatches_follow_vllms_loaders() -> None:
+    """Issue 25 item 4: only names were checked before the vote; a wrong shape failed inside vLLM's loader."""
+    from ascend_dist.weight_transfer.model_names import mismatches
+
+    model = torch.nn.Module()
+    model.norm = torch.nn.Module()
+    model.norm.register_parameter("weight", torch.nn.Parameter(torch.zeros(8)))  # default loader: exact shape
+    model.qkv_proj = torch.nn.Module()
+    qkv = torch.nn.Parameter(torch.zeros(12, 16))  # fused and TP-sharded along dim 0 (vLLM's ``output_dim``)
+    qkv.output_dim = 0  # pyright: ignore[reportAttributeAccessIssue]
+    model.qkv_proj.register_parameter("weight", qkv)
+    model.conv = torch.nn.Module()
+    conv = torch.nn.Parameter(torch.zeros(4, 3))
+    conv.weight_loader = lambda p, w: p.copy_(w.squeeze(1))  # pyright: ignore[reportAttributeAccessIssue]
+    model.conv.register_parameter("weight", conv)  # a loader of its own reshapes: not checked
+    model.scale = torch.nn.Module()
+    model.scale.register_parameter("weight", torch.nn.Parameter(torch.zeros(()), requires_grad=False))
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    good = [
+        ("norm.weight", "bfloat16", (8,)),  # another float dtype: vLLM's loaders cast
+        ("q_proj.weight", "bfloat16", (64, 16)),  # the sharded dim is the trainer's full size
+        ("qkv_proj.weight", "float32", (36, 16)),
+        ("conv.weight", "float32", (4, 1, 3)),
+        ("scale.weight", "float32", (1,)),  # one element into a 0-dim parameter
+        ("unknown.weight", "float32", (3,)),  # names are unknown_names' job
+    ]
+    assert mismatches(model, good) == []
+    bad = [
+        ("norm.weight", "float32", (9,)),
+        ("k_proj.weight", "float32", (64, 17)),  # the unsharded dim differs
+        ("v_proj.weight", "float32", (64,)),  # rank differs
+        ("norm.weight", "int8", (8,)),  # an integer tensor into a float parameter
+    ]
+    found = mismatches(model, [*good, *bad])
+    assert len(found) == 4, found
+    assert "'norm.weight'" in found[0] and "(9,)" in found[0] and "(8,)" in found[0]
+    assert "'k_proj.weight'" in found[1] and "dim 1" in found[1]
+    assert "'v_proj.weight'" in found[2] and "dims" in found[2]
+    assert "'norm.weight'" in found[3] and "int8" in found[3]

@@ -7,6 +7,7 @@ client that calls the worker engines the way vLLM's worker does: parse, init, st
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -322,6 +323,37 @@ def test_hccl_bad_tensor_name_is_refused_before_the_vote_and_every_worker_keeps_
         client.pool.shutdown()
 
 
+def test_hccl_wrong_shape_is_refused_before_the_vote_and_every_worker_keeps_its_weights(registered: list[str]) -> None:
+    """Issue 25 item 4: only names were checked at the vote; a wrong shape failed in vLLM's loader after it."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import ManifestRejected
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    engines, models = _workers("hccl", 2)
+    client = EngineClient(engines)
+    name, _, shape = next(s for s in SPECS if s[2])  # the first tensor with dims
+    reshaped_shape = (*shape[:-1], shape[-1] + 1)
+    reshaped = [(n, d, reshaped_shape if n == name else sh) for n, d, sh in SPECS]
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
+                               layerwise_reload=False)  # fmt: skip
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(LoadableModel(seed=8, specs=reshaped))
+    )
+    try:
+        before = [_digests(m) for m in models]
+        why = f"tensor '{name}': shape {reshaped_shape} does not fit the model's {tuple(shape)}"
+        with pytest.raises(ManifestRejected, match=re.escape(why)):
+            trainer.send_weights()
+        assert [_digests(m) for m in models] == before  # not one parameter written on any worker
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()
+
+
 def test_a_loader_failure_after_the_vote_is_a_typed_error_naming_its_cause(registered: list[str]) -> None:
     from ascend_dist.weight_transfer.errors import LoadFailed
 
@@ -429,3 +461,79 @@ def test_hccl_streamed_with_layerwise_reload_is_refused_at_init(registered: list
         assert engines[0].worker.rank is None  # refused before joining any group
     finally:
         engines[0].shutdown()
+
+
+class ReloadableModel(LoadableModel):
+    """`LoadableModel` whose loader goes through each parameter's ``weight_loader`` like vLLM's models, with
+    vLLM's reload metadata recorded as vLLM's model loader does, so the real layer-wise reload runs on it."""
+
+    def __init__(self, seed: int | None = None, broken: str | None = None) -> None:
+        super().__init__(seed)
+        self.mend(broken)
+
+    def mend(self, broken: str | None) -> None:
+        """Give parameter ``broken`` a failing loader (None: no parameter), then record vLLM's reload metadata."""
+        from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+        for name, param in self.named_parameters():
+            if name == broken:
+                param.weight_loader = _broken_loader  # pyright: ignore[reportAttributeAccessIssue]
+            elif "weight_loader" in param.__dict__:
+                del param.weight_loader
+        record_metadata_for_reloading(self)  # the layer-wise reload's placeholders copy these attributes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+        return loaded
+
+
+def _broken_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    raise RuntimeError("quantisation loader: scale shape not supported")  # a fault no check before the vote sees
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_hccl_loader_failure_after_the_vote_restores_every_engine(registered: list[str], layerwise: bool) -> None:
+    """Issue 25 item 4: vLLM's loader raising after the commit vote left layers on the meta device (layer-wise
+    reload) or half-written, on that rank only, while the trainer and the other ranks reported success."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import LoadRestored
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    late = SPECS[len(SPECS) // 2][0]  # a parameter past the middle: earlier layers are already written
+    models = [ReloadableModel(seed=1), ReloadableModel(seed=1, broken=late)]
+    engines = [
+        WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="hccl"), _vllm_config(i),
+                                                  torch.device("cpu"), m)
+        for i, m in enumerate(models)
+    ]  # fmt: skip
+    client = EngineClient(engines)
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
+                               layerwise_reload=layerwise)  # fmt: skip
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=2)))
+    try:
+        before = [_digests(m) for m in models]
+        with pytest.raises(LoadRestored, match=r"worker ranks \[2\]"):
+            trainer.send_weights()
+        for m, digests in zip(models, before, strict=True):
+            assert not any(p.is_meta for p in m.parameters())  # no layer left on the meta device
+            assert _digests(m) == digests  # both engines serve the old weights; none a mix
+        models[1].mend(None)  # control: the next update lands everywhere
+        good = LoadableModel(seed=3)
+        trainer.source = ModuleSource(good)
+        trainer.send_weights()
+        assert all(_digests(m) == _digests(good) for m in models)
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()

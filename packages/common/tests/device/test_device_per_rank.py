@@ -102,3 +102,37 @@ def test_tensors_runtime_is_their_devices_and_refuses_a_mix() -> None:
         tensors_runtime([])
     with pytest.raises(ConfigError, match="tensors"):
         tensors_runtime([torch.zeros(1), torch.zeros(1, device="meta")])
+
+
+@pytest.mark.usefixtures("cpu_process")
+def test_a_forked_child_gets_runtimes_of_its_own() -> None:
+    """A forked child inherited the parent's runtimes without their stream threads: its first op never ran."""
+    import json
+    import os
+
+    parent = get_runtime()
+    ran: list[int] = []
+    parent.current_stream().enqueue("parent op", lambda: ran.append(1))
+    parent.synchronize(timeout=5)  # the parent's stream thread is running
+    assert ran == [1]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        try:
+            rt = get_runtime()
+            done: list[int] = []
+            rt.current_stream().enqueue("child op", lambda: done.append(1))
+            rt.synchronize(timeout=5)
+            report = {"own": rt is not parent, "ran": done == [1]}
+        except BaseException as exc:
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+        os.write(write_end, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as pipe:
+            report = json.loads(pipe.read().decode() or "{}")
+    finally:
+        os.waitpid(pid, 0)
+    assert report == {"own": True, "ran": True}, report
+    assert get_runtime() is parent  # the parent keeps its own

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from ascend_dist.cli import ports, probes
+from ascend_dist.cli import ascend_probes, ports, probes
 from ascend_dist.cli.probes import Finding
 from ascend_dist.cli.render import render_table, write_json
 
@@ -25,6 +25,7 @@ def default_probes(host: str = "127.0.0.1", kv_port: int | None = None) -> list[
         probes.probe_mooncake,
         probes.probe_vllm,
         probes.probe_members,
+        ascend_probes.probe_ascend,
         ports.probe_authentication,
         functools.partial(ports.probe_ports, host, kv_port),
     ]

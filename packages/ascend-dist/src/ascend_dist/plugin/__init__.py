@@ -3,7 +3,9 @@
 Runs in: every vLLM process (entry-point group `vllm.general_plugins`), possibly more than once.
 `register()` is re-entrant, imports no component module and nothing heavy, skips components that
 are not installed, keeps a name someone else registered first (with one warning), and never raises:
-an exception here would abort vLLM's start-up.
+an exception here would abort vLLM's start-up. Components that patch vLLM rather than register a
+name (eplb-ascend's EPLB communicator and async commit) run when the vLLM module they patch is
+imported (`startup_hooks`, listed as ``startup:<name>`` in `registered_names`).
 
 vLLM's public registration refuses a name it already holds. vllm-ascend's offload configs name two
 of vLLM's own connectors (`OffloadingConnector`, `SimpleCPUOffloadConnector`: vllm-ascend replaced
@@ -21,6 +23,8 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from ascend_dist.plugin import startup_hooks
 
 __all__ = ["COMPONENTS", "FACTORIES", "VLLM_NAME_OVERRIDES", "Component", "register", "registered_names"]
 
@@ -207,6 +211,11 @@ def register() -> None:
                 _register_one(component)
             except Exception:  # never abort vLLM's start-up because of us
                 logger.exception("registering %s %s failed; it is unavailable", component.factory, component.name)
+        try:
+            for name in startup_hooks.arm(startup_hooks.HOOKS, _installed):
+                _registered.add(f"startup:{name}")
+        except Exception:  # never abort vLLM's start-up because of us
+            logger.exception("arming the start-up hooks failed; EPLB stays vLLM's own")
         for component in VLLM_NAME_OVERRIDES:
             if not _installed(component.module):
                 continue

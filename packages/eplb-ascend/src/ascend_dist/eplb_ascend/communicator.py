@@ -69,6 +69,8 @@ class ExpertTransferQueue:
         n = len(tensors)
         for k, t in enumerate(tensors):
             src = t.cpu() if self.stage_through_cpu and t.device.type != "cpu" else t
+            if src.storage_offset() != 0:  # a view into stacked experts: device transports send whole storages
+                src = src.clone()
             self._ops.append(P2POperation("send", src, dst_rank, expert_id * n + k))
 
     def add_recv(self, tensors: Sequence[torch.Tensor], src_rank: int, expert_id: int) -> None:
@@ -79,6 +81,9 @@ class ExpertTransferQueue:
             dst = t
             if self.stage_through_cpu and t.device.type != "cpu":
                 dst = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                self._unstage.append((t, dst))
+            elif t.storage_offset() != 0:  # a view (allowed without require_standalone): receive whole, copy in
+                dst = torch.empty_like(t)
                 self._unstage.append((t, dst))
             self._ops.append(P2POperation("recv", dst, src_rank, expert_id * n + k))
 

@@ -10,9 +10,10 @@ the ``vllm`` extra). Thin: the logic lives in `tables`, `state`, `communicator` 
   `from_mapping`, which it calls with the mapping contract read from vLLM's signature.
 - `AscendEplbCommunicator` (an ``EplbCommunicator``) moves expert weights through a `P2PTransport`
   (gloo on CPU; the HCCL seam on Ascend) and needs no profile buffer reservation.
-- `wrap_move_to_workspace` / `wrap_communicator_factory` are the hooks to install on
-  ``vllm.distributed.eplb.eplb_state`` (async per-layer commit, communicator selection); no module
-  of this repository installs them yet (that is the Ascend platform patch's job).
+- `HcclEplbCommunicator` is that communicator over a `PyHcclCommunicator` of the EP group.
+- `wrap_move_to_workspace` / `wrap_communicator_factory` are the hooks on
+  ``vllm.distributed.eplb.eplb_state`` (async per-layer commit, communicator selection);
+  `vllm_install.install` puts them in place at start-up (the ascend-dist plugin calls it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "AscendEplbCommunicator",
     "AscendEplbLayerState",
     "AscendEplbState",
+    "HcclEplbCommunicator",
     "wrap_communicator_factory",
     "wrap_move_to_workspace",
 ]
@@ -230,6 +232,55 @@ class AscendEplbCommunicator(EplbCommunicator):
 
     def set_transfer_context(self, old_indices: np.ndarray, layer_idx: int) -> None:
         """Unused: every transfer is posted by add_send/add_recv."""
+
+
+def _bytes_group(group_coordinator: Any) -> Any:
+    """The gloo group the communicator is built on, never the one the control votes travel on.
+
+    The HCCL library uses it only to exchange its root info, but the CPU runtime's gloo engine sends
+    the expert bytes over it: sharing the control's ``cpu_group`` would interleave the two streams
+    of operations. vLLM's ``device_group`` is gloo on the CPU, so it carries the bytes there.
+    """
+    import torch.distributed as dist
+
+    device_group = getattr(group_coordinator, "device_group", None)
+    if device_group is not None and dist.get_backend(device_group) == "gloo":
+        return device_group
+    return group_coordinator.cpu_group
+
+
+class HcclEplbCommunicator(AscendEplbCommunicator):
+    """Expert weights over a `PyHcclCommunicator` of the EP group (HCCL on Ascend; its gloo engine on the CPU).
+
+    Control (fingerprints, votes) travels on the group's gloo ``cpu_group``; the bytes on the
+    communicator's stream (`hccl_transport`). The class vLLM's ``create_eplb_communicator`` returns
+    once `vllm_install.install` ran and ``ASCEND_DIST_EPLB_COMMUNICATOR`` selects ``hccl`` (the default
+    for expert weights on an NPU).
+    """
+
+    def __init__(self, communicator: Any, control: P2PTransport, **kwargs: Any) -> None:  # a PyHcclCommunicator
+        """Move expert bytes over ``communicator``, control over ``control`` (same group, same ranks)."""
+        from ascend_dist.eplb_ascend.hccl_transport import hccl_transport
+
+        super().__init__(hccl_transport(communicator, control), **kwargs)
+        self.communicator = communicator
+
+    @classmethod
+    def over_group(cls, group_coordinator: Any, *, runtime: Any = None, **kwargs: Any) -> HcclEplbCommunicator:
+        """Build one over vLLM's EP ``group_coordinator`` (collective: every EP rank calls it).
+
+        ``runtime``: the device runtime to enqueue on; None: this process's runtime of the
+        coordinator's device (each rank its own).
+        """
+        from ascend_dist.common.device import get_runtime
+        from ascend_dist.hccl_ctypes import PyHcclCommunicator
+
+        kwargs.setdefault(
+            "require_standalone", False
+        )  # the binding sends from data_ptr(): views of stacked experts work
+        rt = runtime if runtime is not None else get_runtime(getattr(group_coordinator, "device", None))
+        communicator = PyHcclCommunicator(_bytes_group(group_coordinator), runtime=rt)
+        return cls(communicator, GlooTransport(group_coordinator.cpu_group), **kwargs)
 
 
 def wrap_move_to_workspace(original: Callable[..., Any]) -> Callable[..., Any]:

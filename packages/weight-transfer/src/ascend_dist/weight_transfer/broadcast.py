@@ -12,12 +12,18 @@ Collective order of one update (every rank, in this order):
 4. data: packed, the byte stream (see `packing`) in fixed-size buffers, ``num_buffers`` in flight
    on both sides; unpacked, one broadcast per tensor;
 5. commit vote: the same vector again; a worker votes 0 once every byte is in its staging tensors.
-   Only when all votes are 0 does any worker load the staged tensors into the model.
+   Only when all votes are 0 does any worker load the staged tensors into the model;
+6. load vote (staged updates): a worker votes 1 if the model's loader raised (a fault the checks
+   before step 3 cannot see), after taking a host restore point of its model (`restore`);
+7. only when a rank voted 1 in step 6: every worker restores its restore point and votes 1 in a
+   restore vote if it could not. All restored: every rank raises `LoadRestored` (previous weights
+   on every rank, the group usable); otherwise `LoadFailed` naming the ranks with mixed weights.
 
 Workers receive into staging tensors, never into the model, so a failure anywhere before the
 commit (a worker dying, a timeout, a mismatch) leaves every surviving worker on its previous
-weights. The trainer turns a failed collective into `WorkerLost` naming the workers whose
-heartbeat stopped, or `UpdateAborted` when all are alive.
+weights, and a loader failure after it is undone on every rank (steps 6-7). The trainer turns a
+failed collective into `WorkerLost` naming the workers whose heartbeat stopped, or `UpdateAborted`
+when all are alive.
 
 Streamed updates (``Manifest.streamed``) trade that atomicity for bounded memory: steps 1-3 are the
 same (the name check still refuses before any byte), then step 4 carries buckets of whole tensors
@@ -43,6 +49,7 @@ from ascend_dist.common.errors import AscendDistError, ProtocolError
 from ascend_dist.weight_transfer.collective import Collective, Pending
 from ascend_dist.weight_transfer.errors import (
     LoadFailed,
+    LoadRestored,
     ManifestMismatch,
     ManifestRejected,
     PartialUpdate,
@@ -72,7 +79,7 @@ from ascend_dist.weight_transfer.packing import (
     tensor_views,
 )
 from ascend_dist.weight_transfer.pool import Allocate, BufferPool, device_allocator
-from ascend_dist.weight_transfer.session import WeightSink
+from ascend_dist.weight_transfer.session import RestorableSink, Snapshot, WeightSink
 
 if TYPE_CHECKING:
     import torch
@@ -301,6 +308,8 @@ def send_update(
         )
     if failed:
         raise UpdateAborted(f"update {update_id}: workers {failed} did not receive every byte; none committed")
+    if not manifest.streamed:
+        _settle_load(comm, update_id, None, None)
     return phases
 
 
@@ -420,6 +429,67 @@ def _finish_streamed(comm: Collective, update_id: int, load_error: BaseException
         )
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _settle_load(comm: Collective, update_id: int, load_error: BaseException | None, snapshot: Snapshot | None) -> None:
+    """Steps 6-7 of a staged update: every rank learns whether every worker loaded; if one did not, all restore.
+
+    The trainer (rank 0) loads nothing: it votes 0 and raises what the workers concluded.
+
+    Raises:
+        LoadRestored: A worker's loader failed; every worker restored its previous weights.
+        LoadFailed: A worker's loader failed and some worker could not restore (named): mixed weights.
+        UpdateAborted: A vote's collective failed after the load (a rank died); this worker restored.
+        PartialUpdate: The same, and this worker could not restore.
+    """
+    worker = comm.rank != _SRC
+    try:
+        failed = [r for r, v in enumerate(_vote(comm, 1 if load_error is not None else 0)) if v]
+        if not failed:
+            return
+        restore_error: BaseException | str | None = None
+        if worker:
+            restore_error = _restore(snapshot)
+        unrestored = [r for r, v in enumerate(_vote(comm, 1 if restore_error is not None else 0)) if v]
+    except (AscendDistError, RuntimeError) as exc:
+        if not worker:
+            raise  # the trainer's caller names the lost workers
+        restore_error = _restore(snapshot)
+        if restore_error is None:
+            raise UpdateAborted(
+                f"update {update_id}: a vote after the load failed ({_first_line(exc)}); this worker restored "
+                "its previous weights"
+            ) from exc
+        raise PartialUpdate(
+            f"update {update_id}: a vote after the load failed ({_first_line(exc)}) and this worker could not "
+            f"restore its previous weights ({restore_error}): it may hold new weights; send a complete update again"
+        ) from exc
+    here = f"; here: {_first_line(load_error)}" if load_error is not None else ""
+    what = f"update {update_id}: the model's loader failed after the commit vote on worker ranks {failed}{here}"
+    if not unrestored:
+        raise LoadRestored(f"{what}; every rank restored its previous weights") from load_error
+    why = f" ({restore_error})" if worker and restore_error is not None else ""
+    raise LoadFailed(
+        f"{what}; worker ranks {unrestored} could not restore their previous weights{why} and may hold mixed "
+        "weights: do not serve from them; send a complete update again or restart them"
+    ) from load_error
+
+
+def _restore(snapshot: Snapshot | None) -> str | None:
+    """Put the restore point back; the reason it could not be, or None."""
+    if snapshot is None:
+        return "no restore point: restoring is turned off"
+    try:
+        snapshot.restore()
+    except Exception as exc:  # the model's own tensors refused the copy: report, never hide
+        logger.exception("restoring the previous weights failed")
+        return _first_line(exc)
+    return None
+
+
 def receive_update(
     comm: Collective,
     expected: Manifest | None,
@@ -485,6 +555,14 @@ def receive_update(
     if any(votes):
         raise UpdateAborted(f"update {update_id}: ranks {[r for r, v in enumerate(votes) if v]} failed; not committed")
     t0 = time.perf_counter()
-    sink.load_weights([(spec.name, t) for spec, t in zip(remote.tensors, staging, strict=True)])
+    snapshot = sink.snapshot() if isinstance(sink, RestorableSink) else None
+    phases.extra["snapshot_s"] = time.perf_counter() - t0  # the restore point's host copy, apart from the load
+    t0 = time.perf_counter()
+    load_error: BaseException | None = None
+    try:
+        sink.load_weights([(spec.name, t) for spec, t in zip(remote.tensors, staging, strict=True)])
+    except Exception as exc:  # the model's loader, any error: every rank learns it at the load vote
+        load_error = exc
     phases.load_s = time.perf_counter() - t0
+    _settle_load(comm, update_id, load_error, snapshot)
     return update_id, phases

@@ -12,6 +12,7 @@ from ascend_dist.common.errors import AscendDistError, ProtocolError, TransferEr
 __all__ = [
     "EngineRpcFailed",
     "LoadFailed",
+    "LoadRestored",
     "ManifestMismatch",
     "ManifestRejected",
     "PartialUpdate",
@@ -87,4 +88,14 @@ class PartialUpdate(LoadFailed):
     Streamed updates load each bucket as it lands (bounded memory), so unlike a staged update the
     model now holds some new and some old weights, and the transfer group is unusable. Degrade: do
     not serve from this engine; call ``init`` again and send a complete update.
+    """
+
+
+class LoadRestored(UpdateAborted):
+    """The model's loader failed after the commit vote on some rank, and every rank restored its previous weights.
+
+    Every rank (the trainer included) learns it at a vote after the load; each worker put back the
+    host copy of its model it took before loading, so no rank serves the new weights and none serves
+    a mix. The transfer group is still usable. Degrade: read the cause (the failing rank's loader
+    error), fix the update and send it again.
     """

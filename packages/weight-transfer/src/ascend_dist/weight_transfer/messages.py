@@ -43,7 +43,7 @@ __all__ = [
     "make_manifest",
 ]
 
-PROTOCOL_VERSION: Final[int] = 2
+PROTOCOL_VERSION: Final[int] = 3
 """2: `Manifest.streamed` (an old peer would ignore the field and misread the bucket layout)."""
 DEFAULT_BUFFER_SIZE_BYTES: Final[int] = 1024**3
 """Bytes per pipeline buffer (upstream's 1 GiB default)."""

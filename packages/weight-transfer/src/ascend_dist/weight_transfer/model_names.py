@@ -11,16 +11,26 @@ when it addresses a fused-experts module (``...experts.<n>...`` under an ``exper
 layer another pipeline stage holds (``PPMissingLayer``); rotary caches are skipped as vLLM's
 loaders do. A model whose loader renames in other ways turns the check off with
 ``validate_names=False``.
+
+`mismatches` checks shapes and dtypes where vLLM's loaders would copy as they are: a tensor that
+reaches a parameter with the plain loader (no ``weight_loader``, or vLLM's ``default_weight_loader``)
+must have its shape (one element fits a 0-dim parameter); one that reaches a TP-sharded linear
+parameter (``output_dim`` / ``input_dim``) must have its rank and the size of every unsharded dim
+(the sharded ones carry the trainer's full size, or a padded vocabulary). Parameters with a loader
+of their own that reshapes, packed quantised ones (``packed_dim``) and every linear parameter of a
+quantised model (``quant_config``: kernel layouts differ from the checkpoint's) are left to their
+loaders. Both sides must be floating point or both not: ``copy_`` would cast silently.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["unknown_names"]
+__all__ = ["mismatches", "unknown_names"]
 
 
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -44,6 +54,67 @@ def _packed(name: str, packed: Mapping[str, Sequence[str]]) -> list[str]:
             if marker in f".{name}":
                 out.append(f".{name}".replace(marker, f".{packed_name}.", 1)[1:])
     return out
+
+
+def _candidates(name: str, mapper: Any, packed: Mapping[str, Sequence[str]]) -> tuple[list[str], list[str]] | None:
+    """Direct names ``name`` may load into, and names through the packed mapping; None when skipped on purpose."""
+    mapped = _mapped(mapper, name)
+    if mapped is None or any(marker in name for marker in _SKIPPED):
+        return None
+    direct = [*mapped, name]
+    return direct, [p for c in direct for p in _packed(c, packed)]
+
+
+def _shape_problem(target: torch.Tensor, shape: tuple[int, ...], via_packing: bool, quantised: bool) -> str:
+    """Why a checkpoint tensor of ``shape`` cannot go into ``target`` as vLLM's loaders copy, or ""."""
+    loader = getattr(target, "weight_loader", None)
+    sharded = {d for d in (getattr(target, "output_dim", None), getattr(target, "input_dim", None)) if d is not None}
+    if loader is None or getattr(loader, "__name__", "") == "default_weight_loader":
+        if sharded or via_packing:
+            pass  # a linear parameter's attributes on the plain loader: check it as one below
+        elif tuple(target.shape) != shape and not (target.numel() == 1 and math.prod(shape) == 1):
+            return f"shape {shape} does not fit the model's {tuple(target.shape)}"
+        else:
+            return ""
+    if not sharded or quantised or hasattr(target, "packed_dim"):
+        return ""  # a loader of its own decides
+    if len(shape) != target.dim():
+        return f"shape {shape} has {len(shape)} dims, the model's {tuple(target.shape)} has {target.dim()}"
+    for dim, (mine, theirs) in enumerate(zip(target.shape, shape, strict=True)):
+        if dim not in sharded and mine != theirs:
+            return f"shape {shape} differs from the model's {tuple(target.shape)} in dim {dim} (not a sharded dim)"
+    return ""
+
+
+def mismatches(model: torch.nn.Module, specs: Iterable[tuple[str, str, tuple[int, ...]]]) -> list[str]:
+    """Why tensors ``(name, dtype name, shape)`` cannot be loaded into ``model`` as they are, one line each, in order.
+
+    Names the model has no tensor for are not reported here (`unknown_names` does).
+    """
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    quantised = getattr(model, "quant_config", None) is not None
+    found = []
+    for name, dtype_name, shape in specs:
+        candidates = _candidates(name, mapper, packed)
+        if candidates is None:
+            continue
+        direct, through_packing = candidates
+        hit = next((c for c in direct if c in targets), None)
+        via_packing = hit is None
+        hit = hit or next((c for c in through_packing if c in targets), None)
+        if hit is None:
+            continue
+        target = targets[hit]
+        problem = _shape_problem(target, tuple(shape), via_packing, quantised)
+        dtype = getattr(torch, dtype_name, None)
+        if not problem and isinstance(dtype, torch.dtype) and dtype.is_floating_point != target.is_floating_point():
+            problem = f"dtype {dtype_name} into the model's {str(target.dtype).removeprefix('torch.')} would be cast"
+        if problem:
+            found.append(f"tensor {name!r}{f' (-> {hit})' if hit != name else ''}: {problem}")
+    return found
 
 
 def unknown_names(model: torch.nn.Module, names: Iterable[str]) -> list[str]:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from ascend_dist.weight_transfer.messages import Manifest
 
-__all__ = ["ModuleSink", "Session", "SessionState", "WeightSink"]
+__all__ = ["ModuleSink", "RestorableSink", "Session", "SessionState", "Snapshot", "WeightSink"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,23 @@ class WeightSink(Protocol):
         ...
 
 
+class Snapshot(Protocol):
+    """A restore point of a model, taken before an update is loaded (`restore.ModuleSnapshot`)."""
+
+    def restore(self) -> None:
+        """Put the model's previous tensors and values back."""
+        ...
+
+
+@runtime_checkable
+class RestorableSink(WeightSink, Protocol):
+    """A sink that can take a restore point before a staged update is loaded."""
+
+    def snapshot(self) -> Snapshot | None:
+        """A restore point of the model now, or None when restoring is turned off."""
+        ...
+
+
 class ModuleSink:
     """A `WeightSink` over a plain ``torch.nn.Module``: copies by parameter name, validated first.
 
@@ -110,6 +127,12 @@ class ModuleSink:
                 raise ManifestMismatch(
                     f"dtype of {spec.name!r}: model has {dtype_to_str(target.dtype)}, update has {spec.dtype}"
                 )
+
+    def snapshot(self) -> Snapshot | None:
+        """A host copy of the module, restored when a load fails on any rank."""
+        from ascend_dist.weight_transfer.restore import ModuleSnapshot
+
+        return ModuleSnapshot(self.module)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy each tensor into the parameter of that name; returns the names loaded."""

@@ -31,6 +31,7 @@ from ascend_dist.weight_transfer.collective import (
 )
 from ascend_dist.weight_transfer.errors import (
     LoadFailed,
+    LoadRestored,
     ManifestMismatch,
     ManifestRejected,
     UpdateAborted,
@@ -196,6 +197,9 @@ class BroadcastTrainer:
             ManifestMismatch: A worker refused the update (its reason is quoted); nothing changed.
             WorkerLost: Workers stopped responding; they are named; no worker committed.
             UpdateAborted: The collective failed with every worker alive; no worker committed.
+            LoadRestored: A worker's loader failed after the commit vote; every worker restored its
+                previous weights (the failing ranks are named); the group is usable.
+            LoadFailed: The same, but the named workers could not restore: mixed weights there.
         """
         comm = self._comm
         if comm is None or self._broken is not None:
@@ -209,8 +213,8 @@ class BroadcastTrainer:
             return send_update(
                 comm, manifest, tensors, update_id=update_id, rejection_detail=self._rejection, pool=self._pool
             )
-        except (ManifestRejected, LoadFailed):
-            raise  # refused at the vote, or (streamed) a worker's loader failed: the group is intact
+        except (ManifestRejected, LoadFailed, LoadRestored):
+            raise  # refused at the vote, or a worker's loader failed (restored or not): the group is intact
         except (AscendDistError, RuntimeError) as exc:
             # The HCCL path fails with typed errors (CollectiveError, DeadlineExceeded) and gloo with
             # RuntimeError: either way a dead worker is the likely cause, so ask the heartbeats first.

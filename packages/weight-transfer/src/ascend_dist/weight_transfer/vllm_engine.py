@@ -14,7 +14,9 @@ The classes are thin: they translate vLLM's dataclasses and configs into `Broadc
 - weights are staged and applied to the model only once a whole update arrived; vLLM's layerwise
   reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``) then runs around that
   one apply, not from ``start`` to ``finish``, so an aborted update never leaves layers on the meta
-  device (disable it with ``layerwise_reload=False`` for models not loaded by vLLM);
+  device (disable it with ``layerwise_reload=False`` for models not loaded by vLLM); a loader that
+  raises during that apply is undone on every rank from a host copy taken just before it
+  (``restore_on_load_failure``, see `restore` and `broadcast`'s load vote);
 - ``update_weights`` synchronises through ``ascend_dist.common.device`` rather than
   ``torch.accelerator.synchronize()``, which raises on a CPU-only host.
 """
@@ -48,7 +50,8 @@ from ascend_dist.weight_transfer.messages import (
     IpcParams,
     Manifest,
 )
-from ascend_dist.weight_transfer.model_names import unknown_names
+from ascend_dist.weight_transfer.model_names import mismatches, unknown_names
+from ascend_dist.weight_transfer.restore import ModuleSnapshot
 from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
 
 if TYPE_CHECKING:
@@ -66,26 +69,67 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+class _ReloadSnapshot:
+    """A `ModuleSnapshot` of the model that also clears what a failed layer-wise reload left behind."""
+
+    def __init__(self, model: torch.nn.Module, layerwise: bool) -> None:
+        self._model, self._layerwise = model, layerwise
+        self._snapshot = ModuleSnapshot(model)
+
+    def restore(self) -> None:
+        """Swap meta placeholders back for the original tensors, copy the old values in, reset vLLM's reload state."""
+        self._snapshot.restore()
+        if not self._layerwise:
+            return
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        # without this, the next initialize_layerwise_reload would skip every layer it still thinks is loading
+        infos = getattr(layerwise, "LAYERWISE_INFO", {})  # 0.32 and 0.33 both have it; read, never assumed
+        for module in self._model.modules():
+            info = infos.get(module)
+            if info is not None:
+                info.reset()
+        loading = getattr(layerwise, "LOADING_LAYERS", None)
+        if loading is not None:
+            loading.clear()
+        if hasattr(self._model, "_original_do_torchao_reload"):
+            self._model._do_torchao_reload = self._model._original_do_torchao_reload  # pyright: ignore[reportAttributeAccessIssue]
+
+
 class _ModelSink:
     """Loads into the engine's *current* target model (vLLM retargets it for draft-model updates)."""
 
     def __init__(self, engine: WeightTransferEngine[Any, Any], layerwise: bool) -> None:  # vLLM generic boundary
         self._engine = engine
         self.layerwise = layerwise
+        self.restore = True
 
-    def validate_names(self, names: Iterable[str]) -> None:
-        """Refuse (before the commit vote) names the current model cannot load.
+    def snapshot(self) -> _ReloadSnapshot | None:
+        """A host copy of the model before a staged update loads (None with ``restore_on_load_failure`` off)."""
+        return _ReloadSnapshot(self._engine.model, self.layerwise) if self.restore else None
+
+    def validate(self, manifest: Manifest) -> None:
+        """Refuse (before the commit vote) names the current model cannot load, and shapes / dtypes it cannot take.
 
         Raises:
-            ManifestMismatch: Names the model has no parameter for (the first few are quoted).
+            ManifestMismatch: Names the model has no parameter for, or tensors whose shape or dtype
+                its loaders would refuse or silently cast (the first few are quoted).
         """
-        unknown = unknown_names(self._engine.model, names)
+        model = self._engine.model
+        unknown = unknown_names(model, (t.name for t in manifest.tensors))
         if unknown:
             shown = ", ".join(repr(n) for n in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ManifestMismatch(
                 f"{len(unknown)} tensor name(s) match no parameter of the model: {shown}{more} "
                 "(a model whose loader renames otherwise: init with validate_names=False)"
+            )
+        wrong = mismatches(model, ((t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors))
+        if wrong:
+            more = f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+            raise ManifestMismatch(
+                f"{len(wrong)} tensor(s) the model cannot take as sent: {'; '.join(wrong[:5])}{more} "
+                "(to skip these checks: init with validate_names=False)"
             )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
@@ -94,8 +138,7 @@ class _ModelSink:
             return self._load(weights)
         except Exception as exc:
             raise LoadFailed(
-                f"the model's loader failed after the update was committed: {type(exc).__name__}: {exc}; "
-                "its weights may be mixed: send a complete update again or restart the engine"
+                f"the model's loader failed after the update was committed: {type(exc).__name__}: {exc}"
             ) from exc
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
@@ -135,6 +178,7 @@ class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
     layerwise_reload: bool = True
     validate_names: bool = True
     streamed: bool = False
+    restore_on_load_failure: bool = True
 
 
 @dataclass
@@ -185,7 +229,7 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
     def _validate(self, manifest: Manifest) -> None:
         """Before the commit vote: every name must be one the model can load."""
         if self._validate_names:
-            self._sink.validate_names(t.name for t in manifest.tensors)
+            self._sink.validate(manifest)
 
     def init_transfer_engine(self, init_info: HCCLWeightTransferInitInfo) -> None:
         """Join the trainer's group as ``rank_offset + dp_index * replica_size + rank``."""
@@ -197,6 +241,7 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
                 "layerwise_reload", True, "false with streamed=true (layer-wise reload across buckets: not yet)"
             )
         self._sink.layerwise = init_info.layerwise_reload
+        self._sink.restore = init_info.restore_on_load_failure
         self._validate_names = init_info.validate_names
         self.worker.init(
             master_address=init_info.master_address, master_port=init_info.master_port, rank=rank,
@@ -272,7 +317,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
     def _validate(self, manifest: Manifest) -> None:
         """Before anything is loaded: every name must be one the model can load."""
         if self._validate_names:
-            self._sink.validate_names(t.name for t in manifest.tensors)
+            self._sink.validate(manifest)
         self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:

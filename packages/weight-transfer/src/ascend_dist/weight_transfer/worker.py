@@ -28,7 +28,13 @@ from ascend_dist.weight_transfer.collective import (
     TransferGroup,
     gloo_collective,
 )
-from ascend_dist.weight_transfer.errors import LoadFailed, ManifestRejected, PartialUpdate, UpdateAborted
+from ascend_dist.weight_transfer.errors import (
+    LoadFailed,
+    LoadRestored,
+    ManifestRejected,
+    PartialUpdate,
+    UpdateAborted,
+)
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -196,8 +202,10 @@ class BroadcastWorker:
             ManifestRejected: The trainer sends something else, or the metadata is malformed (lists
                 of different lengths, an unknown dtype); the difference is named; nothing changed.
             UpdateAborted: The update did not complete on every rank; the model keeps its weights.
-            LoadFailed: The sink's loader failed after every rank committed (cause attached);
-                streamed: any rank's loader failed (the ranks' weights may differ).
+            LoadRestored: A rank's loader failed after every rank committed; every rank restored its
+                previous weights (this rank's loader error, if any, is the cause).
+            LoadFailed: The same, but some rank could not restore (no restore point, or the copy
+                back failed): mixed weights; streamed: any rank's loader failed.
             PartialUpdate: Streamed: the collective failed after buckets were loaded.
         """
         self.session.require("update")
@@ -246,7 +254,7 @@ class BroadcastWorker:
         except PartialUpdate as exc:  # the wire broke after loads began: mixed weights, group unusable
             self._broken = f"{type(exc).__name__}: {exc}"[:200]
             raise
-        except (ManifestRejected, LoadFailed):
+        except (ManifestRejected, LoadFailed, LoadRestored):
             raise  # refused at the vote, or the model's loader failed after it: the group is intact
         except UpdateAborted as exc:
             self._broken = f"{type(exc).__name__}: {exc}"[:200]

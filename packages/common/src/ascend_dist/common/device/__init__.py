@@ -23,6 +23,7 @@ Typical use (every backend)::
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -109,6 +110,19 @@ class _ProcessRuntimes:
 
 
 _PROCESS = _ProcessRuntimes()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's runtimes have no stream threads here, so their ops would never run.
+
+    Start over with none (nothing is closed: the parent owns their memory and shared segments); the
+    lock is new too, as a parent thread may have held it at the fork.
+    """
+    _PROCESS.lock = threading.Lock()
+    _PROCESS.runtimes = {}
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def create_runtime(name: str, **kwargs: Any) -> DeviceRuntime:  # kwargs are backend-specific options

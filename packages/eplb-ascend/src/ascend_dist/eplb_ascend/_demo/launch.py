@@ -7,6 +7,7 @@ bytes (no pickle). Every child is killed and joined when the parent returns, eve
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -52,6 +53,9 @@ def run_ranks(worker: Worker, cfg: dict[str, Any], world: int, timeout_s: float 
         DeadlineExceeded: a rank did not report within `timeout_s` (all ranks are killed).
         TransferError: a rank raised (its message is included).
     """
+    # Collect the parent's garbage here, where its finalizers can run: a forked child inherits it, and a
+    # finalizer that waits for one of the parent's threads (a gloo group's, a stream's) hangs the child.
+    gc.collect()
     ctx = mp.get_context("fork")
     port = free_port()
     deadline = Deadline.after(timeout_s)
