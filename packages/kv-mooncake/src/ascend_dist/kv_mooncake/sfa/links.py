@@ -193,6 +193,24 @@ class Dispatcher:
         self._closed = False
         self.sent = 0
 
+    @property
+    def failures_kept(self) -> int:
+        """Failures held for `take_failed` (the leak test's counter)."""
+        with self._lock:
+            return len(self._failed)
+
+    @property
+    def voided(self) -> int:
+        """Requests failed on P whose last part has not been committed or refused yet."""
+        with self._lock:
+            return len(self._voided)
+
+    @property
+    def links(self) -> int:
+        """Endpoint links (one thread each) started so far."""
+        with self._lock:
+            return len(self._links)
+
     def call(self, endpoint: tuple[str, int], message: Request, timeout_s: float) -> Reply:
         """One request/reply exchange with a D endpoint (one attempt: a read is never repeated)."""
         body = self._client.request(tcp_endpoint(*endpoint), self._requests.encode(message), timeout_s=timeout_s)
