@@ -26,12 +26,12 @@ from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance, SfaModel
 from ascend_dist.kv_mooncake.core.engine import get_engine
 from ascend_dist.kv_mooncake.pull.config import Role
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
+from ascend_dist.kv_mooncake.sfa.links import FAILURES_KEPT
 
 REQUESTS = int(os.environ.get("KV_MOONCAKE_SFA_LEAK_REQUESTS", "10000"))
 WAVE = 200
 ABORTS = 20  # per wave: over the default run P sees more failures than it may keep
 BUDGET_EVERY = 10
-FAILURE_MEMORY = 512  # failures P may keep for a collector that never comes
 PROMPT = 16  # two blocks of 8 tokens per group
 SHAPE: dict[str, Any] = {"layers": 3, "block_size": 8, "main_dims": (32, 8), "indexer_dims": (8,)}
 EXTRA: dict[str, Any] = {
@@ -215,8 +215,8 @@ def test_many_requests_with_faults_leave_nothing_behind(caplog: pytest.LogCaptur
         held = p.held()
         assert (held["tracked"], held["blocks_held"], held["voided"], held["links"]) == (0, 0, 0, 1)
         if REQUESTS >= 10000:  # the bound below is only tested when P saw more failures than it
-            assert p_failures > FAILURE_MEMORY
-        assert held["failed_kept"] <= FAILURE_MEMORY, "P keeps every failure nobody collects"
+            assert p_failures > FAILURES_KEPT
+        assert held["failed_kept"] <= FAILURES_KEPT, "P keeps every failure nobody collects"
         assert held["fds"] <= p_base["fds"] + 1 and held["threads"] <= p_base["threads"]
         assert held["regions"] == p_base["regions"]
     finally:
