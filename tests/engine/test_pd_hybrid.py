@@ -4,8 +4,8 @@ The model (a tiny Qwen3-Next: three linear-attention layers with conv and recurr
 full-attention layer) runs in bfloat16, as vLLM's CPU build requires for its GDN state; P and D have
 the same TP size. Prefix caching is off (hybrid state caching is a separate mode).
 
-* Identity: every generated token of D equals the no-connector reference's wherever the two kernel
-  orders agree (see `_assert_same_where_kernels_agree`), logprobs within ``ATOL``.
+* Identity: every generated token of D equals the no-connector reference's, logprobs within ``ATOL``,
+  up to a near-tie the two kernel orders may break apart (see `_assert_same_where_kernels_agree`).
 * One control per state kind, each of which must move D's first token beyond ``ATOL`` on every
   prompt (more than the two kernel orders ever differ by, so no control passes by noise):
   - attention KV alone: P serves a model whose weights differ from D's only in the full-attention
@@ -18,7 +18,6 @@ the same TP size. Prefix caching is off (hybrid state caching is a separate mode
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,10 @@ STATE_POISON = ("ascend_dist.testing.state_poison", "StatePoisoningHybridConnect
 ATTENTION = "model.layers.3.self_attn."  # the full-attention layer (TINY_QWEN3_NEXT's layer_types)
 LENGTHS = (70, 200, 333)
 TOKENS = 8
-ATOL = 5e-2  # bfloat16: D runs the last prompt token through the recurrent kernel, the reference chunked
-# A greedy token whose probability is at least this cannot be overtaken by a change of ATOL in the
-# logprobs (the runner-up has at most 1 - p): only below it may the two kernel orders part.
-CONFIDENT = math.log(0.55)
+# bfloat16: D runs the last prompt token through the recurrent kernel, the reference through the
+# chunked one. Measured: at most 0.046 over 24 tokens; each control changed the first token or moved
+# its logprob by 0.5.
+ATOL = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +87,13 @@ def _full(got: Sequence[Completion], want: Sequence[Completion]) -> None:
 
 
 def _assert_same_where_kernels_agree(got: Sequence[Completion], want: Sequence[Completion]) -> str:
-    """Every token equal with logprobs within ``ATOL``, up to a token both sides drew below ``CONFIDENT``.
+    """Every token equal with logprobs within ``ATOL``, up to a near-tie the two kernel orders may break apart.
 
-    The two greedy runs may part only at such a near-tie; from there on they continue different
-    texts, so the comparison stops. The first token must always agree (D computes it from the
-    transferred KV and state alone), and at least half of all tokens must have been compared.
+    With the same history, D's and the reference's distributions differ by kernel noise only, so
+    where their greedy picks part, each side's pick must be about as likely as the other's (logprobs
+    within ``ATOL``): two tokens tied within the noise. From there on they continue different texts
+    and the comparison stops. The first token must always agree (D computes it from the transferred
+    KV and state alone), and at least half of all tokens must have been compared.
     """
     _full(got, want)
     compared, worst, parted = 0, 0.0, []
@@ -101,9 +102,9 @@ def _assert_same_where_kernels_agree(got: Sequence[Completion], want: Sequence[C
             gl, wl = g.logprobs[j], w.logprobs[j]
             if gt != wt:
                 assert j > 0, f"prompt {i}: first token {gt} != reference {wt} (logprobs {gl:.4f}, {wl:.4f})"
-                assert max(gl, wl) < CONFIDENT, (
+                assert abs(gl - wl) <= ATOL, (
                     f"prompt {i}: token {j} is {gt} (logprob {gl:.4f}), the reference's {wt} ({wl:.4f}): "
-                    "they part at a token one side was sure of, not at a near-tie"
+                    "they part where the two picks are not tied within the kernels' noise"
                 )
                 parted.append(f"prompt {i} at token {j}")
                 break
