@@ -7,8 +7,8 @@ after P's read budget passed (D must not start the read), and twice in the run P
 a read of it in flight and a new P process (a new engine id, as a restarted vLLM gets) takes over.
 Afterwards D holds no request record, no peer entry but the live P's, no failure nobody collected;
 P holds no tracker, block or voided request and at most a bounded number of failures (vLLM's
-connector never collects them); threads (Python and native), file descriptors and registrations of
-both are back at their steady size. Real Mooncake TCP and ZMQ on 127.0.0.1, P in a child process.
+connector never collects them); threads (on D native ones too), file descriptors and registrations
+of both are back at their steady size. Real Mooncake TCP and ZMQ on 127.0.0.1, P in a child process.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ EXTRA: dict[str, Any] = {
     "prefill": {"tp_size": 1},
     "decode": {"tp_size": 1},
     "transfer_backend": "mooncake",
-    "read_timeout_s": 3.0,  # P's read budget: half of it
+    "read_timeout_s": 4.0,  # P's read budget: half of it (2 s: room for a loaded machine)
     "hello_timeout_s": 2.0,
     "quarantine_s": 0.05,
     "recv_timeout_s": 5.0,

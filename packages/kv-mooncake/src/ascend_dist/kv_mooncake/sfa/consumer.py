@@ -249,6 +249,8 @@ class ConsumerWorker:
         p_layer, dest = peer.layers.get(msg.layer_name), self._dest.get(msg.layer_name)
         if p_layer is None or dest is None:
             return self._fail_batch(msg, f"layer {msg.layer_name} unknown on {'P' if p_layer is None else 'D'}")
+        with self._cond:  # finished or aborted here before: expected, not worth a warning per layer
+            ended = {r.ext_id for r in msg.reads if r.ext_id in self._gone}
         records = self._wait_records([r.ext_id for r in msg.reads])
         failed: list[str] = []
         parts: list[Descriptors] = []
@@ -257,7 +259,7 @@ class ConsumerWorker:
             rec = records.get(r.ext_id)
             if rec is None or rec.error is not None:
                 failed.append(r.ext_id)
-                if rec is None:
+                if rec is None and r.ext_id not in ended:
                     logger.warning("sfa D%d: no destination for request %s", self._tp_rank, r.ext_id)
                 continue
             try:
