@@ -166,6 +166,10 @@ def test_failed_engine_read_fails_the_batch_and_reports_its_blocks(d: Any) -> No
     assert worker.get_block_ids_with_load_errors() == {10, 20, 11, 21}
     assert worker.get_finished() == (set(), {"a-int", "b-int"})  # quarantine_s = 0
     engine.rc = 0
+    # D forgot the sender it could not read (a dead P's entry must not stay): a live P greets again.
+    forgotten = ch.send(_ready("P/tp0", 0, [ReadReq("a", [1], [2])], ["a"]))
+    assert isinstance(forgotten, ReadFailed) and "no hello" in forgotten.error
+    ch.hello("P/tp0")
     later = ch.send(_ready("P/tp0", 0, [ReadReq("a", [1], [2])], ["a"]))  # a later layer of a failed request
     assert isinstance(later, ReadDone) and later.failed == ["a"]
 

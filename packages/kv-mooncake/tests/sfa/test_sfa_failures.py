@@ -17,6 +17,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.sfa.messages import ReadFailed, ReadReady, Reply, reply_codec, request_codec
@@ -40,6 +41,22 @@ class LateReader(EngineWrapper):
         if self.calls == self._slow_call:
             time.sleep(self._delay_s)
         self.real.read(session, batch, timeout_s=timeout_s)
+
+
+class MisdirectedRead(EngineWrapper):
+    """D's engine (our `Reader` interface) whose first read goes to a port no engine listens on.
+
+    The real engine fails that read as it fails one of a killed P.
+    """
+
+    def __init__(self, inner: Reader, nowhere: str) -> None:
+        super().__init__(inner)
+        self._nowhere = nowhere
+        self.calls = 0
+
+    def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
+        self.calls += 1
+        self.real.read(self._nowhere if self.calls == 1 else session, batch, timeout_s=timeout_s)
 
 
 def _all_ids(pair: Any, rid: str) -> set[int]:
@@ -189,3 +206,25 @@ def test_read_that_outlasts_p_deadline_is_never_reported_loaded(make_sfa_pair: C
     pair.run("ok", 40, seed=12)
     assert pair.d.wait_recv({"ok"}) == set()
     assert pair.d.verify("ok", 12) > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_d_could_not_read_is_forgotten_and_greets_again(make_sfa_pair: Callable[..., Any]) -> None:
+    """D drops the peer entry of a P whose memory the engine failed to read (a killed P's must not
+    stay: `test_sfa_leaks`); a P that is alive greets again after the `ReadFailed`, so its next
+    request loads instead of being answered "no hello" for good.
+    """
+    readers: list[MisdirectedRead] = []
+
+    def misdirect(inner: Reader) -> Reader:
+        readers.append(MisdirectedRead(inner, f"127.0.0.1:{free_port_range(1)}"))
+        return readers[-1]
+
+    pair = make_sfa_pair(d_extra={"read_retries": 0}, d_reader=misdirect)
+    pair.run("bad", 24, seed=21)
+    assert "bad" in pair.p.drain()["failed"]
+    assert pair.d.wait_recv({"bad"}, timeout_s=10.0) == _all_ids(pair, "bad")
+    assert readers[0].calls == 1, "the fault was not injected: D read more than the failed layer"
+    pair.run("ok", 24, seed=22)  # P greets again: without it D answers "no hello" to every read
+    assert pair.d.wait_recv({"ok"}, timeout_s=10.0) == set()
+    assert pair.d.verify("ok", 22) > 0

@@ -285,10 +285,22 @@ class EngineHost:
                 return reply
 
     def write_model(
-        self, path: str | Path, seed: int, *, num_layers: int = 4, architecture: str = "llama", timeout_s: float = 120.0
+        self,
+        path: str | Path,
+        seed: int,
+        *,
+        num_layers: int = 4,
+        architecture: str = "llama",
+        redraw: str = "",
+        redraw_seed: int = 0,
+        timeout_s: float = 120.0,
     ) -> Path:
-        """Write a tiny random-weight model (`model.write_model`: ``llama`` or ``qwen3_next``) into ``path``."""
-        reply = self._request(WriteModel(str(path), seed, num_layers, architecture), timeout_s, f"writing {path}")
+        """Write a tiny random-weight model (`model.write_model`: ``llama`` or ``qwen3_next``) into ``path``.
+
+        ``redraw``/``redraw_seed``: parameters whose names start with ``redraw`` drawn from that seed.
+        """
+        message = WriteModel(str(path), seed, num_layers, architecture, redraw, redraw_seed)
+        reply = self._request(message, timeout_s, f"writing {path}")
         if isinstance(reply, Failure):
             raise EngineError(f"{reply.error}; log:\n{_tail(self._log)}")
         return Path(path)

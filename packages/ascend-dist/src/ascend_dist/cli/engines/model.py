@@ -51,41 +51,64 @@ TINY_QWEN3_NEXT = {
 }
 
 
-def write_model(path: str | Path, seed: int, *, architecture: str = "llama", num_layers: int = 4) -> Path:
-    """Write ``architecture`` (``llama``, or the hybrid ``qwen3_next``) with seeded weights into ``path``."""
+def write_model(
+    path: str | Path,
+    seed: int,
+    *,
+    architecture: str = "llama",
+    num_layers: int = 4,
+    redraw: str = "",
+    redraw_seed: int = 0,
+) -> Path:
+    """Write ``architecture`` (``llama``, or the hybrid ``qwen3_next``) with seeded weights into ``path``.
+
+    ``redraw``: parameters whose names start with it are drawn again from ``redraw_seed`` (the
+    others are ``seed``'s): a model that differs from ``seed``'s only there, e.g. only in one
+    layer's attention.
+    """
     if architecture == "qwen3_next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         config = Qwen3NextConfig(num_hidden_layers=4, dtype="bfloat16", **TINY_QWEN3_NEXT)
-        return _save(Qwen3NextForCausalLM(config), Path(path), seed, scale=0.05)
-    return write_tiny_llama(path, seed, num_layers=num_layers)
+        return _save(Qwen3NextForCausalLM(config), Path(path), seed, scale=0.05, redraw=(redraw, redraw_seed))
+    return write_tiny_llama(path, seed, num_layers=num_layers, redraw=(redraw, redraw_seed))
 
 
-def write_tiny_llama(path: str | Path, seed: int, *, num_layers: int = 4) -> Path:
+def write_tiny_llama(path: str | Path, seed: int, *, num_layers: int = 4, redraw: tuple[str, int] = ("", 0)) -> Path:
     """Write the model into ``path`` (created) and return it.
 
     Args:
         path: The folder; its basename is the model name engines report.
         seed: Seed of the weights: the same seed writes the same bytes.
         num_layers: Decoder layers.
+        redraw: ``(name prefix, seed)``: those parameters drawn from that seed (see `write_model`).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(num_hidden_layers=num_layers, dtype="float32", **TINY_LLAMA)
-    return _save(LlamaForCausalLM(config), Path(path), seed, scale=0.08)
+    return _save(LlamaForCausalLM(config), Path(path), seed, scale=0.08, redraw=redraw)
 
 
-def _save(model: Any, out: Path, seed: int, *, scale: float) -> Path:
+def _save(model: Any, out: Path, seed: int, *, scale: float, redraw: tuple[str, int] = ("", 0)) -> Path:
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
+    params = sorted(model.named_parameters())  # sorted: the same order every run
+    prefix, other_seed = redraw
+    draws = [(seed, params)]
+    if prefix:  # after the whole draw, so every other parameter is exactly seed's
+        chosen = [(n, p) for n, p in params if n.startswith(prefix)]
+        if not chosen:
+            raise ValueError(f"redraw: no parameter starts with {prefix!r}")
+        draws.append((other_seed, chosen))
     with torch.no_grad():
-        for _name, param in sorted(model.named_parameters()):  # sorted: the same order every run
-            if param.dim() == 1:  # norm weights around 1, so activations keep their scale
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(scale * torch.randn(param.shape, generator=generator))
+        for draw_seed, chosen in draws:
+            generator = torch.Generator().manual_seed(draw_seed)
+            for _name, param in chosen:
+                if param.dim() == 1:  # norm weights around 1, so activations keep their scale
+                    param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+                else:
+                    param.copy_(scale * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out, safe_serialization=True)
     return out
 

@@ -97,6 +97,8 @@ class WriteModel(msgspec.Struct, frozen=True, tag="write_model"):
     seed: int
     num_layers: int = 4
     architecture: str = "llama"
+    redraw: str = ""  # parameters whose names start with this are drawn from redraw_seed
+    redraw_seed: int = 0
 
 
 class Generate(msgspec.Struct, frozen=True, tag="generate"):

@@ -262,7 +262,14 @@ def _write_model(request: WriteModel) -> Ready | Failure:
         try:
             from ascend_dist.cli.engines.model import write_model
 
-            write_model(request.path, request.seed, architecture=request.architecture, num_layers=request.num_layers)
+            write_model(
+                request.path,
+                request.seed,
+                architecture=request.architecture,
+                num_layers=request.num_layers,
+                redraw=request.redraw,
+                redraw_seed=request.redraw_seed,
+            )
         except Exception:
             traceback.print_exc()
             code = 1

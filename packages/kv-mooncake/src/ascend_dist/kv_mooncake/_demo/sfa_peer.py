@@ -9,7 +9,10 @@ line each:
 * ``{"cmd": "prefill", "name", "items": [{"rid", "prompt_len", "seed", "params", "chunk"}]}`` ->
   ``{"steps": [...]}`` (each prefill dispatches its layers and frees its blocks at once)
 * ``{"cmd": "prefill_batch", "name", "items": [...]}`` -> ``{"steps": [n]}`` (all in the same steps)
-* ``{"cmd": "drain", "name"}`` -> ``{"failed": {ext id: reason}, "sent": n}`` once every gate is open
+* ``{"cmd": "drain", "name", "take"}`` -> ``{"failed": {ext id: reason}, "sent": n}`` once every gate is
+  open (``"take": false``: P's failures are left where they are, as vLLM's connector leaves them: ``{}``)
+* ``{"cmd": "held", "name"}`` -> what the instance holds (`SfaPInstance.held`), plus the process's
+  ``threads``, open ``fds`` and engine ``regions``
 * ``{"cmd": "drop", "name"}`` -> ``{"ok": true}`` (shuts that instance down)
 * ``{"cmd": "quit"}`` -> shuts every instance down and exits.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -69,13 +73,21 @@ def _prefill_batch(inst: SfaPInstance, msg: dict[str, Any]) -> dict[str, Any]:
 
 def _drain(inst: SfaPInstance, msg: dict[str, Any]) -> dict[str, Any]:
     inst.drain()
-    return {"failed": inst.failed(), "sent": sum(w.dispatcher.sent for w in inst.workers)}
+    failed = inst.failed() if msg.get("take", True) else {}
+    return {"failed": failed, "sent": sum(w.dispatcher.sent for w in inst.workers)}
+
+
+def _held(inst: SfaPInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    engine = get_engine(inst.config.host, inst.config.protocol)
+    fds = len(os.listdir("/proc/self/fd"))
+    return {**inst.held(), "threads": threading.active_count(), "fds": fds, "regions": len(engine.registered)}
 
 
 _COMMANDS: dict[str, Callable[[SfaPInstance, dict[str, Any]], dict[str, Any]]] = {
     "prefill": _prefill,
     "prefill_batch": _prefill_batch,
     "drain": _drain,
+    "held": _held,
 }
 
 

@@ -43,9 +43,13 @@ class SfaP:
         reply = self.peer.call({"cmd": "prefill_batch", "name": self.name, "items": items}, timeout_s=timeout_s)
         return int(reply["steps"][0])
 
-    def drain(self, timeout_s: float = 90.0) -> dict[str, Any]:
-        """Wait until P's gates are open; returns ``{"failed": {...}, "sent": n}``."""
-        return self.peer.call({"cmd": "drain", "name": self.name}, timeout_s=timeout_s)
+    def drain(self, timeout_s: float = 90.0, *, take: bool = True) -> dict[str, Any]:
+        """Wait until P's gates are open; returns ``{"failed": {...}, "sent": n}`` (``take=False``: failures kept)."""
+        return self.peer.call({"cmd": "drain", "name": self.name, "take": take}, timeout_s=timeout_s)
+
+    def held(self) -> dict[str, int]:
+        """What P and its process hold (`sfa_peer`'s ``held``)."""
+        return {k: int(v) for k, v in self.peer.call({"cmd": "held", "name": self.name}).items()}
 
     def kill(self) -> None:
         """SIGKILL the whole child process (every instance in it dies)."""

@@ -216,6 +216,17 @@ class SfaPInstance:
             out.update(w.take_failed())
         return out
 
+    def held(self) -> dict[str, int]:
+        """What P holds between requests (the leak test's counters): none of it may grow with requests."""
+        ds = [w.dispatcher for w in self.workers]
+        return {
+            "tracked": self.scheduler.tracked,
+            "blocks_held": len(self.alloc.held),
+            "failed_kept": sum(d.failures_kept for d in ds),
+            "voided": sum(d.voided for d in ds),
+            "links": sum(d.links for d in ds),
+        }
+
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every rank's gates are open (D answered everything dispatched)."""
         for w, caches in zip(self.workers, self.caches, strict=True):
@@ -244,6 +255,7 @@ class SfaDInstance:
         self.workers: list[ConsumerWorker] = []
         self.prompts: dict[str, int] = {}
         self._seen: dict[str, int] = {}
+        self._aborted: set[str] = set()  # handed to the workers' next get_finished, as vLLM's finished_req_ids
         pool_regions = [(t.data_ptr(), t.numel() * t.element_size()) for ts in self.pool.values() for t in ts]
         for rank in range(config.decode.tp_size):
             idx = {
@@ -294,9 +306,10 @@ class SfaDInstance:
         """Requests every rank reported finished (as vLLM aggregates), and the load errors seen."""
         errors: set[int] = set()
         reports: list[set[str]] = []
+        aborted, self._aborted = self._aborted, set()
         for w in self.workers:
             errors |= w.get_block_ids_with_load_errors()
-            reports.append(w.get_finished()[1])
+            reports.append(w.get_finished(aborted)[1])
         return aggregate_ranks(self._seen, reports, len(self.workers)), errors
 
     def wait_recv(self, rids: set[str], timeout_s: float = 15.0) -> set[int]:
@@ -327,6 +340,11 @@ class SfaDInstance:
         """The request finished decoding: free its blocks."""
         self.scheduler.request_finished(SfaRequest(rid, rid, self.prompts.pop(rid, 0)))
         self.alloc.release(rid)
+
+    def abort(self, rid: str) -> None:
+        """The client went away while D waited for P: vLLM finishes it and tells the workers at the next step."""
+        self.finish(rid)
+        self._aborted.add(rid)
 
     def shutdown(self) -> None:
         """Stop every rank's read thread."""

@@ -10,11 +10,13 @@ checked (protocol, compatibility fields, every layer's block bytes and indexer p
 remembered per sender; a `ReadReady` is turned into descriptors (`plan.plan_request_reads`),
 coalesced and read with one ``batch_transfer_sync_read`` (no attempt starts after P's
 ``read_budget_ms``, measured on D's clock from the frame's handling); D answers `ReadDone` (naming
-requests it could not serve) or `ReadFailed`. A request is done when all ``tp_ratio`` contributors
-committed it (`Commit`: P's verdict, after its last layer's reads were answered before P's
-deadline); it fails on a failed read, a refused layer, P's verdict, or when nothing finished it
-within ``recv_timeout_s``. Failed block ids (main and indexer) are reported at once; the request itself
-is reported finished ``quarantine_s`` later (a late engine write must not land in reused blocks).
+requests it could not serve) or `ReadFailed`; a sender whose memory the engine failed to read is
+forgotten (a killed P's entry goes with it; a live one greets again). A request is done when all
+``tp_ratio`` contributors committed it (`Commit`: P's verdict, after its last layer's reads were
+answered before P's deadline); it fails on a failed read, a refused layer, P's verdict, or when
+nothing finished it within ``recv_timeout_s``. Failed block ids (main and indexer) are reported
+at once; the request itself is reported finished ``quarantine_s`` later (a late engine write must
+not land in reused blocks).
 """
 
 from __future__ import annotations
@@ -247,6 +249,8 @@ class ConsumerWorker:
         p_layer, dest = peer.layers.get(msg.layer_name), self._dest.get(msg.layer_name)
         if p_layer is None or dest is None:
             return self._fail_batch(msg, f"layer {msg.layer_name} unknown on {'P' if p_layer is None else 'D'}")
+        with self._cond:  # finished or aborted here before: expected, not worth a warning per layer
+            ended = {r.ext_id for r in msg.reads if r.ext_id in self._gone}
         records = self._wait_records([r.ext_id for r in msg.reads])
         failed: list[str] = []
         parts: list[Descriptors] = []
@@ -255,7 +259,7 @@ class ConsumerWorker:
             rec = records.get(r.ext_id)
             if rec is None or rec.error is not None:
                 failed.append(r.ext_id)
-                if rec is None:
+                if rec is None and r.ext_id not in ended:
                     logger.warning("sfa D%d: no destination for request %s", self._tp_rank, r.ext_id)
                 continue
             try:
@@ -283,8 +287,10 @@ class ConsumerWorker:
         batch = Descriptors.concat(parts) if parts else None
         if batch is not None and len(batch):
             batch = coalesce(np.asarray(batch.local), np.asarray(batch.remote), np.asarray(batch.lengths))
-            error = self._read(peer.session, batch, msg.layer_name, give_up_at)
+            error, engine_failed = self._read(peer.session, batch, msg.layer_name, give_up_at)
             if error is not None:
+                if engine_failed:
+                    self._forget(msg.sender, peer.session)
                 self._fail([*served, *msg.done_ext_ids], f"layer {msg.layer_name}: {error}")
                 return ReadFailed(layer_idx=msg.layer_idx, error=error)
             with self._cond:
@@ -294,24 +300,38 @@ class ConsumerWorker:
                     self.trace.append((peer.session, batch))
         return ReadDone(layer_idx=msg.layer_idx, failed=failed)
 
-    def _read(self, session: str, batch: Descriptors, layer_name: str, give_up_at: float) -> str | None:
-        """One batch read, repeated ``read_retries`` times on failure; the last error or None.
+    def _read(self, session: str, batch: Descriptors, layer_name: str, give_up_at: float) -> tuple[str | None, bool]:
+        """One batch read, repeated ``read_retries`` times on failure.
 
         No attempt starts after ``give_up_at`` (P's read budget): P would not take its answer.
+
+        Returns:
+            ``(None, False)`` when read; else the last error and whether the engine failed a read
+            of ``session`` (False: the budget passed before the first attempt).
         """
         error = ""
         for attempt in range(self._config.read_retries + 1):
             if time.monotonic() >= give_up_at:
-                return error or "P's read budget passed before D could start the read"
+                return error or "P's read budget passed before D could start the read", bool(error)
             try:
                 if len(batch):
                     self._backend.read(session, batch)
-                return None
+                return None, False
             except AscendDistError as exc:
                 error = str(exc)
                 if attempt < self._config.read_retries:
                     logger.warning("sfa D%d: read of %s failed (%s); retrying", self._tp_rank, layer_name, exc)
-        return error
+        return error, True
+
+    def _forget(self, sender: str, session: str) -> None:
+        """Drop a sender whose memory could not be read: a dead P's entry must not outlive it.
+
+        A P that is alive greets again before its next read (its link re-greets after a `ReadFailed`).
+        """
+        with self._cond:
+            peer = self._peers.get(sender)
+            if peer is not None and peer.session == session:
+                del self._peers[sender]
 
     def _commit(self, msg: Commit) -> Committed:
         """P's verdict: count its contribution to ``ext_ids``; fail ``failed_ext_ids`` now."""

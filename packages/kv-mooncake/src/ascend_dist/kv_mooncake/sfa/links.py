@@ -7,7 +7,8 @@ and waits (bounded by ``read_timeout_s``) for D's `ReadDone`/`ReadFailed`. Each 
 exactly once (reply, deadline, dead endpoint or shutdown) and then releases its share of the
 layer's gates; a failure marks its requests failed on P (logged; D reports its own load errors).
 An endpoint that missed a deadline is skipped for ``endpoint_retry_s`` (its parts fail at once
-instead of stalling every layer), then greeted again.
+instead of stalling every layer), then greeted again; so is one that answered `ReadFailed` (D
+forgets a sender it could not read).
 
 After the answer to a part that ends requests (its ``done_ext_ids``), the link sends D a
 `Commit`: the requests every one of whose parts to this endpoint was answered in time count as
@@ -49,13 +50,16 @@ from ascend_dist.kv_mooncake.sfa.messages import (
     request_codec,
 )
 
-__all__ = ["Dispatcher", "Part", "Slot"]
+__all__ = ["FAILURES_KEPT", "Dispatcher", "Part", "Slot"]
 
 logger = logging.getLogger(__name__)
 
 # Requests a part failed for, remembered until their last part was committed or refused; bounded
 # because an aborted request never reaches its last part.
 _VOIDED_MEMORY = 65536
+# Failures kept for `Dispatcher.take_failed` (the most recent): vLLM's connector never takes them
+# (each is logged when it happens), so they must not pile up for a collector that never comes.
+FAILURES_KEPT = 512
 
 
 class Slot:
@@ -132,6 +136,7 @@ class _Link(threading.Thread):
         if isinstance(reply, ReadDone):
             o.resolve(part, None, failed=reply.failed)
         elif isinstance(reply, ReadFailed):
+            self.greeted = False  # D may have forgotten this sender (it could not read it): greet again
             o.resolve(part, f"D failed layer {reply.layer_idx}: {reply.error}")
         else:
             o.resolve(part, f"unexpected reply {type(reply).__name__}")
@@ -188,10 +193,28 @@ class Dispatcher:
         self._client = RpcClient(timeout_s=config.read_timeout_s, retries=1, max_reply_bytes=config.max_message_bytes)
         self._links: dict[tuple[str, int], _Link] = {}
         self._lock = threading.Lock()
-        self._failed: dict[str, str] = {}
+        self._failed: OrderedDict[str, str] = OrderedDict()
         self._voided: OrderedDict[str, None] = OrderedDict()
         self._closed = False
         self.sent = 0
+
+    @property
+    def failures_kept(self) -> int:
+        """Failures held for `take_failed` (the leak test's counter)."""
+        with self._lock:
+            return len(self._failed)
+
+    @property
+    def voided(self) -> int:
+        """Requests failed on P whose last part has not been committed or refused yet."""
+        with self._lock:
+            return len(self._voided)
+
+    @property
+    def links(self) -> int:
+        """Endpoint links (one thread each) started so far."""
+        with self._lock:
+            return len(self._links)
 
     def call(self, endpoint: tuple[str, int], message: Request, timeout_s: float) -> Reply:
         """One request/reply exchange with a D endpoint (one attempt: a read is never repeated)."""
@@ -249,6 +272,8 @@ class Dispatcher:
             self._voided.move_to_end(ext)
         while len(self._voided) > _VOIDED_MEMORY:
             self._voided.popitem(last=False)
+        while len(self._failed) > FAILURES_KEPT:
+            self._failed.popitem(last=False)
 
     def mark_failed(self, ext_ids: list[str], reason: str) -> None:
         """Mark requests failed on P after their commit did not go through."""
@@ -266,9 +291,9 @@ class Dispatcher:
             return [e for e in ext_ids if e not in failed], failed
 
     def take_failed(self) -> dict[str, str]:
-        """Requests marked failed on P since the last call (ext id -> reason)."""
+        """Requests marked failed on P since the last call (ext id -> reason; the last `FAILURES_KEPT`)."""
         with self._lock:
-            out, self._failed = self._failed, {}
+            out, self._failed = dict(self._failed), OrderedDict()
             return out
 
     def links_alive(self) -> bool:

@@ -316,7 +316,10 @@ class ProducerWorker:
                 logger.info("sfa: layer %s still waits for D's read (%d pending)", layer_name, slot.pending)
 
     def take_failed(self) -> dict[str, str]:
-        """Requests whose reads failed since the last call (ext id -> reason), for logs and tests."""
+        """Requests whose reads failed since the last call (ext id -> reason), for logs and tests.
+
+        Only the latest `links.FAILURES_KEPT` are kept: vLLM's connector never takes them.
+        """
         return self._dispatcher.take_failed()
 
     def get_finished(self) -> tuple[set[str], set[str]]:
