@@ -200,14 +200,16 @@ def test_decode_onloads_the_rows_p_sent_into_the_shared_pool(
         else:
             d_work.register_kv_caches(d_caches)
             mgr = get_manager(get_runtime(D_DEVICE), GEO)
-        assert held_host_pool(D_DEVICE) is not None and held_host_pool(0) is not None
-        assert d_work.host_pool[MAIN[0]][0].data_ptr() == mgr.host_k[0].data_ptr()
-        assert other.host_k[0].data_ptr() != mgr.host_k[0].data_ptr()  # device 0's pool is its own
         hasher = vb.block_hasher(d_cfg, _kcc())
         _transfer(p_work, p_sched, d_work, d_sched, p_caches=p_caches, meta=metaserver, hasher=hasher)
         for layer in range(2):  # D's view: P's blocks landed in the pool
             assert torch.equal(d_work.host_pool[MAIN[layer]][0][D_BLOCKS], p_caches[MAIN[layer]][0][P_BLOCKS])
         assert _onloads_p_rows(mgr, p_caches)
+        # One pool per device: D's views are the manager's tensors; device 0's pool is the other manager's.
+        assert held_host_pool(D_DEVICE) is not None and held_host_pool(0) is not None
+        assert d_work.host_pool[MAIN[0]][0].data_ptr() == mgr.host_k[0].data_ptr()
+        assert d_work.host_pool[MAIN[1]][1].data_ptr() == mgr.host_v[1].data_ptr()
+        assert other.host_k[0].data_ptr() != mgr.host_k[0].data_ptr()
         control = SparseOffloadManager(get_runtime(D_DEVICE), GEO)  # its own pool: nothing P sent is in it
         for t in (*control.host_k, *control.host_v):
             t.zero_()
