@@ -297,6 +297,9 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         geometry = HostPoolGeometry(len(names), next(iter(blocks[first])), block_size, widths[first])
         rows = geometry.num_blocks * block_size
         runtime = get_runtime(self.device_index)
+        if self._shared_pool is not None:  # registered again: one claim per worker
+            release_host_pool(self.device_index, self._shared_pool)
+            self._shared_pool = None
 
         def allocate() -> TensorHostPool:
             parts = [[runtime.pinned_empty((rows, w), torch.int8) for w in geometry.token_bytes] for _ in names]
