@@ -223,7 +223,7 @@ def test_decode_onloads_the_rows_p_sent_into_the_shared_pool(
 
 
 def test_a_pool_of_another_geometry_is_refused_naming_the_field(model_dir: Path, on_device_1: None) -> None:
-    """The manager first, its nope wider than D's cache: D refuses at registration; D first: the manager refuses."""
+    """The manager first with a wider nope, or D's blocks head-major: D refuses; D first: the manager refuses."""
     set_current_device(D_DEVICE)
     d_work = KVConnectorFactory.create_connector(
         _config(model_dir, "kv_consumer", "D-geo", free_port_range(1)), KVConnectorRole.WORKER, _kcc()
@@ -233,6 +233,16 @@ def test_a_pool_of_another_geometry_is_refused_naming_the_field(model_dir: Path,
         with pytest.raises(ConfigError, match=r"host_pool\.token_bytes.*SparseOffloadManager"):
             d_work.register_kv_caches(_caches(3))
         assert held_host_pool(D_DEVICE) is not None and mgr.host_k[0].shape[1] == 2 * (NOPE + 8)
+        reset_manager()
+        # Same bytes per token, but two heads stored head-major inside each block: the manager's token
+        # rows would be other tokens' bytes. Refused by name (control: the token-major caches below pass).
+        get_manager(get_runtime(D_DEVICE), GEO)
+        head_major = {
+            n: (torch.zeros(NB, 2, BLOCK, NOPE // 2).half().permute(0, 2, 1, 3), torch.zeros(NB, BLOCK, 1, ROPE).half())
+            for n in MAIN
+        }
+        with pytest.raises(ConfigError, match=r"host_pool\.token_major=False"):
+            d_work.register_kv_caches(head_major | {n: torch.zeros(NB, BLOCK, 16).half() for n in INDEXER})
         reset_manager()
         d_work.register_kv_caches(_caches(3))
         with pytest.raises(ConfigError, match=r"host_pool\.num_blocks.*SfaRemoteD2HConnector"):

@@ -44,12 +44,15 @@ class HostPoolGeometry:
         num_blocks: blocks per layer.
         block_size: tokens per block.
         token_bytes: bytes per token of each part of a layer (MLA: ``(nope, rope)``).
+        token_major: each block holds its tokens' rows one after the other (token ``t`` at byte
+            ``t * token_bytes``); the manager reads rows so, a head-major block would be garbage.
     """
 
     num_layers: int
     num_blocks: int
     block_size: int
     token_bytes: tuple[int, ...]
+    token_major: bool = True
 
     def mismatch(self, other: HostPoolGeometry) -> str | None:
         """The first field on which ``other`` differs, or None."""

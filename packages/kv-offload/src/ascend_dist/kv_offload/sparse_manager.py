@@ -86,7 +86,9 @@ class SparseOffloadManager:
         self.tk, self.tv = geo.kv_lora_rank * 2, geo.rope_dim * 2
         self._shared: SharedHostPool | None = None
         if share_host_pool:
-            shape = HostPoolGeometry(geo.num_layers, geo.num_blocks, geo.block_size, (self.tk, self.tv))
+            shape = HostPoolGeometry(
+                geo.num_layers, geo.num_blocks, geo.block_size, (self.tk, self.tv), token_major=True
+            )
             pool = claim_host_pool(runtime.device_index, shape, self._allocate_pool, type(self).__name__)
             self._shared = pool
             self.host_k = [pool.part(i, 0) for i in range(geo.num_layers)]
@@ -114,7 +116,7 @@ class SparseOffloadManager:
         base = (self._raw.data_ptr() + ALIGN_2MB - 1) // ALIGN_2MB * ALIGN_2MB - self._raw.data_ptr()
         self.host_k = [self._host(base + offsets[2 * i], tokens, self.tk) for i in range(geo.num_layers)]
         self.host_v = [self._host(base + offsets[2 * i + 1], tokens, self.tv) for i in range(geo.num_layers)]
-        shape = HostPoolGeometry(geo.num_layers, geo.num_blocks, geo.block_size, (self.tk, self.tv))
+        shape = HostPoolGeometry(geo.num_layers, geo.num_blocks, geo.block_size, (self.tk, self.tv), token_major=True)
         return TensorHostPool(shape, [(k, v) for k, v in zip(self.host_k, self.host_v, strict=True)])
 
     def _host(self, offset: int, tokens: int, width: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ from ascend_dist.common.host_pool_share import (
 from ascend_dist.common.secret import load_secret, warn_unauthenticated
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.device_fence import write_fence
+from ascend_dist.kv_mooncake.core.kv_views import token_rows
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     MooncakeAdapterBase,
@@ -92,6 +93,12 @@ def _request(request: Request) -> SfaRequest:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def _token_major(t: torch.Tensor, axes: str, token_bytes: int) -> bool:
+    """Token ``j`` of each block at byte ``j * token_bytes`` (the sparse offload manager reads rows so)."""
+    rows = token_rows(t, axes)  # [blocks, tokens, heads, content]
+    return rows.stride(1) * t.element_size() == token_bytes and rows[0, 0].is_contiguous()
 
 
 class SfaRemoteD2HConnector(MooncakeAdapterBase):
@@ -294,7 +301,12 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
                 raise ConfigError(f"{n} token bytes", widths[n], f"{widths[first]} (as {first})")
         if not names:
             return {}
-        geometry = HostPoolGeometry(len(names), next(iter(blocks[first])), block_size, widths[first])
+        major = all(
+            _token_major(t, layout.axes_of(n, t.dim()), w)
+            for n in names
+            for t, w in zip(mains[n], widths[n], strict=True)
+        )
+        geometry = HostPoolGeometry(len(names), next(iter(blocks[first])), block_size, widths[first], major)
         rows = geometry.num_blocks * block_size
         runtime = get_runtime(self.device_index)
         if self._shared_pool is not None:  # registered again: one claim per worker
