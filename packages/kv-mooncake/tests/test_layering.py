@@ -2,7 +2,8 @@
 
 core/ imports no transport; pull/, push/ and sfa/ import core/ and never each other; nothing outside
 _demo/ imports _demo/; only the vLLM adapters, core/vllm_glue and the pd-vllm bench driver
-(_demo/pd_vllm_driver.py) import vLLM (at module level or not).
+(_demo/pd_vllm_driver.py) import vLLM (at module level or not); no module imports another ascend_dist
+distribution than ascend_dist.common (kv-offload in particular: see common.host_pool_share).
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def test_only_the_adapters_import_vllm(path: Path) -> None:
     # _demo/pd_vllm_driver.py: the pd-vllm bench's driver of vLLM's Scheduler (demo code, never imported by the library)
     adapter = path.name == "vllm_connector.py" or rel in ("core/vllm_glue.py", "_demo/pd_vllm_driver.py")
     assert adapter or not uses_vllm, f"{path.relative_to(SRC)} imports vllm"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_other_distribution_is_imported(path: Path) -> None:
+    # pyproject depends on ascend-dist-common only; the sparse offload manager's host pool (kv-offload)
+    # is reached through ascend_dist.common.host_pool_share. _demo's bench driver may use the test kit.
+    allowed = ("ascend_dist.kv_mooncake", "ascend_dist.common") + (
+        ("ascend_dist.testing",) if _area(path) == "_demo" else ()
+    )
+    foreign = {n for n in _imports(path) if n.startswith("ascend_dist.") and not n.startswith(allowed)}
+    assert not foreign, f"{path.name} imports another distribution: {sorted(foreign)}"
 
 
 def test_a_violation_is_seen(tmp_path: Path) -> None:

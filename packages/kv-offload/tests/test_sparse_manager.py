@@ -8,11 +8,14 @@ import torch
 
 from ascend_dist.common.device import CpuSimRuntime
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.host_pool_share import held_host_pool
 from ascend_dist.kv_offload.sparse_manager import SparseGeometry, SparseOffloadManager, get_manager, reset_manager
 
 GEO = SparseGeometry(
     num_layers=2, num_blocks=4, block_size=16, kv_lora_rank=8, rope_dim=2, rows=2, topk=4, cap=16, max_model_len=64
 )
+
+BLOCK_TOKENS = GEO.block_size
 
 
 def _decode(mgr: SparseOffloadManager, layer: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,3 +61,22 @@ def test_invalid_slots_copy_nothing_and_singleton(rt: CpuSimRuntime) -> None:
     with pytest.raises(ConfigError, match="geometry"):
         get_manager(rt, SparseGeometry(**{**GEO.__dict__, "rows": 3}))
     reset_manager()
+
+
+def test_the_process_manager_shares_its_host_pool_and_a_direct_one_does_not(rt: CpuSimRuntime) -> None:
+    """`get_manager` claims the device's pool (SFA's D worker writes into it); a direct manager keeps its own."""
+    reset_manager()
+    own = SparseOffloadManager(rt, GEO)
+    assert held_host_pool(rt.device_index) is None  # control: the direct form publishes nothing
+    mgr = get_manager(rt, GEO)
+    pool = held_host_pool(rt.device_index)
+    assert pool is not None and pool.part(1, 1).data_ptr() == mgr.host_v[1].data_ptr() != own.host_v[1].data_ptr()
+    # Rows written by the other sharer are what the manager onloads.
+    pool.part(0, 0)[:BLOCK_TOKENS].fill_(7)
+    pool.part(0, 1)[:BLOCK_TOKENS].fill_(9)
+    slots = mgr.onload_topk_kv(0, np.array([[0, 1, 2, 3]]), np.array([1]), np.array([16]), np.array([[0]]))
+    rt.compute_stream().synchronize(5.0)
+    assert bool((mgr.hot_k[0][0, slots[0]] == 7).all()) and bool((mgr.hot_v[0][0, slots[0]] == 9).all())
+    reset_manager()
+    assert held_host_pool(rt.device_index) is None  # the singleton's claim is released with it
+    own.close()

@@ -9,7 +9,8 @@ layer->layer deltas are uniform), and the device holds a hot-buffer pair ``[rows
 `offload_new_kv` writes each decode token's K/V straight to its host slot; `onload_topk_kv` plans
 the row's top-k residency (`LruResidency`) and copies only the misses host -> hot buffer. Invalid
 slots or table entries copy 0 bytes. `get_manager` / `reset_manager` hold the process
-singleton.
+singleton; its host pool is shared with SFA's D worker on the same device (whichever comes first
+allocates it, see `ascend_dist.common.host_pool_share`), so decode reads the rows P sent.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ import torch
 
 from ascend_dist.common.device import CopyDirection, DeviceRuntime, Stream
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.host_pool_share import (
+    HostPoolGeometry,
+    SharedHostPool,
+    TensorHostPool,
+    claim_host_pool,
+    release_host_pool,
+)
 from ascend_dist.kv_offload.sparse_lru import LruResidency, MissPlan, miss_descriptors
 from ascend_dist.kv_offload.sparse_plan import ALIGN_2MB, host_pool_layout
 
@@ -61,23 +69,32 @@ class SparseGeometry:
 class SparseOffloadManager:
     """Host pool, hot buffers, LRU state and copies of every main layer."""
 
-    def __init__(self, runtime: DeviceRuntime, geo: SparseGeometry) -> None:
+    def __init__(self, runtime: DeviceRuntime, geo: SparseGeometry, *, share_host_pool: bool = False) -> None:
         """Allocate the host pool (one aligned allocation) and the hot buffers.
 
+        With ``share_host_pool`` (`get_manager`'s form) the host pool is claimed through
+        `ascend_dist.common.host_pool_share` for the runtime's device: if SFA's D worker claimed it
+        first, the manager reads the rows D wrote; otherwise D will write into this one.
+
         Raises:
-            ConfigError: a non-positive size or ``cap`` not a multiple of ``block_size``.
+            ConfigError: a non-positive size or ``cap`` not a multiple of ``block_size``; a shared
+                pool of another geometry (``host_pool.<field>``).
         """
         if geo.cap % geo.block_size:
             raise ConfigError("topk_buffer_size", geo.cap, f"a multiple of block_size ({geo.block_size})")
         self.rt, self.geo = runtime, geo
         self.tk, self.tv = geo.kv_lora_rank * 2, geo.rope_dim * 2
-        tokens = geo.num_blocks * geo.block_size
-        sizes = [n for _ in range(geo.num_layers) for n in (tokens * self.tk, tokens * self.tv)]
-        raw_bytes, offsets = host_pool_layout(sizes)
-        self._raw = runtime.pinned_empty(raw_bytes, torch.int8)
-        base = (self._raw.data_ptr() + ALIGN_2MB - 1) // ALIGN_2MB * ALIGN_2MB - self._raw.data_ptr()
-        self.host_k = [self._host(base + offsets[2 * i], tokens, self.tk) for i in range(geo.num_layers)]
-        self.host_v = [self._host(base + offsets[2 * i + 1], tokens, self.tv) for i in range(geo.num_layers)]
+        self._shared: SharedHostPool | None = None
+        if share_host_pool:
+            shape = HostPoolGeometry(
+                geo.num_layers, geo.num_blocks, geo.block_size, (self.tk, self.tv), token_major=True
+            )
+            pool = claim_host_pool(runtime.device_index, shape, self._allocate_pool, type(self).__name__)
+            self._shared = pool
+            self.host_k = [pool.part(i, 0) for i in range(geo.num_layers)]
+            self.host_v = [pool.part(i, 1) for i in range(geo.num_layers)]
+        else:
+            self._allocate_pool()
         self.hot_k: list[torch.Tensor] = []
         self.hot_v: list[torch.Tensor] = []
         for _ in range(geo.num_layers):
@@ -88,6 +105,19 @@ class SparseOffloadManager:
         self.d2h: Stream = runtime.new_stream()
         self.h2d: Stream = runtime.new_stream()
         self._last_plan: MissPlan | None = None
+
+    def _allocate_pool(self) -> TensorHostPool:
+        """K and V of every layer at 2 MiB-aligned offsets of one allocation (uniform K->V, layer->layer deltas)."""
+        geo = self.geo
+        tokens = geo.num_blocks * geo.block_size
+        sizes = [n for _ in range(geo.num_layers) for n in (tokens * self.tk, tokens * self.tv)]
+        raw_bytes, offsets = host_pool_layout(sizes)
+        self._raw = self.rt.pinned_empty(raw_bytes, torch.int8)
+        base = (self._raw.data_ptr() + ALIGN_2MB - 1) // ALIGN_2MB * ALIGN_2MB - self._raw.data_ptr()
+        self.host_k = [self._host(base + offsets[2 * i], tokens, self.tk) for i in range(geo.num_layers)]
+        self.host_v = [self._host(base + offsets[2 * i + 1], tokens, self.tv) for i in range(geo.num_layers)]
+        shape = HostPoolGeometry(geo.num_layers, geo.num_blocks, geo.block_size, (self.tk, self.tv), token_major=True)
+        return TensorHostPool(shape, [(k, v) for k, v in zip(self.host_k, self.host_v, strict=True)])
 
     def _host(self, offset: int, tokens: int, width: int) -> torch.Tensor:
         return self._raw[offset : offset + tokens * width].view(tokens, width)
@@ -146,6 +176,13 @@ class SparseOffloadManager:
         self.d2h.synchronize(WAIT_S)
         self.h2d.synchronize(WAIT_S)
 
+    def close(self) -> None:
+        """Wait for the copies and drop this manager's claim on a shared host pool."""
+        self.synchronize()
+        if self._shared is not None:
+            release_host_pool(self.rt.device_index, self._shared)
+            self._shared = None
+
 
 class _Singleton:
     def __init__(self) -> None:
@@ -166,7 +203,7 @@ def get_manager(runtime: DeviceRuntime | None = None, geo: SparseGeometry | None
         if _PROCESS.manager is None:
             if runtime is None or geo is None:
                 raise ConfigError("sparse_kv_offload_manager", None, "runtime and geometry on the first call")
-            _PROCESS.manager = SparseOffloadManager(runtime, geo)
+            _PROCESS.manager = SparseOffloadManager(runtime, geo, share_host_pool=True)
         elif geo is not None and geo != _PROCESS.manager.geo:
             raise ConfigError("geometry", geo, f"the process manager's {_PROCESS.manager.geo}")
         return _PROCESS.manager
@@ -176,5 +213,5 @@ def reset_manager() -> None:
     """Forget the process manager (tests, engine shutdown)."""
     with _PROCESS.lock:
         if _PROCESS.manager is not None:
-            _PROCESS.manager.synchronize()
+            _PROCESS.manager.close()
         _PROCESS.manager = None

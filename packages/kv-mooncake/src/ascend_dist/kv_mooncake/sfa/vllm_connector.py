@@ -5,10 +5,11 @@ the only code of `ascend_dist.kv_mooncake.sfa` that imports vLLM: it translates 
 ``KVCacheBlocks``, ``SchedulerOutput``, the layer -> tensor dict) into plain values and calls
 `ConsumerScheduler` / `ProducerScheduler` / `ConsumerWorker` / `ProducerWorker`.
 
-D's main MLA cache lives in a host pool shared by its TP ranks (upstream: owned by the sparse-KV
-offload manager). vLLM 0.33 has no such manager, so the D worker allocates the pool itself (one
-host tensor per main tensor, same block geometry) and exposes it as `host_pool`; an offload
-manager can pass its own with `set_host_pool` before `register_kv_caches`. The wire id of a request
+D's main MLA cache lives in a host pool (upstream: owned by the sparse-KV offload manager). vLLM 0.33
+has no such manager; ours (kv-offload's `SparseOffloadManager`) and this worker meet through
+`ascend_dist.common.host_pool_share`: whichever claims the device's pool first allocates it, the
+other gets the same memory (or a `ConfigError` naming the field whose geometry differs), so decode
+reads the rows P sent. The worker exposes its views of the pool as `host_pool`. The wire id of a request
 is vLLM's external id (the internal id without the 9-character ``-xxxxxxxx`` suffix vLLM appends).
 """
 
@@ -22,11 +23,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
-from ascend_dist.common.device import current_device_index
+from ascend_dist.common.device import current_device_index, get_runtime
 from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.host_pool_share import (
+    HostPoolGeometry,
+    SharedHostPool,
+    TensorHostPool,
+    claim_host_pool,
+    release_host_pool,
+)
 from ascend_dist.common.secret import load_secret, warn_unauthenticated
 from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.device_fence import write_fence
+from ascend_dist.kv_mooncake.core.kv_views import token_rows
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     MooncakeAdapterBase,
@@ -58,6 +67,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout
+
 __all__ = ["SfaRemoteD2HConnector", "SfaRemoteD2HMetadata", "external_id"]
 
 logger = logging.getLogger(__name__)
@@ -84,6 +95,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
+def _token_major(t: torch.Tensor, axes: str, token_bytes: int) -> bool:
+    """Token ``j`` of each block at byte ``j * token_bytes`` (the sparse offload manager reads rows so)."""
+    rows = token_rows(t, axes)  # [blocks, tokens, heads, content]
+    return rows.stride(1) * t.element_size() == token_bytes and rows[0, 0].is_contiguous()
+
+
 class SfaRemoteD2HConnector(MooncakeAdapterBase):
     """SFA P/D: D reads each layer from P's memory into its host pool while P prefills (vllm-ascend's name)."""
 
@@ -105,7 +122,8 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         self._producer: ProducerWorker | None = None
         self._consumer: ConsumerWorker | None = None
         self._started: object | None = None  # the bound metadata whose step was started
-        self.host_pool: dict[str, list[torch.Tensor]] = {}
+        self.host_pool: dict[str, list[torch.Tensor]] = {}  # D: main layer name -> views of the shared pool
+        self._shared_pool: SharedHostPool | None = None
         self.device_index = 0  # the worker's device (set below on the worker role)
         if role == KVConnectorRole.SCHEDULER:
             secret = load_secret()  # D signs its contact, P offers reads only for signed ones
@@ -210,10 +228,6 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
 
     # ---- worker side ----------------------------------------------------------------------------
 
-    def set_host_pool(self, pool: dict[str, list[torch.Tensor]]) -> None:
-        """D: use an offload manager's host pool (main layer name -> its tensors) instead of allocating one."""
-        self.host_pool = pool
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """P: describe and register its caches. D: allocate/register the host pool and its indexer caches.
 
@@ -240,12 +254,10 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         for name, ts in parts.items():
             (indexers if "indexer" in name else mains)[name] = ts
         index_of = {layer_index(n): n for n in indexers}
+        pooled = self._claim_host_pool(mains, main_bs, layout)
         dest: dict[str, DestLayer] = {}
         regions: list[tuple[int, int]] = []
-        for name, ts in mains.items():
-            for t in ts:
-                tensor_span(name, t, layout)  # D's own cache: the same layout as P's, refused the same way
-            pool = self.host_pool.setdefault(name, [torch.empty_like(t, device="cpu") for t in ts])
+        for name, pool in pooled.items():
             spans = [tensor_span(name, t, layout) for t in pool]
             idx_name = index_of.get(layer_index(name))
             ispans = [tensor_span(idx_name, t, layout) for t in indexers[idx_name]] if idx_name else []
@@ -256,8 +268,69 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
                 tuple(s.block_bytes for s in ispans),
             )
             regions += [(t.data_ptr(), t.numel() * t.element_size()) for t in pool]
-        regions += [(t.data_ptr(), t.numel() * t.element_size()) for ts in indexers.values() for t in ts]
         self._consumer.register(dest, regions, span_label(layout, [(n, t) for n, ts in parts.items() for t in ts]))
+
+    def _claim_host_pool(
+        self, mains: dict[str, list[torch.Tensor]], block_size: int, layout: CacheLayout
+    ) -> dict[str, list[torch.Tensor]]:
+        """D's host pool: the sparse offload manager's if it was created first, else allocated here for it.
+
+        The pool is shared through `ascend_dist.common.host_pool_share` per device (kv-mooncake does
+        not import kv-offload): one ``int8 [blocks * block_size, token_bytes]`` tensor per part of
+        each main layer, in layer order, viewed here with the shape, dtype and strides of D's own
+        cache so P's blocks land byte for byte (the manager reads token rows of those bytes).
+
+        Raises:
+            ConfigError: Main layers of different geometry, a block that is not whole tokens, or a
+                pool already held with another geometry (``host_pool.<field>``).
+            LayoutError: A main cache SFA cannot serve.
+        """
+        names = sorted(mains, key=layer_index)
+        spans = {n: [tensor_span(n, t, layout) for t in mains[n]] for n in names}
+        first = names[0] if names else ""
+        blocks = {n: {t.shape[0] for t in mains[n]} for n in names}
+        widths = {n: tuple(s.block_bytes // block_size for s in spans[n]) for n in names}
+        for n in names:
+            if any(s.block_bytes % block_size for s in spans[n]):
+                raise ConfigError(
+                    f"{n} block bytes", [s.block_bytes for s in spans[n]], f"whole tokens of block_size {block_size}"
+                )
+            if blocks[n] != blocks[first] or len(blocks[n]) != 1:
+                raise ConfigError(f"{n} num_blocks", sorted(blocks[n]), f"{sorted(blocks[first])} (as {first})")
+            if widths[n] != widths[first]:
+                raise ConfigError(f"{n} token bytes", widths[n], f"{widths[first]} (as {first})")
+        if not names:
+            return {}
+        major = all(
+            _token_major(t, layout.axes_of(n, t.dim()), w)
+            for n in names
+            for t, w in zip(mains[n], widths[n], strict=True)
+        )
+        geometry = HostPoolGeometry(len(names), next(iter(blocks[first])), block_size, widths[first], major)
+        rows = geometry.num_blocks * block_size
+        runtime = get_runtime(self.device_index)
+        if self._shared_pool is not None:  # registered again: one claim per worker
+            release_host_pool(self.device_index, self._shared_pool)
+            self._shared_pool = None
+
+        def allocate() -> TensorHostPool:
+            parts = [[runtime.pinned_empty((rows, w), torch.int8) for w in geometry.token_bytes] for _ in names]
+            return TensorHostPool(geometry, parts)
+
+        pool = claim_host_pool(
+            self.device_index, geometry, allocate, f"SfaRemoteD2HConnector (D, device {self.device_index})"
+        )
+        self._shared_pool = pool
+        views: dict[str, list[torch.Tensor]] = {}
+        for layer, n in enumerate(names):
+            views[n] = []
+            for j, t in enumerate(mains[n]):
+                view = pool.part(layer, j).view(-1).view(t.dtype).as_strided(t.shape, t.stride())
+                if tensor_span(n, view, layout).block_bytes != spans[n][j].block_bytes:
+                    raise ConfigError(f"{n} strides", tuple(t.stride()), "dense blocks the host pool can mirror")
+                views[n].append(view)
+        self.host_pool = views
+        return views
 
     def _meta(self) -> ConsumerMetadata | ProducerMetadata:
         meta = self._get_connector_metadata()
@@ -332,3 +405,6 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         for part in (self._producer, self._consumer, self._metaserver):
             if part is not None:
                 part.close() if isinstance(part, RetryingAnnouncer) else part.shutdown()
+        if self._shared_pool is not None:  # after the consumer: no read lands in it any more
+            release_host_pool(self.device_index, self._shared_pool)
+            self._shared_pool = None
