@@ -18,8 +18,8 @@ from pathlib import Path
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance  # noqa: E402
-from ascend_dist.kv_mooncake.pull.config import PullConfig  # noqa: E402
+from ascend_dist.kv_mooncake._demo.synthetic import Model, SyntheticInstance
+from ascend_dist.kv_mooncake.pull.config import PullConfig
 
 
 def _threads() -> dict[str, tuple[str, list[int]]]:
@@ -40,12 +40,19 @@ def main() -> None:
     forward = allowed[0]
     os.sched_setaffinity(0, {forward})  # vLLM's CPU worker: the forward thread on its OpenMP core
     before = _threads()
-    extra = {"engine_id": "P-aff", "kv_port": kv_port, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1},
-             "rpc_timeout_s": 2.0, "lease_s": 30.0}  # fmt: skip
+    extra = {
+        "engine_id": "P-aff",
+        "kv_port": kv_port,
+        "prefill": {"tp_size": 1},
+        "decode": {"tp_size": 1},
+        "rpc_timeout_s": 2.0,
+        "lease_s": 30.0,
+    }
     model = Model(layers=2, heads=2, head_dim=16, block_size=16, num_blocks=16)
     configs = {
-        role: PullConfig.from_kv_transfer_config(engine_id=engine_id, kv_role=role, kv_port=kv_port, extra=extra,
-                                                 model="synthetic", dtype="int16")  # fmt: skip
+        role: PullConfig.from_kv_transfer_config(
+            engine_id=engine_id, kv_role=role, kv_port=kv_port, extra=extra, model="synthetic", dtype="int16"
+        )
         for role, engine_id in (("kv_producer", "P-aff"), ("kv_consumer", "D-aff"))
     }
     p = SyntheticInstance(configs["kv_producer"], model)
@@ -57,14 +64,18 @@ def main() -> None:
         checked = d.verify("r0", seed=7) if not errors else 0
         after = _threads()
         started = sorted(after[tid] for tid in after.keys() - before.keys())
-        print(json.dumps({
-            "forward": forward,
-            "main_after": sorted(os.sched_getaffinity(0)),
-            "allowed": allowed,
-            "started": started,
-            "checked": checked,
-            "errors": sorted(errors),
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "forward": forward,
+                    "main_after": sorted(os.sched_getaffinity(0)),
+                    "allowed": allowed,
+                    "started": started,
+                    "checked": checked,
+                    "errors": sorted(errors),
+                }
+            )
+        )
     finally:
         d.shutdown()
         p.shutdown()

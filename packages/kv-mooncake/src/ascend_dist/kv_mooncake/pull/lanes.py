@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
-from ascend_dist.common.affinity import move_current_thread
+from ascend_dist.kv_mooncake.core.affinity import move_current_thread
 
 __all__ = ["Lane", "Lanes", "PeerKey"]
 
@@ -47,7 +47,7 @@ class Lane:
         """Create the lane; threads start on demand, each moving to ``cpus`` first (None: stays put)."""
         self.key = key
         name = f"kv-pull-{key[0]}"[:24]
-        # Started from the forward thread, they would inherit its core binding (`common.affinity`).
+        # Started from the forward thread, they would inherit its core binding (`core.affinity`).
         start = {"initializer": move_current_thread, "initargs": (cpus,)}
         self.reads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, **start)
         self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-done", **start)

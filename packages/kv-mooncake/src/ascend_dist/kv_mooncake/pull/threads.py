@@ -124,7 +124,7 @@ class Receiver:
 
         ``secret``: the deployment secret; with it every pull's params must carry P's capability
         (checked before any contact with P) and D presents it in each ``Renew`` and ``Done``.
-        ``thread_cpus``: the CPUs the pool's threads run on (`common.affinity.transfer_cpus`; they
+        ``thread_cpus``: the CPUs the pool's threads run on (`core.affinity.transfer_cpus`; they
         are started from vLLM's bound forward thread); None: where they start.
         """
         self._secret = secret

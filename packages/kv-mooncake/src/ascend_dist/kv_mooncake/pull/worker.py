@@ -17,13 +17,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ascend_dist.common.affinity import running_on, transfer_cpus
 from ascend_dist.common.errors import ConfigError, LayoutError
 from ascend_dist.common.log import IntervalLog
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.affinity import running_on, transfer_cpus
 from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_grant, wall_ms
 from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
@@ -183,7 +183,7 @@ class PullWorker:
         """Register the KV cache, then start the server (P) or the receiver (D).
 
         Every thread this starts (the engine's, the server's, the receiver's pool) runs on the
-        process's CPUs outside the calling forward thread's binding (`common.affinity`): confined
+        process's CPUs outside the calling forward thread's binding (`core.affinity`): confined
         to its core they waited behind it under ``vllm serve``, and D's pulls timed out.
 
         Args:
