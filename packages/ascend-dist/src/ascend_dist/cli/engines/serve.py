@@ -50,9 +50,9 @@ SERVE_ENV = {
 """The environment every ``vllm serve`` here gets on top of the caller's (offline, no usage stats)."""
 
 SIDE_CHANNEL = {"rpc_timeout_s": 10.0, "rpc_retries": 3}
-"""D's side-channel deadlines here (default 1 s x 2). The first demo run timed out at the default; a
-longer deadline did not help (P's side channel under `vllm serve` gave no reply in 3 x 10 s either:
-see the README's operator section, an open problem)."""
+"""D's side-channel deadlines here (default 1 s x 2): room for four ``vllm serve`` on a loaded 2-core
+machine. The timeouts of the first runs were not the deadline but threads confined to the forward
+thread's core (fixed in kv-mooncake's `PullWorker`; README, operator section)."""
 
 MODEL_NAME = "tiny"
 _STATS_PREFIX = "vllm:mooncake_"  # our pull connector's p2p channel uses vLLM's Mooncake metric names

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
+from ascend_dist.kv_mooncake.core.affinity import move_current_thread
+
 __all__ = ["Lane", "Lanes", "PeerKey"]
 
 logger = logging.getLogger(__name__)
@@ -34,12 +36,21 @@ _MAX_IDLE_LANES: Final = 16  # idle lanes beyond this are closed (a D may see ma
 class Lane:
     """One P instance's threads and breaker."""
 
-    def __init__(self, key: PeerKey, workers: int, retry_s: float, clock: Callable[[], float]) -> None:
-        """Create the lane; threads start on demand."""
+    def __init__(
+        self,
+        key: PeerKey,
+        workers: int,
+        retry_s: float,
+        clock: Callable[[], float],
+        cpus: frozenset[int] | None = None,
+    ) -> None:
+        """Create the lane; threads start on demand, each moving to ``cpus`` first (None: stays put)."""
         self.key = key
         name = f"kv-pull-{key[0]}"[:24]
-        self.reads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-        self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-done")
+        # Started from the forward thread, they would inherit its core binding (`core.affinity`).
+        start = {"initializer": move_current_thread, "initargs": (cpus,)}
+        self.reads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, **start)
+        self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-done", **start)
         self.jobs = 0  # queued or running jobs (guarded by `Lanes`' lock)
         self._retry_s = retry_s
         self._clock = clock
@@ -100,9 +111,17 @@ class Lane:
 class Lanes:
     """The lanes of one D worker, created on first use and closed when idle and too many."""
 
-    def __init__(self, workers: int, retry_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """No lane yet."""
+    def __init__(
+        self,
+        workers: int,
+        retry_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        thread_cpus: frozenset[int] | None = None,
+    ) -> None:
+        """No lane yet; every lane's threads run on ``thread_cpus`` (None: where they start)."""
         self._workers = workers
+        self._thread_cpus = thread_cpus
         self._retry_s = retry_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -119,7 +138,7 @@ class Lanes:
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
-                lane = self._lanes[key] = Lane(key, self._workers, self._retry_s, self._clock)
+                lane = self._lanes[key] = Lane(key, self._workers, self._retry_s, self._clock, self._thread_cpus)
                 if len(self._lanes) > _MAX_IDLE_LANES:
                     idle = [x for x in self._lanes.values() if x is not lane and x.jobs == 0 and not x.is_open]
                     for x in idle:

@@ -118,11 +118,14 @@ class Receiver:
         on_failure: Callable[[BaseException], None] = lambda exc: None,
         secret: DeploymentSecret | None = None,
         wall_clock: Callable[[], float] = time.time,
+        thread_cpus: frozenset[int] | None = None,
     ) -> None:
         """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats).
 
         ``secret``: the deployment secret; with it every pull's params must carry P's capability
         (checked before any contact with P) and D presents it in each ``Renew`` and ``Done``.
+        ``thread_cpus``: the CPUs the pool's threads run on (`core.affinity.transfer_cpus`; they
+        are started from vLLM's bound forward thread); None: where they start.
         """
         self._secret = secret
         self._wall_clock = wall_clock
@@ -140,7 +143,7 @@ class Receiver:
         self._clock = clock
         self._on_failure = on_failure
         self._peers = PeerClient(config, handshake, tp_rank)
-        self._lanes = Lanes(config.recv_workers, config.peer_retry_s, clock=clock)
+        self._lanes = Lanes(config.recv_workers, config.peer_retry_s, clock=clock, thread_cpus=thread_cpus)
         self._lock = threading.Lock()  # guards the table and the load errors
         self._requests = DRequests(pull_timeout_s=config.pull_timeout_s)
         self._errors: set[int] = set()

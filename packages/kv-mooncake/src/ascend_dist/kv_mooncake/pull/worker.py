@@ -23,6 +23,7 @@ from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_r
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.kv_mooncake.core.affinity import running_on, transfer_cpus
 from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_grant, wall_ms
 from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
@@ -114,6 +115,8 @@ class PullWorker:
         self._axes: dict[str, list[str]] = {}
         self._state_groups: list[int] = []
         self._has_attention = True
+        # Seen from the constructing thread: vLLM's forward thread, bound to its OpenMP cores.
+        self._transfer_cpus = transfer_cpus()
 
     @property
     def handshake_port(self) -> int:
@@ -179,6 +182,10 @@ class PullWorker:
     ) -> None:
         """Register the KV cache, then start the server (P) or the receiver (D).
 
+        Every thread this starts (the engine's, the server's, the receiver's pool) runs on the
+        process's CPUs outside the calling forward thread's binding (`core.affinity`): confined
+        to its core they waited behind it under ``vllm serve``, and D's pulls timed out.
+
         Args:
             kv_caches: Layer name -> tensor or tuple of tensors (K, V, or MLA parts; a state
                 layer's conv and ssm tensors).
@@ -196,6 +203,28 @@ class PullWorker:
             ConfigError: A layer of ``groups`` is missing from ``kv_caches``, a state group index
                 is out of range, or state groups are combined with context parallelism.
         """
+        with running_on(self._transfer_cpus):
+            self._register(
+                kv_caches,
+                groups=groups,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                state_groups=state_groups,
+                state_layout=state_layout,
+                layout=layout,
+            )
+
+    def _register(
+        self,
+        kv_caches: KVCaches,
+        *,
+        groups: Sequence[Sequence[str]],
+        num_blocks: int,
+        block_size: int,
+        state_groups: Sequence[int],
+        state_layout: StateLayout | None,
+        layout: CacheLayout | None,
+    ) -> None:
         states = sorted(set(state_groups))
         if any(not 0 <= g < len(groups) for g in states):
             raise ConfigError("state_groups", states, f"group indices in [0, {len(groups)})")
@@ -275,6 +304,7 @@ class PullWorker:
                 on_failure=self._on_failure,
                 secret=self._secret,
                 wall_clock=self._wall_clock,
+                thread_cpus=self._transfer_cpus,
             )
 
     def _handle(self, payload: bytes) -> bytes:
