@@ -512,6 +512,7 @@ def _profile(probe: Probe, w: _Wave) -> list[dict[str, float]]:
         row = dict(mine.phases())
         row["gap until get_finished"] = max(0.0, w.received[d_rid] - mine.reported_at)
         row["D admitted -> reported"] = w.received[d_rid] - w.t0
+        row["requests in its read batch (a count, not ms)"] = mine.batch / 1e3  # printed x 1e3 like the rest
         out.append(row)
     return out
 

@@ -44,6 +44,7 @@ class RequestTimes:
     renew: float = 0.0
     engine: float = 0.0
     done: float = 0.0
+    batch: int = 0  # requests in the batch that read it (the last one, for a request read in several)
 
     def phases(self) -> dict[str, float]:
         busy = max(0.0, self.reported_at - self.started_at)
@@ -102,6 +103,7 @@ class Probe:
         for rid in rids:
             t = self.times(rid)
             t.started_at = t.started_at or now
+            t.batch = len(set(rids))
         self._local.batch = rids
         try:
             run(lane, batch)

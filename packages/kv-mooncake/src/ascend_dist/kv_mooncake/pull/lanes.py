@@ -165,10 +165,10 @@ class Lanes:
                 return
             lane.jobs += len(tasks)
             lane.queued.extend(tasks)
-            start = lane.readers < self._workers
-            if start:
-                lane.readers += 1
-        if start:
+            # Running readers are inside a batch: start as many more as the queue fills (up to workers).
+            start = min(self._workers - lane.readers, -(-len(lane.queued) // self._max_batch))
+            lane.readers += start
+        for _ in range(start):
             lane.reads.submit(self._drain, lane)
 
     def _drain(self, lane: Lane) -> None:

@@ -54,7 +54,7 @@ from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
 from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
-from ascend_dist.kv_mooncake.pull.messages import MAX_BATCH, DoneItem
+from ascend_dist.kv_mooncake.pull.messages import DoneItem
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
 from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
 from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant
@@ -171,7 +171,11 @@ class Receiver:
         self._on_failure = on_failure
         self._peers = PeerClient(config, handshake, tp_rank)
         self._lanes = Lanes(
-            config.recv_workers, config.peer_retry_s, clock=clock, run_batch=self._run_batch, max_batch=MAX_BATCH
+            config.recv_workers,
+            config.peer_retry_s,
+            clock=clock,
+            run_batch=self._run_batch,
+            max_batch=config.recv_batch_requests,
         )
         self._lock = threading.Lock()  # guards the table, the load errors and the DONE outbox
         self._outbox: dict[Lane, list[tuple[int, DoneItem]]] = {}  # DONEs per lane not sent yet (port, item)
