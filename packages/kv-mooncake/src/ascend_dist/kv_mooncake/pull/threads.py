@@ -1,21 +1,26 @@
-"""D's receiving side: per-peer thread pools pulling each request's blocks from the P ranks it needs.
+"""D's receiving side: per-peer lanes reading each step's requests in batches from the P ranks they need.
 
-Runs in: D worker processes. `Receiver.submit` plans one task per P rank (and PP stage) and hands
-them to the lane of that P instance (`ascend_dist.kv_mooncake.pull.lanes`: its own threads, so a
-hung P delays only its own requests, and a breaker, so after a P stops answering its later
-requests fail at once until it answers again). A task fetches (and caches) the P worker's metadata after a
-compatibility handshake (`ascend_dist.kv_mooncake.pull.peers`), builds the descriptors of every KV group
-(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P to confirm (and renew)
-its lease, reads the blocks, asks again (a read that outlasted the lease, whose blocks P may have
-reused meanwhile, fails), and always sends DONE to that P rank, even on failure, so P frees its
-blocks (after the request is reported, so DONE's round trip is not on D's critical path). A
-failed task records the logical block ids it was to fill, in every KV group, *before* its request
-is reported finished. A request still pulling after ``pull_timeout_s`` is reported
-failed (its late results are ignored) and P is told at once (a DONE per task not yet confirmed,
-sent from the lane's DONE thread), so P frees its blocks without waiting out the lease; its tasks
-still queued then skip the read and only count down. Each DONE names its task (`done_sender`), so
-a copy P receives twice (a timed-out request's and the task's own, or an RPC retry) counts once. A
-request id pulled again while still tracked fails alone (both pulls' blocks reported).
+Runs in: D worker processes. `Receiver.submit_step` plans one task per P rank (and PP stage) of
+each request and queues a step's tasks on the lane of their P instance together
+(`ascend_dist.kv_mooncake.pull.lanes`: its own queue and readers, so a hung P delays only its own
+requests, and a breaker, so after a P stops answering its later requests fail at once until it
+answers again). A reader takes up to ``recv_batch_requests`` queued tasks (`Receiver._run_batch`)
+and per P rank fetches (and caches) the P worker's metadata after a compatibility handshake
+(`ascend_dist.kv_mooncake.pull.peers`), builds each task's descriptors for every KV group
+(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P once whether it still
+holds the blocks of every request in the batch (one `Renew`, renewing their leases), reads them all
+in one engine call (per ``recv_batch_bytes``), and asks again (a read that outlasted a lease, whose
+blocks P may have reused meanwhile, fails that request alone). Each request is then reported and
+its DONE queued: the lane's DONE thread sends the queued DONEs as one `Dones` list per P rank, even
+after a failure, so P frees its blocks off D's critical path. A failed read fails (and
+quarantines) the requests of that batch only. A failed task records the logical block ids it was
+to fill, in every KV group, *before* its request is reported finished. A request still pulling
+after ``pull_timeout_s`` is reported failed (its late results are ignored) and P is told at once
+(a DONE per task not yet confirmed, queued on the lane's DONE thread), so P frees its blocks
+without waiting out the lease; its tasks still queued then skip the read and only count down. Each
+DONE names its task (`done_sender`), so a copy P receives twice (a timed-out request's and the
+task's own, or an RPC retry) counts once. A request id pulled again while still tracked fails alone
+(both pulls' blocks reported).
 
 Capabilities: with a deployment secret a task first checks that P signed the params exactly as
 they are (`core.capability`; a client may have widened ``remote_block_ids``). One that does not
@@ -131,7 +136,7 @@ class Reformat(Protocol):
 
 
 class Receiver:
-    """D's thread pool of pulls, completion tracking and load-error reporting."""
+    """D's batched pulls per P lane, completion tracking and load-error reporting."""
 
     def __init__(
         self,

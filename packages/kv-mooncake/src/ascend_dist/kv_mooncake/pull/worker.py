@@ -1,8 +1,9 @@
 """Worker side of the pull connector: registration, P's side-channel server, D's receiver.
 
-Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, `Renew` and
-`Done` on ``kv_port + device_index`` (bound to the configured host only) and tracks lent blocks
-with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected (any
+Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, `Renew` (answered
+per request id) and `Dones` (and a single `Done`) on ``kv_port + device_index`` (bound to the
+configured host only) and tracks lent blocks with leases (`SendTracker`); on D it runs the
+`Receiver`. The engine is injected (any
 `Reader`), by default the process-wide Mooncake engine.
 
 With a deployment secret P renews, and counts DONEs, only with a `Grant` it signed for that request
