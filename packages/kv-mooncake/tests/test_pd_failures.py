@@ -19,7 +19,7 @@ from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Refused
 from ascend_dist.kv_mooncake.core.wire import WIRE_VERSION
-from ascend_dist.kv_mooncake.pull.messages import CHANNEL, Renew, reply_codec, request_codec
+from ascend_dist.kv_mooncake.pull.messages import CHANNEL, Held, Renew, reply_codec, request_codec
 
 
 @pytest.mark.timeout(60)
@@ -115,7 +115,7 @@ def test_bad_and_oversized_messages_are_dropped_and_the_server_keeps_serving(mak
         unknown = client.request(endpoint, requests.encode(Done(request_id="never-seen", d_rank=0, ok=True)))
         pair.p.prefill("leased", 40, 5)  # P now holds its blocks under a lease; D may renew it
         renew = Renew(request_ids=["leased"])
-        assert replies.decode(client.request(endpoint, requests.encode(renew))) == Ack(known=True)
+        assert replies.decode(client.request(endpoint, requests.encode(renew))) == Held(held=[True])
         done = Done(request_id="leased", d_rank=0, ok=True)
         # A DONE's answer is the same whether P knew the id: DONEs do not reveal which ids P holds.
         assert client.request(endpoint, requests.encode(done)) == unknown

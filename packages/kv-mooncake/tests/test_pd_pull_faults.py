@@ -26,7 +26,7 @@ from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 from ascend_dist.kv_mooncake.core.messages import Ack, Done
 from ascend_dist.kv_mooncake.core.request import SchedRequest
-from ascend_dist.kv_mooncake.pull.messages import Renew, reply_codec, request_codec
+from ascend_dist.kv_mooncake.pull.messages import DoneItem, Dones, Held, Renew, reply_codec, request_codec
 from ascend_dist.kv_mooncake.pull.threads import ShardKind, done_sender
 
 SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32}
@@ -55,12 +55,14 @@ def test_a_resent_done_counts_once_and_never_frees_blocks_another_d_rank_reads(m
     endpoint = tcp_endpoint("127.0.0.1", pair.kv_port)
     requests, replies = request_codec(1 << 20), reply_codec(1 << 20)
     whole = done_sender(0, ShardKind.WHOLE)  # what each D rank's WHOLE task sends beside its rank
-    rank0 = requests.encode(Done(request_id="fan", ok=True, d_rank=0, sender=whole))
+    rank0 = requests.encode(Dones(d_rank=0, items=[DoneItem(request_id="fan", ok=True, sender=whole)] * 2))
     with RpcClient(timeout_s=5.0, retries=1) as client:
         assert replies.decode(client.request(endpoint, rank0)) == Ack(known=True)
         assert replies.decode(client.request(endpoint, rank0)) == Ack(known=True)  # the same bytes again
         assert pair.p.poll()["blocks_lent"] > 0  # one rank twice is not the fan-in of 2
-        assert replies.decode(client.request(endpoint, requests.encode(Renew(request_ids=["fan"])))) == Ack(known=True)
+        assert replies.decode(client.request(endpoint, requests.encode(Renew(request_ids=["fan"])))) == Held(
+            held=[True]
+        )
         # control: D rank 1's DONE completes the fan-in and frees the blocks
         rank1 = requests.encode(Done(request_id="fan", ok=True, d_rank=1, sender=whole))
         assert replies.decode(client.request(endpoint, rank1)) == Ack(known=True)

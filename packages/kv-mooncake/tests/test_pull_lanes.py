@@ -69,3 +69,26 @@ def test_lanes_are_per_peer_and_idle_ones_are_closed_beyond_the_cap() -> None:
     finally:
         lanes.close()
     assert len(lanes) == 0
+
+
+def test_a_lanes_queue_is_read_in_batches_by_up_to_workers_readers_at_once() -> None:
+    """Eight tasks queued at once, batches of 4, 2 readers: both readers run together, 4 tasks each."""
+    started = threading.Barrier(2, timeout=5.0)
+    batches: list[list[object]] = []
+
+    def run_batch(lane: Lane, batch: list[object]) -> None:
+        batches.append(batch)
+        started.wait()  # both readers must be inside a batch at the same time (else this times out)
+
+    lanes = Lanes(2, 1.0, run_batch=run_batch, max_batch=4)
+    try:
+        lane = lanes.get(("P", "127.0.0.1", 1))
+        lanes.queue(lane, list(range(8)))
+        for _ in range(500):
+            if lane.jobs == 0:
+                break
+            threading.Event().wait(0.01)
+        assert lane.jobs == 0 and not started.broken
+        assert sorted(len(b) for b in batches) == [4, 4] and sorted(x for b in batches for x in b) == list(range(8))
+    finally:
+        lanes.close()

@@ -1,14 +1,16 @@
 """Per-phase timing of our D receiver, taken from outside the product code (bench only).
 
-Runs in: the ``ascend-dist bench pd-vllm`` process. `Probe.attach` swaps three collaborators of a
-D worker's ``Receiver`` (its lane pool, side-channel client and engine) for timing proxies that
-forward every call unchanged, so the connector runs its own code. Per task (one request's read
-from one P rank) it records: queue wait (queued -> a lane thread starts it), metadata fetch,
-lease checks (``Renew`` before and after the read), engine time (the ``batch_transfer_sync_read``
-calls), ``Done``, and the rest of the task's own time (planning: ``task_batch``, checks and the
-request table). `Probe.reads_done` is when the request's last task finished its reads (the
-moment its ``Done`` starts, which the task sends after marking the request done), from which the
-bench measures the gap until ``get_transfer_results`` reported the request.
+Runs in: the ``ascend-dist bench pd-vllm`` process. `Probe.attach` wraps collaborators of a D
+worker's ``Receiver`` (its lanes' queue and batch runner, its side-channel client, its engine and
+its per-task report) in timing proxies that forward every call unchanged, so the connector runs its
+own code. D reads in batches (one per P lane reader: every queued task, one ``Renew`` for the
+batch's requests before the read and one after, one engine call), so a batch's lease checks and
+engine time count for every request in it. Per request (P's request id, summed over its tasks):
+queue wait (queued -> its batch starts), metadata fetch, lease checks, engine time, planning and
+bookkeeping (the rest of the batch's time until the request was reported), and ``Done`` (sent by
+the lane's DONE thread after the request was reported: off the read path, shown apart).
+`RequestTimes.reported_at` is when the receiver marked the request's last task done, from which
+the bench measures the gap until ``get_transfer_results`` reported it.
 """
 
 from __future__ import annotations
@@ -19,80 +21,119 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PHASES", "Probe", "TaskTimes"]
+__all__ = ["PHASES", "Probe", "RequestTimes"]
 
-PHASES = ("queue wait", "metadata", "lease check (Renew x2)", "planning + bookkeeping", "engine read", "Done")
+PHASES = (
+    "queue wait",
+    "metadata",
+    "lease check (Renew x2 per batch)",
+    "planning + bookkeeping",
+    "engine read (per batch)",
+    "Done (DONE thread, after the report)",
+)
 
 
 @dataclass
-class TaskTimes:
-    """One task's phases in seconds; ``request`` is P's request id (from its first ``Renew``)."""
+class RequestTimes:
+    """One request's phases in seconds (its tasks summed)."""
 
-    queued_at: float
+    queued_at: float = 0.0
     started_at: float = 0.0
-    ended_at: float = 0.0
-    request: str = ""
+    reported_at: float = 0.0
     metadata: float = 0.0
     renew: float = 0.0
     engine: float = 0.0
     done: float = 0.0
-    done_started_at: float = 0.0
+    batch: int = 0  # requests in the batch that read it (the last one, for a request read in several)
 
     def phases(self) -> dict[str, float]:
-        busy = self.ended_at - self.started_at
+        busy = max(0.0, self.reported_at - self.started_at)
         return {
-            "queue wait": self.started_at - self.queued_at,
+            "queue wait": max(0.0, self.started_at - self.queued_at),
             "metadata": self.metadata,
-            "lease check (Renew x2)": self.renew,
-            "planning + bookkeeping": max(0.0, busy - self.metadata - self.renew - self.engine - self.done),
-            "engine read": self.engine,
-            "Done": self.done,
+            "lease check (Renew x2 per batch)": self.renew,
+            "planning + bookkeeping": max(0.0, busy - self.metadata - self.renew - self.engine),
+            "engine read (per batch)": self.engine,
+            "Done (DONE thread, after the report)": self.done,
         }
 
 
 @dataclass
 class Probe:
-    """The timing proxies' shared record."""
+    """The timing proxies' shared record, keyed by P's request id."""
 
-    tasks: list[TaskTimes] = field(default_factory=list)
+    requests: dict[str, RequestTimes] = field(default_factory=dict)
     _local: threading.local = field(default_factory=threading.local)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def attach(self, receiver: Any) -> None:
-        """Wrap ``receiver``'s lanes, peers and engine (same objects underneath)."""
-        receiver._lanes = _Lanes(receiver._lanes, self)
-        receiver._peers = _Timed(receiver._peers, self, {"metadata": "metadata", "renew": "renew", "send_done": "done"})
-        receiver._engine = _Timed(receiver._engine, self, {"read": "engine"})
+        """Wrap ``receiver``'s lanes, peers, engine and task report (same objects underneath)."""
+        lanes = receiver._lanes
+        receiver._lanes = _Lanes(lanes, self)
+        run_batch = lanes._run_batch
+        lanes._run_batch = lambda lane, batch: self._batch(run_batch, lane, batch)
+        receiver._peers = _Peers(receiver._peers, self)
+        receiver._engine = _Engine(receiver._engine, self)
+        task_done = receiver._task_done
+        receiver._task_done = lambda pull: self._reported(task_done, pull)
 
     def clear(self) -> None:
         with self._lock:
-            self.tasks = []
+            self.requests = {}
 
-    def current(self) -> TaskTimes | None:
-        return getattr(self._local, "task", None)
-
-    def run(self, job: Callable[[], None], queued_at: float) -> None:
-        task = TaskTimes(queued_at, started_at=time.perf_counter())
-        self._local.task = task
-        try:
-            job()
-        finally:
-            task.ended_at = time.perf_counter()
-            self._local.task = None
-            with self._lock:
-                self.tasks.append(task)
-
-    def by_request(self) -> dict[str, list[TaskTimes]]:
+    def times(self, rid: str) -> RequestTimes:
         with self._lock:
-            out: dict[str, list[TaskTimes]] = {}
-            for t in self.tasks:
-                if t.request:
-                    out.setdefault(t.request, []).append(t)
-            return out
+            return self.requests.setdefault(rid, RequestTimes())
+
+    def by_request(self) -> dict[str, RequestTimes]:
+        with self._lock:
+            return dict(self.requests)
+
+    # ---- hooks -------------------------------------------------------------------------------------
+
+    def queued(self, items: list[Any]) -> None:
+        now = time.perf_counter()
+        for pull, _ in items:
+            t = self.times(pull.meta.remote_request_id)
+            t.queued_at = t.queued_at or now
+
+    def _batch(self, run: Callable[[Any, list[Any]], None], lane: Any, batch: list[Any]) -> None:
+        now = time.perf_counter()
+        rids = [pull.meta.remote_request_id for pull, _ in batch]
+        for rid in rids:
+            t = self.times(rid)
+            t.started_at = t.started_at or now
+            t.batch = len(set(rids))
+        self._local.batch = rids
+        try:
+            run(lane, batch)
+        finally:
+            self._local.batch = []
+
+    def _reported(self, task_done: Callable[[Any], None], pull: Any) -> None:
+        try:
+            task_done(pull)
+        finally:
+            self.times(pull.meta.remote_request_id).reported_at = time.perf_counter()
+
+    def add(self, rids: list[str], phase: str, seconds: float) -> None:
+        for rid in rids:
+            t = self.times(rid)
+            setattr(t, phase, getattr(t, phase) + seconds)
+
+    def batch_rids(self) -> list[str]:
+        return list(getattr(self._local, "batch", []))
+
+    def chunk_rids(self) -> list[str]:
+        """The requests of the last ``Renew`` on this thread (the chunk the next engine read moves)."""
+        return list(getattr(self._local, "chunk", []))
+
+    def set_chunk(self, rids: list[str]) -> None:
+        self._local.chunk = rids
 
 
 class _Lanes:
-    """The receiver's ``Lanes``: every read job timed from its queueing."""
+    """The receiver's ``Lanes``: every queued task stamped with its queueing time."""
 
     def __init__(self, inner: Any, probe: Probe) -> None:
         self._inner = inner
@@ -104,42 +145,61 @@ class _Lanes:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def run(self, lane: Any, job: Callable[[], None], *, note: bool = False) -> None:
-        if note:  # DONEs of timed-out requests: not a pull
-            self._inner.run(lane, job, note=True)
-            return
-        queued_at = time.perf_counter()
-        self._inner.run(lane, lambda: self._probe.run(job, queued_at))
+    def queue(self, lane: Any, items: list[Any]) -> None:
+        self._probe.queued(items)
+        self._inner.queue(lane, items)
 
 
-class _Timed:
-    """Forwards every attribute; the named methods add their duration to the running task's phase."""
+class _Peers:
+    """The side-channel client: ``metadata``, ``renew`` and ``send_dones`` timed per request."""
 
-    def __init__(self, inner: Any, probe: Probe, methods: dict[str, str]) -> None:
+    def __init__(self, inner: Any, probe: Probe) -> None:
         self._inner = inner
         self._probe = probe
-        self._methods = methods
 
     def __len__(self) -> int:
         return len(self._inner)
 
     def __getattr__(self, name: str) -> Any:
-        target = getattr(self._inner, name)
-        phase = self._methods.get(name)
-        if phase is None:
-            return target
+        return getattr(self._inner, name)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            task = self._probe.current()
-            start = time.perf_counter()
-            if task is not None and phase == "renew" and not task.request:
-                task.request = str(args[2] if len(args) > 2 else kwargs.get("remote_request_id", ""))
-            if task is not None and phase == "done":
-                task.done_started_at = start
-            try:
-                return target(*args, **kwargs)
-            finally:
-                if task is not None:
-                    setattr(task, phase, getattr(task, phase) + time.perf_counter() - start)
+    def metadata(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._inner.metadata(*args, **kwargs)
+        finally:
+            self._probe.add(self._probe.batch_rids(), "metadata", time.perf_counter() - start)
 
-        return timed
+    def renew(self, host: str, port: int, requests: list[tuple[str, Any]]) -> list[bool]:
+        rids = [rid for rid, _ in requests]
+        self._probe.set_chunk(rids)
+        start = time.perf_counter()
+        try:
+            return self._inner.renew(host, port, requests)
+        finally:
+            self._probe.add(rids, "renew", time.perf_counter() - start)
+
+    def send_dones(self, host: str, port: int, items: list[Any]) -> None:
+        start = time.perf_counter()
+        try:
+            self._inner.send_dones(host, port, items)
+        finally:
+            self._probe.add([i.request_id for i in items], "done", time.perf_counter() - start)
+
+
+class _Engine:
+    """The engine: each ``read`` timed for the requests of the chunk it moves."""
+
+    def __init__(self, inner: Any, probe: Probe) -> None:
+        self._inner = inner
+        self._probe = probe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def read(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            self._inner.read(*args, **kwargs)
+        finally:
+            self._probe.add(self._probe.chunk_rids(), "engine", time.perf_counter() - start)

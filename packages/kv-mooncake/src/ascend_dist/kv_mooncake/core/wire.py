@@ -34,7 +34,9 @@ __all__ = ["WIRE_VERSION", "Channel", "Message", "Request"]
 # `Refused` without the server's value.
 # 4: pull's `Renew` and `Done` carry the signed capability (`core.capability.Grant`) of each request
 # (`Renew.grants`, `Done.grant`); a version-3 D could not present it, so it is refused at the handshake.
-WIRE_VERSION = 4
+# 5: pull's side channel batched per P rank: `Renew` is answered by `Held` (one flag per request id,
+# up to 64 ids) and D sends its DONEs as one `Dones` list; a version-4 D would read `Held` as garbage.
+WIRE_VERSION = 5
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):

@@ -26,6 +26,7 @@ from ascend_dist.kv_mooncake.core.config import (
     seconds,
     seconds_field,
 )
+from ascend_dist.kv_mooncake.pull.messages import MAX_BATCH
 
 __all__ = ["ABORT_TIMEOUT_ENV", "PROTOCOLS", "PullConfig", "Role", "Topology"]
 
@@ -53,7 +54,14 @@ class PullConfig(ConnectorConfig):
             reported finished) because the engine may write into them late (Mooncake #4247).
         rpc_timeout_s: Deadline of one side-channel attempt.
         rpc_retries: Attempts per side-channel request.
-        recv_workers: Read threads of D's lane to each P instance.
+        recv_workers: Readers of D's lane to each P instance: each takes up to
+            ``recv_batch_requests`` queued tasks of that P and reads them in one engine call per P
+            rank, so at most this many threads per P wait on Mooncake (each busy-waits a core).
+        recv_batch_requests: Most tasks one reader takes at once (the rest go to the other
+            readers or its next batch).
+        recv_batch_bytes: Most bytes one reader reads in one engine call (several calls when a
+            batch is larger; a single larger task is read alone): with ``recv_workers``, the bytes
+            in flight per P.
         peer_retry_s: After a P instance stops answering, how long D fails its requests at once
             before letting one through to see whether it answers again.
         extra: The whole ``kv_connector_extra_config`` as given (kept for inspection).
@@ -64,7 +72,9 @@ class PullConfig(ConnectorConfig):
     quarantine_s: float = option(1.0, seconds(allow_zero=True))
     rpc_timeout_s: float = option(1.0, seconds())
     rpc_retries: int = option(2, ints(1, 10))
-    recv_workers: int = option(4, ints(1, 64))
+    recv_workers: int = option(2, ints(1, 64))
+    recv_batch_requests: int = option(4, ints(1, MAX_BATCH))
+    recv_batch_bytes: int = option(256 * 1024 * 1024, ints(1024 * 1024, 1 << 40))
     peer_retry_s: float = option(1.0, seconds())
     extra: dict[str, Any] = field(default_factory=dict, metadata=WHOLE_EXTRA)
 

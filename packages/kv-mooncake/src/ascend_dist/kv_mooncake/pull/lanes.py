@@ -1,10 +1,12 @@
-"""D's per-peer lanes: each P instance gets its own threads and its own breaker.
+"""D's per-peer lanes: each P instance gets its own queue, reader, DONE thread and breaker.
 
 Runs in: D worker processes (the `Receiver` and its pool threads; thread-safe). One shared pool
 let a hung P hold every receive thread, so pulls from healthy Ps queued behind it. A `Lane` per P
-instance (engine id, host, base port) has its own read threads (``recv_workers``) and one thread
-for DONEs that are sent apart from a read (a timed-out request's), so a slow or dead P delays only
-its own requests.
+instance (engine id, host, base port) has its own queue of pull tasks, drained in batches by its
+reader (``recv_workers`` readers, default one: each takes up to ``max_batch`` queued tasks at once
+and hands them to the receiver, which reads them in one engine call per P rank), and one thread for
+DONEs (sent apart from the reads, batched per P rank), so a slow or dead P delays only its own
+requests and one lane has one thread waiting on Mooncake, not one per request.
 
 The breaker: once a P stops answering (an RPC past its deadline, a failed read), its lane is
 *open* for ``peer_retry_s``; requests to it fail at once instead of each waiting out the RPC
@@ -17,9 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final
+from typing import Any, Final
 
 from ascend_dist.kv_mooncake.core.affinity import move_current_thread
 
@@ -51,7 +53,9 @@ class Lane:
         start = {"initializer": move_current_thread, "initargs": (cpus,)}
         self.reads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, **start)
         self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-done", **start)
-        self.jobs = 0  # queued or running jobs (guarded by `Lanes`' lock)
+        self.jobs = 0  # queued or running jobs and tasks (guarded by `Lanes`' lock)
+        self.queued: list[Any] = []  # tasks waiting for a reader (guarded by `Lanes`' lock)
+        self.readers = 0  # readers draining `queued` (guarded by `Lanes`' lock)
         self._retry_s = retry_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -117,10 +121,17 @@ class Lanes:
         retry_s: float,
         *,
         clock: Callable[[], float] = time.monotonic,
+        run_batch: Callable[[Lane, list[Any]], None] = lambda lane, items: None,
+        max_batch: int = 64,
         thread_cpus: frozenset[int] | None = None,
     ) -> None:
-        """No lane yet; every lane's threads run on ``thread_cpus`` (None: where they start)."""
+        """No lane yet; ``run_batch(lane, tasks)`` reads a batch of queued tasks (at most ``max_batch``).
+
+        Every lane's threads run on ``thread_cpus`` (None: where they start).
+        """
         self._workers = workers
+        self._run_batch = run_batch
+        self._max_batch = max_batch
         self._thread_cpus = thread_cpus
         self._retry_s = retry_s
         self._clock = clock
@@ -148,7 +159,7 @@ class Lanes:
         return lane
 
     def run(self, lane: Lane, job: Callable[[], None], *, note: bool = False) -> None:
-        """Queue ``job`` on the lane's read threads (or its DONE thread when ``note``)."""
+        """Run ``job`` on the lane's read threads (or its DONE thread when ``note``)."""
         with self._lock:
             if self._closed:
                 return
@@ -162,6 +173,35 @@ class Lanes:
                     lane.jobs -= 1
 
         (lane.notes if note else lane.reads).submit(wrapped)
+
+    def queue(self, lane: Lane, tasks: Sequence[object]) -> None:
+        """Queue pull tasks on the lane; a reader (started now if fewer than ``workers`` run) takes them."""
+        with self._lock:
+            if self._closed or not tasks:
+                return
+            lane.jobs += len(tasks)
+            lane.queued.extend(tasks)
+            # Running readers are inside a batch: start as many more as the queue fills (up to workers).
+            start = min(self._workers - lane.readers, -(-len(lane.queued) // self._max_batch))
+            lane.readers += start
+        for _ in range(start):
+            lane.reads.submit(self._drain, lane)
+
+    def _drain(self, lane: Lane) -> None:
+        """A reader: take what is queued (up to ``max_batch``), read it, again until the queue is empty."""
+        while True:
+            with self._lock:
+                if not lane.queued or self._closed:
+                    lane.readers -= 1
+                    return
+                batch, lane.queued = lane.queued[: self._max_batch], lane.queued[self._max_batch :]
+            try:
+                self._run_batch(lane, batch)
+            except Exception:  # the receiver fails its tasks itself; this must not end the reader
+                logger.exception("a pull batch of %d tasks to %s:%d raised", len(batch), *lane.key[1:])
+            finally:
+                with self._lock:
+                    lane.jobs -= len(batch)
 
     def close(self) -> None:
         """Close every lane."""

@@ -7,12 +7,16 @@ exchange over `ascend_dist.common.zmq_server` per message:
 | request (D -> P) | reply (P -> D) |
 |---|---|
 | `GetMeta` (D's `Handshake`) | `MetaReply` (P's handshake + `AgentMetadata`) or `Refused` |
-| `Renew` (extend the lease of a request's blocks) | `Ack` (``known``) |
-| `Done` (D finished with a request, ok or not) | `Ack` (``known``) |
+| `Renew` (extend the leases of up to `MAX_BATCH` requests' blocks) | `Held` (one flag per request id) |
+| `Dones` (D finished with up to `MAX_BATCH` requests, each ok or not) | `Ack` |
+| `Done` (one request; kept for tools and tests) | `Ack` |
+
+D's receive path batches per P rank: one `Renew` for every request of a read batch before the read,
+one after it, and one `Dones` for the requests it finished (`pull.threads`).
 
 With a deployment secret, P signs the params it hands out (`core.capability`: request id, engine
 id, block ids, prompt digest, expiry; ``remote_capability`` and ``remote_capability_expires``) and
-D presents that `Grant` in every `Renew` (``grants``, one per request id) and `Done` (``grant``):
+D presents that `Grant` in every `Renew` (``grants``, one per request id) and `Dones` item (``grant``):
 P holds, renews or frees only what it signed.
 """
 
@@ -26,12 +30,16 @@ import msgspec
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import Count, Port, Text, check_host, convert_params
 from ascend_dist.kv_mooncake.core.capability import Grant, Tag, WallMs
-from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Refused
-from ascend_dist.kv_mooncake.core.wire import Channel
+from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Rank, Refused, WireText
+from ascend_dist.kv_mooncake.core.wire import Channel, Message
 from ascend_dist.kv_mooncake.core.wire import Request as _Request
 
 __all__ = [
     "CHANNEL",
+    "MAX_BATCH",
+    "DoneItem",
+    "Dones",
+    "Held",
     "Renew",
     "Reply",
     "Request",
@@ -42,19 +50,47 @@ __all__ = [
 ]
 
 
+MAX_BATCH = 64
+"""Most request ids in one `Renew`, `Held` or `Dones` (a grant carries the request's block ids, so
+64 of them stay well inside the default ``max_message_bytes`` of 4 MiB); D splits larger batches."""
+
+
 class Renew(_Request, frozen=True, kw_only=True, tag="renew"):
-    """D is about to pull these requests: P extends their leases.
+    """D is about to pull (or has just pulled) these requests: P extends their leases.
 
     ``grants``: with a deployment secret, the capability P signed for each request id (same
-    order); P answers ``known=False`` for any that does not verify.
+    order); P answers "not held" for any that does not verify (for all of them when the two lists
+    differ in length).
     """
 
-    request_ids: list[str]
-    grants: Annotated[list[Grant], msgspec.Meta(max_length=64)] = msgspec.field(default_factory=list)
+    request_ids: Annotated[list[WireText], msgspec.Meta(max_length=MAX_BATCH)]
+    grants: Annotated[list[Grant], msgspec.Meta(max_length=MAX_BATCH)] = msgspec.field(default_factory=list)
 
 
-Request = GetMeta | Renew | Done
-Reply = MetaReply | Refused | Ack
+class Held(Message, frozen=True, kw_only=True, tag="pull_held"):
+    """P's answer to `Renew`: ``held[i]`` is whether P still holds ``request_ids[i]``'s blocks."""
+
+    held: Annotated[list[bool], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+class DoneItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One request of a `Dones`: the fields of `core.messages.Done` but the rank."""
+
+    request_id: WireText
+    ok: bool
+    sender: WireText = ""
+    grant: Grant | None = None
+
+
+class Dones(_Request, frozen=True, kw_only=True, tag="pull_dones"):
+    """D rank ``d_rank`` finished with these requests; P counts each ``(request, d_rank, sender)`` once."""
+
+    d_rank: Rank
+    items: Annotated[list[DoneItem], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+Request = GetMeta | Renew | Done | Dones
+Reply = MetaReply | Refused | Ack | Held
 
 CHANNEL = Channel("kv-mooncake/pull", Request, Reply)
 request_codec, reply_codec = CHANNEL.request_codec, CHANNEL.reply_codec  # D -> P; P -> D

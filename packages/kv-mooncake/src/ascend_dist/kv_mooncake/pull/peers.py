@@ -1,4 +1,4 @@
-"""D's side-channel client to P workers: handshake and metadata cache, lease renewal, DONE.
+"""D's side-channel client to P workers: handshake and metadata cache, lease checks, DONEs (batched).
 
 Runs in: D worker processes (the receiver's pool threads; thread-safe). Every request has the
 deadline and retries of `ascend_dist.common.zmq_rpc.RpcClient`; replies are decoded strictly. A P
@@ -11,15 +11,26 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.core.capability import Grant
-from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, accept_reply
+from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, accept_reply
 from ascend_dist.kv_mooncake.pull.config import PullConfig
-from ascend_dist.kv_mooncake.pull.messages import Renew, Reply, Request, reply_codec, request_codec
+from ascend_dist.kv_mooncake.pull.messages import (
+    MAX_BATCH,
+    DoneItem,
+    Dones,
+    Held,
+    Renew,
+    Reply,
+    Request,
+    reply_codec,
+    request_codec,
+)
 
 __all__ = ["PeerClient"]
 
@@ -77,42 +88,42 @@ class PeerClient:
             self._cache[(engine_id, host, port)] = reply.metadata
         return reply.metadata
 
-    def renew(self, host: str, port: int, remote_request_id: str, grant: Grant | None = None) -> bool:
-        """Extend the lease of a request's blocks on one P worker; whether P still holds them.
+    def renew(self, host: str, port: int, requests: Sequence[tuple[str, Grant | None]]) -> list[bool]:
+        """Extend the leases of ``requests`` (P's request id, P's grant) on one P worker.
 
-        ``grant``: P's signed capability for the request (a P with a secret renews nothing without it).
+        Returns, per request, whether P still holds its blocks: one `Renew` per `MAX_BATCH`
+        requests. A grant is P's signed capability (a P with a secret renews nothing without it).
 
         Raises:
-            ProtocolError: An unexpected reply (and like `metadata` on a dead or slow P).
+            ProtocolError: An unexpected reply or one with another count (and like `metadata` on
+                a dead or slow P).
         """
-        grants = [grant] if grant is not None else []
-        reply = self._rpc(host, port, Renew(request_ids=[remote_request_id], grants=grants))
-        if not isinstance(reply, Ack):
-            raise ProtocolError(f"expected an ack from {host}:{port}, got {type(reply).__name__}")
-        return reply.known
+        held: list[bool] = []
+        for start in range(0, len(requests), MAX_BATCH):
+            part = requests[start : start + MAX_BATCH]
+            grants = [g for _, g in part if g is not None]
+            ids = [rid for rid, _ in part]
+            reply = self._rpc(host, port, Renew(request_ids=ids, grants=grants if len(grants) == len(ids) else []))
+            if not isinstance(reply, Held) or len(reply.held) != len(ids):
+                raise ProtocolError(f"expected {len(ids)} held flags from {host}:{port}, got {type(reply).__name__}")
+            held += reply.held
+        return held
 
-    def send_done(
-        self,
-        host: str,
-        port: int,
-        remote_request_id: str,
-        ok: bool,
-        *,
-        sender: str = "",
-        grant: Grant | None = None,
-    ) -> None:
-        """Tell a P worker D is done with a request; never raises (P's lease frees the blocks if lost).
+    def send_dones(self, host: str, port: int, items: Sequence[DoneItem]) -> None:
+        """Tell a P worker D is done with these requests; never raises (P's lease frees them if lost).
 
-        ``sender`` names the D task beside this rank (P counts each (rank, sender) once, so a
-        resent copy never frees blocks another D task still reads). ``grant``: as for `renew`.
+        Each item's ``sender`` names the D task beside this rank (P counts each (rank, sender)
+        once, so a resent copy never frees blocks another D task still reads). One `Dones` per
+        `MAX_BATCH` items.
         """
-        try:
-            done = Done(request_id=remote_request_id, d_rank=self._d_rank, ok=ok, sender=sender, grant=grant)
-            reply = self._rpc(host, port, done)
-            if not isinstance(reply, Ack):
-                logger.warning("DONE for %s to port %d answered by %s", remote_request_id, port, type(reply).__name__)
-        except Exception as exc:
-            logger.warning("DONE for %s to %s:%d not delivered: %s", remote_request_id, host, port, exc)
+        for start in range(0, len(items), MAX_BATCH):
+            part = list(items[start : start + MAX_BATCH])
+            try:
+                reply = self._rpc(host, port, Dones(d_rank=self._d_rank, items=part))
+                if not isinstance(reply, Ack):
+                    logger.warning("DONEs to %s:%d answered by %s", host, port, type(reply).__name__)
+            except Exception as exc:
+                logger.warning("%d DONEs to %s:%d not delivered: %s", len(part), host, port, exc)
 
     def _rpc(self, host: str, port: int, message: Request) -> Reply:
         body = self._client.request(tcp_endpoint(host, port), self._requests.encode(message))

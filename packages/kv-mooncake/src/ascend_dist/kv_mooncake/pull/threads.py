@@ -1,21 +1,26 @@
-"""D's receiving side: per-peer thread pools pulling each request's blocks from the P ranks it needs.
+"""D's receiving side: per-peer lanes reading each step's requests in batches from the P ranks they need.
 
-Runs in: D worker processes. `Receiver.submit` plans one task per P rank (and PP stage) and hands
-them to the lane of that P instance (`ascend_dist.kv_mooncake.pull.lanes`: its own threads, so a
-hung P delays only its own requests, and a breaker, so after a P stops answering its later
-requests fail at once until it answers again). A task fetches (and caches) the P worker's metadata after a
-compatibility handshake (`ascend_dist.kv_mooncake.pull.peers`), builds the descriptors of every KV group
-(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P to confirm (and renew)
-its lease, reads the blocks, asks again (a read that outlasted the lease, whose blocks P may have
-reused meanwhile, fails), and always sends DONE to that P rank, even on failure, so P frees its
-blocks (after the request is reported, so DONE's round trip is not on D's critical path). A
-failed task records the logical block ids it was to fill, in every KV group, *before* its request
-is reported finished. A request still pulling after ``pull_timeout_s`` is reported
-failed (its late results are ignored) and P is told at once (a DONE per task not yet confirmed,
-sent from the lane's DONE thread), so P frees its blocks without waiting out the lease; its tasks
-still queued then skip the read and only count down. Each DONE names its task (`done_sender`), so
-a copy P receives twice (a timed-out request's and the task's own, or an RPC retry) counts once. A
-request id pulled again while still tracked fails alone (both pulls' blocks reported).
+Runs in: D worker processes. `Receiver.submit_step` plans one task per P rank (and PP stage) of
+each request and queues a step's tasks on the lane of their P instance together
+(`ascend_dist.kv_mooncake.pull.lanes`: its own queue and readers, so a hung P delays only its own
+requests, and a breaker, so after a P stops answering its later requests fail at once until it
+answers again). A reader takes up to ``recv_batch_requests`` queued tasks (`Receiver._run_batch`)
+and per P rank fetches (and caches) the P worker's metadata after a compatibility handshake
+(`ascend_dist.kv_mooncake.pull.peers`), builds each task's descriptors for every KV group
+(attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P once whether it still
+holds the blocks of every request in the batch (one `Renew`, renewing their leases), reads them all
+in one engine call (per ``recv_batch_bytes``), and asks again (a read that outlasted a lease, whose
+blocks P may have reused meanwhile, fails that request alone). Each request is then reported and
+its DONE queued: the lane's DONE thread sends the queued DONEs as one `Dones` list per P rank, even
+after a failure, so P frees its blocks off D's critical path. A failed read fails (and
+quarantines) the requests of that batch only. A failed task records the logical block ids it was
+to fill, in every KV group, *before* its request is reported finished. A request still pulling
+after ``pull_timeout_s`` is reported failed (its late results are ignored) and P is told at once
+(a DONE per task not yet confirmed, queued on the lane's DONE thread), so P frees its blocks
+without waiting out the lease; its tasks still queued then skip the read and only count down. Each
+DONE names its task (`done_sender`), so a copy P receives twice (a timed-out request's and the
+task's own, or an RPC retry) counts once. A request id pulled again while still tracked fails alone
+(both pulls' blocks reported).
 
 Capabilities: with a deployment secret a task first checks that P signed the params exactly as
 they are (`core.capability`; a client may have widened ``remote_block_ids``). One that does not
@@ -37,13 +42,15 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from ascend_dist.common.errors import DeadlineExceeded, LeaseExpired, TransferError, TransferTimeout
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Handshake
-from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, check_capability, wall_ms
+from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_capability, wall_ms
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
@@ -52,10 +59,11 @@ from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
 from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
+from ascend_dist.kv_mooncake.pull.messages import DoneItem
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
 from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
 from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant
-from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, check_peer_rank, group_pairs, task_batch
+from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, TaskBatch, check_peer_rank, group_pairs, task_batch
 
 __all__ = ["LocalCache", "Receiver", "ShardKind", "done_sender"]
 
@@ -92,6 +100,33 @@ def _peer_stopped_answering(exc: BaseException) -> bool:
     return isinstance(exc, TransferError) and not isinstance(exc, NotHeld | PeerDown | TransferTimeout)
 
 
+@dataclass(eq=False)
+class _Item:
+    """One queued task inside a read batch: where it reads, what it read, how it ended."""
+
+    pull: DRequest
+    task: PullTask
+    port: int
+    live: bool = True
+    contacted: bool = True
+    ok: bool = True
+    unsigned: bool = False  # the params' capability did not verify: P was not contacted and gets no DONE
+    error: BaseException | None = None
+    batch: TaskBatch | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        """The task failed with ``exc`` (the first failure is the one reported)."""
+        if self.error is None:
+            self.error = exc
+        self.ok = False
+        self.unsigned = self.unsigned or isinstance(exc, CapabilityRefused)
+
+
+def _leases(items: Sequence[_Item]) -> list[tuple[str, Grant | None]]:
+    """What a `Renew` asks for ``items``: P's request id and P's grant of each."""
+    return [(i.pull.meta.remote_request_id, pull_grant(i.pull.meta)) for i in items]
+
+
 class Reformat(Protocol):
     """``reformat(layer_name, local_block_ids, pulls, sub_tokens=0)``: stacked pulls -> token-major heads."""
 
@@ -101,7 +136,7 @@ class Reformat(Protocol):
 
 
 class Receiver:
-    """D's thread pool of pulls, completion tracking and load-error reporting."""
+    """D's batched pulls per P lane, completion tracking and load-error reporting."""
 
     def __init__(
         self,
@@ -143,8 +178,16 @@ class Receiver:
         self._clock = clock
         self._on_failure = on_failure
         self._peers = PeerClient(config, handshake, tp_rank)
-        self._lanes = Lanes(config.recv_workers, config.peer_retry_s, clock=clock, thread_cpus=thread_cpus)
-        self._lock = threading.Lock()  # guards the table and the load errors
+        self._lanes = Lanes(
+            config.recv_workers,
+            config.peer_retry_s,
+            clock=clock,
+            run_batch=self._run_batch,
+            max_batch=config.recv_batch_requests,
+            thread_cpus=thread_cpus,
+        )
+        self._lock = threading.Lock()  # guards the table, the load errors and the DONE outbox
+        self._outbox: dict[Lane, list[tuple[int, DoneItem]]] = {}  # DONEs per lane not sent yet (port, item)
         self._requests = DRequests(pull_timeout_s=config.pull_timeout_s)
         self._errors: set[int] = set()
 
@@ -175,21 +218,33 @@ class Receiver:
         return self._peers.cached(engine_id, host, port)
 
     def submit(self, meta: ReqMeta) -> None:
-        """Plan a request's pulls and queue them (an empty receive only sends DONEs).
+        """Plan a request's pulls and queue them (an empty receive only sends DONEs); see `submit_step`."""
+        self.submit_step([meta])
+
+    def submit_step(self, metas: Iterable[ReqMeta]) -> None:
+        """Plan one step's requests and queue their pulls, each lane's at once (so one batch reads them).
 
         A request id still tracked (pulled again while live) fails that request alone: vLLM pulls
         an id once, so both pulls' blocks are reported and the worker goes on.
         """
-        with self._lock:
-            existing = self._requests.live(meta.request_id)
-            if existing is not None:
-                self._collide(existing, meta)
-                return
-            if meta.do_virtual:
-                self._requests.finish_now(DRequest(meta, deadline=self._clock()))
-                return
-        record = self._plan_cp(meta) if self._config.uses_cp else self._plan(meta)
-        self._launch(record)
+        queued: dict[Lane, list[tuple[DRequest, PullTask]]] = {}
+        try:
+            for meta in metas:
+                with self._lock:
+                    existing = self._requests.live(meta.request_id)
+                    if existing is not None:
+                        self._collide(existing, meta)
+                        continue
+                    if meta.do_virtual:
+                        self._requests.finish_now(DRequest(meta, deadline=self._clock()))
+                        continue
+                record = self._plan_cp(meta) if self._config.uses_cp else self._plan(meta)
+                lane = self._launch(record)
+                if lane is not None:
+                    queued.setdefault(lane, []).extend((record, task) for task in record.tasks)
+        finally:
+            for lane, tasks in queued.items():
+                self._lanes.queue(lane, tasks)
 
     def _collide(self, existing: DRequest, meta: ReqMeta) -> None:
         """Called under the lock: ``meta`` repeats the live ``existing``'s id; both fail."""
@@ -208,8 +263,8 @@ class Receiver:
     def _key(meta: ReqMeta) -> PeerKey:
         return (meta.remote_engine_id, meta.remote_host, meta.remote_port)
 
-    def _launch(self, record: DRequest) -> None:
-        """Track ``record`` and queue its tasks on its P's lane (or fail it at once if that P is down)."""
+    def _launch(self, record: DRequest) -> Lane | None:
+        """Track ``record``; the lane to queue its tasks on (None: failed at once, that P is down)."""
         lane = self._lanes.get(self._key(record.meta))
         with self._lock:
             self._requests.start(record)
@@ -229,9 +284,7 @@ class Receiver:
                         self._errors.update(ids)
                 record.pending = 0
                 self._requests.end(record, self._clock())
-        if admitted:
-            for task in record.tasks:
-                self._lanes.run(lane, lambda t=task: self._run_task(record, t, lane))
+        return lane if admitted else None
 
     def _plan(self, meta: ReqMeta) -> DRequest:
         """Plan without context parallelism: one task per P rank (and PP stage) read."""
@@ -295,61 +348,185 @@ class Receiver:
             tasks=[PullTask(world, shard) for shard, world in tasks],
         )
 
-    def _run_task(self, pull: DRequest, task: PullTask, lane: Lane) -> None:
-        """One task: ``task.shard`` is a CP shard index (>= 0) or a `ShardKind`.
+    def _run_batch(self, lane: Lane, queued: list[tuple[DRequest, PullTask]]) -> None:
+        """Read a batch of queued tasks of one P instance, then report each task.
 
-        A task of a request that timed out (or was replaced) meanwhile skips its read but still
-        counts down and makes sure P got a DONE, so neither side holds the request any longer.
+        Per P rank: one lease check, one engine call (per ``recv_batch_bytes``), one lease check
+        after it. A failure fails only the tasks it concerns (a batch's read: that batch). A task of
+        a request that timed out (or was replaced) meanwhile skips its read but still counts down
+        and makes sure P gets a DONE, so neither side holds the request any longer.
         """
-        meta = pull.meta
-        port = meta.remote_port + task.global_rank
-        ok = contacted = True
-        unsigned = False  # the params' capability did not verify: P was not contacted and gets no DONE
+        by_port: dict[int, list[_Item]] = {}
+        for pull, task in queued:
+            item = _Item(pull, task, pull.meta.remote_port + task.global_rank)
+            try:
+                with self._lock:
+                    item.live = self._requests.pulling(pull.request_id) is pull
+                if not item.live:
+                    item.ok = False
+                elif not lane.passes(pull):
+                    raise PeerDown(f"P {pull.meta.remote_host}:{pull.meta.remote_port} is not answering")
+                elif self._wanted(pull, task):
+                    self._check_capability(pull.meta)  # before P is contacted or any byte is read
+                    by_port.setdefault(item.port, []).append(item)
+                    continue
+                else:
+                    item.contacted = False  # nothing to read: P is not asked
+            except Exception as exc:
+                item.fail(exc)
+            self._finish(lane, item)
+        for port, items in by_port.items():
+            self._read_port(lane, port, items)
+
+    def _read_port(self, lane: Lane, port: int, items: list[_Item]) -> None:
+        """Plan, lease-check and read ``items`` (one P rank), in chunks of ``recv_batch_bytes``."""
+        meta = items[0].pull.meta
         try:
-            with self._lock:
-                live = self._requests.pulling(pull.request_id) is pull
-            if not live:
-                ok = False
-            elif not lane.passes(pull):
-                raise PeerDown(f"P {meta.remote_host}:{meta.remote_port} is not answering")
-            else:
-                contacted = self._read_task(pull, task, port)
-        except Exception as exc:  # every failure becomes load errors, never a crash
-            ok = False
-            unsigned = isinstance(exc, CapabilityRefused)
-            logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, port, exc)
+            agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
+        except Exception as exc:
+            for item in items:
+                item.fail(exc)
+                self._finish(lane, item)
+            return
+        planned: list[_Item] = []
+        for item in items:
+            try:
+                item.batch = self._plan_task(item, agent)
+                planned.append(item)
+            except Exception as exc:
+                item.fail(exc)
+                self._finish(lane, item)
+        chunk: list[_Item] = []
+        size = 0
+        for item in planned:
+            assert item.batch is not None
+            if chunk and size + item.batch.descriptors.total_bytes > self._config.recv_batch_bytes:
+                self._read_chunk(lane, agent.te_session, chunk)
+                chunk, size = [], 0
+            chunk.append(item)
+            size += item.batch.descriptors.total_bytes
+        if chunk:
+            self._read_chunk(lane, agent.te_session, chunk)
+
+    def _plan_task(self, item: _Item, agent: AgentMetadata) -> TaskBatch:
+        """The descriptors of one task, after checking P's rank is the one the task reads."""
+        meta, shard = item.pull.meta, item.task.shard
+        p_rank = item.task.global_rank % meta.remote_ptp_size
+        # A WHOLE task's global rank spans P's PP stages; CP shard and state-only tasks read stage 0.
+        stage = (item.port - meta.remote_port) // meta.remote_ptp_size if shard == ShardKind.WHOLE else 0
+        check_peer_rank(agent, port=item.port, pp_rank=stage, tp_rank=p_rank)
+        return task_batch(
+            self._cache,
+            agent,
+            meta,
+            p_rank=p_rank,
+            d_rank=self._tp_rank,
+            d_tp=self._config.decode.tp_size,
+            slices=item.pull.slices,
+            shards=None if shard < 0 else [gs[shard] if gs else None for gs in item.pull.group_shards],  # < 0: kind
+            state_only=shard == ShardKind.STATE_ONLY,
+        )
+
+    def _read_chunk(self, lane: Lane, session: str, chunk: list[_Item]) -> None:
+        """One lease check, one engine read, one lease check for ``chunk`` (one P rank); report each."""
+        host, port = chunk[0].pull.meta.remote_host, chunk[0].port
+        reading = chunk
+        try:
+            # Before reading, P must confirm it still holds each request's blocks: params replayed
+            # after D consumed them, or aimed at a request P already freed, would read reused blocks.
+            held = self._peers.renew(host, port, _leases(chunk))
+            reading = []
+            for item, ok in zip(chunk, held, strict=True):
+                if ok:
+                    reading.append(item)
+                else:
+                    item.fail(NotHeld(f"P {host}:{port} holds no blocks for {item.pull.meta.remote_request_id!r}"))
+                    self._finish(lane, item)
+            if reading:
+                self._read_held(session, host, port, reading)
+        except Exception as exc:
+            for item in reading:
+                if item.ok:
+                    item.fail(exc)
+        for item in reading:
+            self._finish(lane, item)
+
+    def _read_held(self, session: str, host: str, port: int, reading: list[_Item]) -> None:
+        """Read the blocks P confirmed it holds, then check P still held them throughout."""
+        descriptors = Descriptors.concat([i.batch.descriptors for i in reading if i.batch is not None])
+        deadline = min(i.pull.deadline for i in reading)
+        try:
+            self._engine.read(session, descriptors, timeout_s=max(0.1, deadline - self._clock()))
+        except BaseException:
+            with self._lock:  # the engine may still write into these blocks: quarantine them
+                for item in reading:
+                    self._requests.hold(item.pull, self._clock() + self._config.quarantine_s)
+            raise
+        # The read may have outlasted P's lease: if P let the blocks go meanwhile they may hold
+        # another request's bytes by now, so a read counts only if P still holds them after it.
+        # (P's entry for an id never comes back once freed, so "held" now means held throughout.)
+        held = self._peers.renew(host, port, _leases(reading))
+        for item, ok in zip(reading, held, strict=True):
+            if not ok:
+                item.fail(NotHeld(f"P {host}:{port} released {item.pull.meta.remote_request_id!r} during the read"))
+            elif item.batch is not None:
+                with self._lock:
+                    item.pull.pulled_layers.update(item.batch.layers)
+
+    def _finish(self, lane: Lane, item: _Item) -> None:
+        """A task ended: record its failure, move the breaker, report the request, queue its DONE."""
+        pull, meta = item.pull, item.pull.meta
+        exc = item.error
+        if exc is not None:  # every failure becomes load errors, never a crash
+            logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, item.port, exc)
             self._on_failure(exc)
-            if not unsigned:  # P did nothing wrong: its metadata stays cached
-                self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
+            if not item.unsigned:  # P did nothing wrong: its metadata stays cached
+                self._peers.forget(meta.remote_engine_id, meta.remote_host, item.port)
             self._fail(pull)
             if _peer_stopped_answering(exc):
                 lane.failed(pull)
-        else:
-            if live and contacted:  # a task with nothing to read proves nothing about P
-                lane.answered(pull)
-        finally:
-            # Report the request first (D's latency), then release P's blocks with DONE. A P that
-            # stopped answering gets none: it would cost this lane's thread the RPC retries.
-            self._task_done(pull)
-            if self._claim_notice(task) and not unsigned and not (lane.is_open and not ok):
-                sender = done_sender(self._pcp_rank, task.shard)
-                self._peers.send_done(
-                    meta.remote_host, port, meta.remote_request_id, ok, sender=sender, grant=pull_grant(meta)
-                )
+        elif item.live and item.contacted:  # a task with nothing to read proves nothing about P
+            lane.answered(pull)
+        # Report the request first (D's latency), then release P's blocks with DONE (from the
+        # lane's DONE thread, batched per P rank). A P that stopped answering gets none.
+        self._task_done(pull)
+        if self._claim_notice(item.task) and not item.unsigned and not (lane.is_open and not item.ok):
+            self._post_done(lane, pull, item.task, item.ok)
 
-    def _read_task(self, pull: DRequest, task: PullTask, port: int) -> bool:
-        """Read what ``task`` covers; False when D has no block of it to fill (P was not asked)."""
+    def _wanted(self, pull: DRequest, task: PullTask) -> bool:
+        """Whether D has any block of ``task`` to fill (if not, P is not asked)."""
         meta, shard = pull.meta, task.shard
-        p_rank = task.global_rank % meta.remote_ptp_size
         if shard >= 0:
-            wanted = any(gs[shard].local_ids for gs in pull.group_shards if gs)
-        elif shard == ShardKind.STATE_ONLY:
-            wanted = any(meta.local_block_ids[g] for g in self._cache.state_groups)
-        else:
-            wanted = any(meta.local_block_ids)
-        if wanted:
-            self._pull(pull, port, p_rank, shard)
-        return wanted
+            return any(gs[shard].local_ids for gs in pull.group_shards if gs)
+        if shard == ShardKind.STATE_ONLY:
+            return any(meta.local_block_ids[g] for g in self._cache.state_groups)
+        return any(meta.local_block_ids)
+
+    def _post_done(self, lane: Lane, pull: DRequest, task: PullTask, ok: bool) -> None:
+        """Queue ``task``'s DONE on the lane's DONE thread, which sends what is queued per P rank."""
+        meta = pull.meta
+        item = DoneItem(
+            request_id=meta.remote_request_id,
+            ok=ok,
+            sender=done_sender(self._pcp_rank, task.shard),
+            grant=pull_grant(meta),
+        )
+        with self._lock:
+            outbox = self._outbox.setdefault(lane, [])
+            outbox.append((meta.remote_port + task.global_rank, item))
+            first = len(outbox) == 1  # else a flush is already queued and will take this one
+        if first:
+            self._lanes.run(lane, lambda: self._flush_dones(lane), note=True)
+
+    def _flush_dones(self, lane: Lane) -> None:
+        """Send the lane's queued DONEs, one `Dones` list per P rank."""
+        with self._lock:
+            queued = self._outbox.pop(lane, [])
+        by_port: dict[int, list[DoneItem]] = {}
+        for port, item in queued:
+            by_port.setdefault(port, []).append(item)
+        for port, items in by_port.items():
+            self._peers.send_dones(lane.key[1], port, items)
 
     def _claim_notice(self, task: PullTask) -> bool:
         """Whether the caller is the one to send ``task``'s DONE (each task's DONE goes once)."""
@@ -371,43 +548,6 @@ class Receiver:
             field="kv_transfer_params.remote_capability",
             now_ms=wall_ms(self._wall_clock),
         )
-
-    def _pull(self, pull: DRequest, port: int, p_rank: int, shard: int) -> None:
-        meta = pull.meta
-        self._check_capability(meta)  # before P is contacted or any byte is read
-        grant = pull_grant(meta)
-        agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
-        # A WHOLE task's global rank spans P's PP stages; CP shard and state-only tasks read stage 0.
-        stage = (port - meta.remote_port) // meta.remote_ptp_size if shard == ShardKind.WHOLE else 0
-        check_peer_rank(agent, port=port, pp_rank=stage, tp_rank=p_rank)
-        # Before reading, P must confirm it still holds this request's blocks: params replayed after
-        # D consumed them, or aimed at a request P already freed, would read reused blocks.
-        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id, grant):
-            raise NotHeld(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
-        batch = task_batch(
-            self._cache,
-            agent,
-            meta,
-            p_rank=p_rank,
-            d_rank=self._tp_rank,
-            d_tp=self._config.decode.tp_size,
-            slices=pull.slices,
-            shards=None if shard < 0 else [gs[shard] if gs else None for gs in pull.group_shards],  # < 0: a kind
-            state_only=shard == ShardKind.STATE_ONLY,
-        )
-        try:
-            self._engine.read(agent.te_session, batch.descriptors, timeout_s=max(0.1, pull.deadline - self._clock()))
-        except BaseException:
-            with self._lock:  # the engine may still write into these blocks: quarantine them
-                self._requests.hold(pull, self._clock() + self._config.quarantine_s)
-            raise
-        # The read may have outlasted P's lease: if P let the blocks go meanwhile they may hold
-        # another request's bytes by now, so the read counts only if P still holds them after it.
-        # (P's entry for an id never comes back once freed, so "held" now means held throughout.)
-        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id, grant):
-            raise NotHeld(f"P {meta.remote_host}:{port} released {meta.remote_request_id!r} during the read")
-        with self._lock:
-            pull.pulled_layers.update(batch.layers)
 
     def _fail(self, pull: DRequest) -> None:
         with self._lock:
@@ -484,18 +624,9 @@ class Receiver:
             finished = self._requests.take_finished(now)
         for pull in expired:
             self._lanes.get(self._key(pull.meta)).expired(pull)  # a probe that never ended: P did not answer
-        for pull, task in notices:
-            self._lanes.run(self._lanes.get(self._key(pull.meta)), lambda p=pull, t=task: self._abort(p, t), note=True)
+        for pull, task in notices:  # DONE (not ok): P frees the blocks now
+            self._post_done(self._lanes.get(self._key(pull.meta)), pull, task, False)
         return finished
-
-    def _abort(self, pull: DRequest, task: PullTask) -> None:
-        """DONE (not ok) for a task of a timed-out request: P frees its blocks now."""
-        meta = pull.meta
-        port = meta.remote_port + task.global_rank
-        sender = done_sender(self._pcp_rank, task.shard)
-        self._peers.send_done(
-            meta.remote_host, port, meta.remote_request_id, False, sender=sender, grant=pull_grant(meta)
-        )
 
     def take_load_errors(self) -> set[int]:
         """Logical block ids (all groups) whose load failed since the last call."""

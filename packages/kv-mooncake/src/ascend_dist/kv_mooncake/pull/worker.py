@@ -1,8 +1,9 @@
 """Worker side of the pull connector: registration, P's side-channel server, D's receiver.
 
-Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, `Renew` and
-`Done` on ``kv_port + device_index`` (bound to the configured host only) and tracks lent blocks
-with leases (`SendTracker`); on D it runs the `Receiver`. The engine is injected (any
+Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, `Renew` (answered
+per request id) and `Dones` (and a single `Done`) on ``kv_port + device_index`` (bound to the
+configured host only) and tracks lent blocks with leases (`SendTracker`); on D it runs the
+`Receiver`. The engine is injected (any
 `Reader`), by default the process-wide Mooncake engine.
 
 With a deployment secret P renews, and counts DONEs, only with a `Grant` it signed for that request
@@ -33,7 +34,16 @@ from ascend_dist.kv_mooncake.core.ports import PortLayout, RankCoord
 from ascend_dist.kv_mooncake.core.ranks import PLAN_VERSION
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_p_fan_in
-from ascend_dist.kv_mooncake.pull.messages import CHANNEL, Renew, Reply, Request, reply_codec, request_codec
+from ascend_dist.kv_mooncake.pull.messages import (
+    CHANNEL,
+    Dones,
+    Held,
+    Renew,
+    Reply,
+    Request,
+    reply_codec,
+    request_codec,
+)
 from ascend_dist.kv_mooncake.pull.sources import source_fan_in, state_source_ranks
 from ascend_dist.kv_mooncake.pull.state_bytes import StateLayout
 from ascend_dist.kv_mooncake.pull.step_metadata import PullMetadata
@@ -315,19 +325,32 @@ class PullWorker:
             refused = admit(self._handshake, self._config.engine_id, msg)
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._metadata))
         if isinstance(msg, Renew):
-            if self._secret is not None and (
-                len(msg.grants) != len(msg.request_ids)
-                or not all(self._signed(r, g, expiry=True) for r, g in zip(msg.request_ids, msg.grants, strict=True))
-            ):
-                return self._replies.encode(Ack(known=False))  # D then reads nothing
-            known = [self._tracker.renew(r) for r in msg.request_ids]
-            return self._replies.encode(Ack(known=all(known)))
-        assert isinstance(msg, Done)
+            return self._replies.encode(Held(held=self._renew(msg)))
         # One count per D task (rank, CP rank and shard): a retried copy names the same sender. The
         # answer is the same whether P knew the id, or signed it: not an oracle.
+        if isinstance(msg, Dones):
+            for item in msg.items:
+                if self._secret is None or self._signed(item.request_id, item.grant, expiry=False):
+                    self._tracker.done(item.request_id, (msg.d_rank, item.sender))
+            return self._replies.encode(Ack())
+        assert isinstance(msg, Done)
         if self._secret is None or self._signed(msg.request_id, msg.grant, expiry=False):
             self._tracker.done(msg.request_id, (msg.d_rank, msg.sender))
         return self._replies.encode(Ack())
+
+    def _renew(self, msg: Renew) -> list[bool]:
+        """Per request id of ``msg``: whether this rank still holds its blocks (leases extended).
+
+        With a secret each id needs its own grant (same order): an id whose grant does not verify
+        is answered "not held" and its lease is left alone; lists of different lengths hold nothing.
+        """
+        if self._secret is not None and len(msg.grants) != len(msg.request_ids):
+            return [False] * len(msg.request_ids)
+        held = []
+        for i, rid in enumerate(msg.request_ids):
+            signed = self._secret is None or self._signed(rid, msg.grants[i], expiry=True)
+            held.append(signed and self._tracker.renew(rid))
+        return held
 
     def _signed(self, request_id: str, grant: Grant | None, *, expiry: bool) -> bool:
         """Whether ``grant`` is ours for ``request_id`` (``expiry``: unexpired too; a DONE may come late)."""
@@ -400,8 +423,7 @@ class PullWorker:
             return
         if self._receiver is None:
             raise ConfigError("register_kv_caches", "not called", "called before start_load_kv")
-        for req in meta.requests.values():
-            self._receiver.submit(req)
+        self._receiver.submit_step(meta.requests.values())
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` since the last call."""

@@ -1,0 +1,133 @@
+"""D's batched receive path (`pull/threads.py`, `pull/lanes.py`): one engine call per P per batch.
+
+Real P workers (child processes), real Mooncake TCP, D here with our own `Reader` wrapped around the
+real engine (`GatedReads`): its first read waits on a gate, so the requests decoded meanwhile queue on
+the lane (one reader here: ``recv_workers`` 1) and the reader takes them as one batch
+(``recv_batch_requests``, default 4). Every success is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fault_engines import EngineWrapper
+
+from ascend_dist.common.errors import TransferError
+from ascend_dist.common.zmq_rpc import RpcClient, tcp_endpoint
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake.core.descriptors import Descriptors
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
+from ascend_dist.kv_mooncake.core.messages import Ack
+from ascend_dist.kv_mooncake.pull.messages import DoneItem, Dones, reply_codec, request_codec
+from ascend_dist.kv_mooncake.pull.threads import ShardKind, done_sender
+
+SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32}
+
+
+class GatedReads(EngineWrapper):
+    """Records each read (session, pieces); the first waits for ``gate``; ``before(n)`` runs before read n."""
+
+    def __init__(self, real: MooncakeEngine) -> None:
+        super().__init__(real)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[tuple[str, int]] = []
+        self.before: Callable[[int], None] = lambda n: None
+        self.failing: set[str] = set()
+
+    def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
+        n = len(self.calls)
+        self.calls.append((session, len(batch)))
+        if n == 0:
+            self.entered.set()
+            if not self.gate.wait(15.0):
+                raise TransferError("the test never opened the gate")
+        self.before(n)
+        if session in self.failing:
+            raise TransferError(f"injected: read from {session} failed")
+        self.real.read(session, batch, timeout_s=timeout_s)
+
+
+def _queue_behind_a_gated_read(pair: Any, engine: GatedReads, rids: dict[str, int]) -> None:
+    """Pull ``warm`` (its read waits on the gate), then decode ``rids`` so they queue behind it."""
+    params = {rid: pair.p.prefill(rid, 40, seed) for rid, seed in rids.items()}
+    pair.d.decode("warm", 40, pair.p.prefill("warm", 40, 1))
+    assert engine.entered.wait(10.0)
+    for rid, p in params.items():
+        pair.d.decode(rid, 40, p)
+
+
+@pytest.mark.timeout(60)
+def test_requests_queued_for_one_p_are_read_in_one_engine_call(make_pair: Callable[..., Any]) -> None:
+    engine = GatedReads(get_engine("127.0.0.1", "tcp"))
+    pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1})  # one reader: it waits
+    rids = {f"r{i}": 10 + i for i in range(4)}
+    _queue_behind_a_gated_read(pair, engine, rids)
+    engine.gate.set()
+    assert pair.d.wait_recv({"warm", *rids}, timeout_s=15.0) == set()
+    for rid, seed in {"warm": 1, **rids}.items():
+        assert pair.d.verify(rid, seed) > 0
+    # The gated read, then one read of all four (a read per request would make five calls).
+    assert len(engine.calls) == 2, engine.calls
+    assert engine.calls[1][1] == 4 * engine.calls[0][1]  # the four requests' pieces, one call
+    state = pair.wait_p_idle()  # the batched DONEs freed every block
+    assert (state["blocks_lent"], state["expired"]) == (0, 0)
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_batch_fails_only_its_own_requests(make_pair: Callable[..., Any], p_server: Any) -> None:
+    """P1's reads fail (its whole batch); P2's requests, pulled meanwhile by its own lane, succeed."""
+    engine = GatedReads(get_engine("127.0.0.1", "tcp"))
+    engine.gate.set()
+    pair = make_pair(p_tp=1, d_tp=1, own_process=True, d_engine=engine, d_extra={"quarantine_s": 0.1})
+    p2_extra = {**pair.extra, "engine_id": f"{pair.extra['engine_id']}-2", "kv_port": free_port_range(1)}
+    p2 = p_server.create(f"{p2_extra['engine_id']}", p2_extra, SPEC)
+    try:
+        assert pair.transfer("warm", 40, seed=1) == set()
+        bad_session = engine.calls[0][0]
+        engine.failing.add(bad_session)
+        bad = {f"b{i}": pair.p.prefill(f"b{i}", 40, 10 + i) for i in range(3)}
+        good = {f"g{i}": p2.prefill(f"g{i}", 40, 20 + i) for i in range(3)}
+        for rid, params in [*bad.items(), *good.items()]:
+            pair.d.decode(rid, 40, params)
+        errors = pair.d.wait_recv({*bad, *good}, timeout_s=15.0)
+        assert errors == {b for rid in bad for b in pair.d.blocks[rid][0]}  # every request of P1, no other
+        for i, rid in enumerate(good):
+            assert pair.d.verify(rid, 20 + i) > 0
+        assert any(s != bad_session for s, _ in engine.calls)  # control: P2 was read through its own session
+    finally:
+        p2.drop()
+
+
+@pytest.mark.timeout(60)
+def test_the_after_read_check_failing_for_one_request_fails_only_that_request(
+    make_pair: Callable[..., Any],
+) -> None:
+    """Two requests read in one call; P frees one of them during the read (its DONE arrives from
+    elsewhere), so the lease check after the read says "not held" for it alone."""
+    engine = GatedReads(get_engine("127.0.0.1", "tcp"))
+    pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1})
+    freed: list[str] = []
+
+    def free_a(n: int) -> None:
+        if n != 1:
+            return
+        requests, replies = request_codec(1 << 20), reply_codec(1 << 20)
+        item = DoneItem(request_id="a", ok=True, sender=done_sender(0, ShardKind.WHOLE))
+        with RpcClient(timeout_s=2.0, retries=1) as client:
+            done = requests.encode(Dones(d_rank=0, items=[item]))
+            assert replies.decode(client.request(tcp_endpoint("127.0.0.1", pair.kv_port), done)) == Ack()
+        freed.extend(pair.p.poll()["freed"])
+
+    engine.before = free_a
+    _queue_behind_a_gated_read(pair, engine, {"a": 5, "b": 6})
+    engine.gate.set()
+    errors = pair.d.wait_recv({"warm", "a", "b"}, timeout_s=15.0)
+    assert len(engine.calls) == 2 and "a" in freed  # control: one read of both, P really freed a during it
+    assert errors == set(pair.d.blocks["a"][0])  # a fails, b does not
+    assert pair.d.verify("b", 6) > 0 and pair.d.verify("warm", 1) > 0
+    state = pair.wait_p_idle()
+    assert (state["blocks_lent"], state["expired"]) == (0, 0)
