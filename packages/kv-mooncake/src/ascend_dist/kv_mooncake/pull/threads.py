@@ -54,7 +54,7 @@ from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState,
 from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
 from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
-from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant, rank_host
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, check_peer_rank, group_pairs, task_batch
 
 __all__ = ["LocalCache", "Receiver", "ShardKind", "done_sender"]
@@ -300,6 +300,7 @@ class Receiver:
         """
         meta = pull.meta
         port = meta.remote_port + task.global_rank
+        host = rank_host(meta, port)  # a P instance spanning nodes: this rank's node
         ok = contacted = True
         unsigned = False  # the params' capability did not verify: P was not contacted and gets no DONE
         try:
@@ -314,10 +315,10 @@ class Receiver:
         except Exception as exc:  # every failure becomes load errors, never a crash
             ok = False
             unsigned = isinstance(exc, CapabilityRefused)
-            logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, port, exc)
+            logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, host, port, exc)
             self._on_failure(exc)
             if not unsigned:  # P did nothing wrong: its metadata stays cached
-                self._peers.forget(meta.remote_engine_id, meta.remote_host, port)
+                self._peers.forget(meta.remote_engine_id, host, port)
             self._fail(pull)
             if _peer_stopped_answering(exc):
                 lane.failed(pull)
@@ -330,9 +331,7 @@ class Receiver:
             self._task_done(pull)
             if self._claim_notice(task) and not unsigned and not (lane.is_open and not ok):
                 sender = done_sender(self._pcp_rank, task.shard)
-                self._peers.send_done(
-                    meta.remote_host, port, meta.remote_request_id, ok, sender=sender, grant=pull_grant(meta)
-                )
+                self._peers.send_done(host, port, meta.remote_request_id, ok, sender=sender, grant=pull_grant(meta))
 
     def _read_task(self, pull: DRequest, task: PullTask, port: int) -> bool:
         """Read what ``task`` covers; False when D has no block of it to fill (P was not asked)."""
@@ -373,14 +372,15 @@ class Receiver:
         meta = pull.meta
         self._check_capability(meta)  # before P is contacted or any byte is read
         grant = pull_grant(meta)
-        agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
+        host = rank_host(meta, port)  # a P instance spanning nodes: this rank's node
+        agent = self._peers.metadata(meta.remote_engine_id, host, port)
         # A WHOLE task's global rank spans P's PP stages; CP shard and state-only tasks read stage 0.
         stage = (port - meta.remote_port) // meta.remote_ptp_size if shard == ShardKind.WHOLE else 0
         check_peer_rank(agent, port=port, pp_rank=stage, tp_rank=p_rank)
         # Before reading, P must confirm it still holds this request's blocks: params replayed after
         # D consumed them, or aimed at a request P already freed, would read reused blocks.
-        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id, grant):
-            raise NotHeld(f"P {meta.remote_host}:{port} holds no blocks for {meta.remote_request_id!r}")
+        if not self._peers.renew(host, port, meta.remote_request_id, grant):
+            raise NotHeld(f"P {host}:{port} holds no blocks for {meta.remote_request_id!r}")
         batch = task_batch(
             self._cache,
             agent,
@@ -401,8 +401,8 @@ class Receiver:
         # The read may have outlasted P's lease: if P let the blocks go meanwhile they may hold
         # another request's bytes by now, so the read counts only if P still holds them after it.
         # (P's entry for an id never comes back once freed, so "held" now means held throughout.)
-        if not self._peers.renew(meta.remote_host, port, meta.remote_request_id, grant):
-            raise NotHeld(f"P {meta.remote_host}:{port} released {meta.remote_request_id!r} during the read")
+        if not self._peers.renew(host, port, meta.remote_request_id, grant):
+            raise NotHeld(f"P {host}:{port} released {meta.remote_request_id!r} during the read")
         with self._lock:
             pull.pulled_layers.update(batch.layers)
 
@@ -490,9 +490,8 @@ class Receiver:
         meta = pull.meta
         port = meta.remote_port + task.global_rank
         sender = done_sender(self._pcp_rank, task.shard)
-        self._peers.send_done(
-            meta.remote_host, port, meta.remote_request_id, False, sender=sender, grant=pull_grant(meta)
-        )
+        host = rank_host(meta, port)
+        self._peers.send_done(host, port, meta.remote_request_id, False, sender=sender, grant=pull_grant(meta))
 
     def take_load_errors(self) -> set[int]:
         """Logical block ids (all groups) whose load failed since the last call."""
