@@ -125,6 +125,9 @@ class SyntheticInstance:
     ranks: list[_Rank] = field(default_factory=list)
     p_block_size: int = 0
     secret: DeploymentSecret | None = field(default_factory=load_secret)  # as a deployment's nodes read it
+    # The ranks (in TP, then PCP, then PP order) this process runs; empty = all. A P instance spanning
+    # nodes runs one process per node, each with the same scheduler decisions and its own ranks.
+    local_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         topo = self.config.prefill if self.config.is_producer else self.config.decode
@@ -144,10 +147,10 @@ class SyntheticInstance:
         self.blocks: dict[str, list[list[int]]] = {}
         self.requests: dict[str, SchedRequest] = {}
         stages = pp_layer_ranges(self.model.layers, self.pp, topo.pp_layer_partition)
-        for pp in range(self.pp):
-            for pcp in range(self.pcp):
-                for tp in range(self.tp):
-                    self.ranks.append(self._make_rank(tp, pp, list(range(*stages[pp])), pcp))
+        order = [(tp, pp, pcp) for pp in range(self.pp) for pcp in range(self.pcp) for tp in range(self.tp)]
+        for i, (tp, pp, pcp) in enumerate(order):
+            if not self.local_ranks or i in self.local_ranks:
+                self.ranks.append(self._make_rank(tp, pp, list(range(*stages[pp])), pcp))
 
     def _heads(self, tp: int) -> tuple[int, int]:
         return (0, 1) if self.model.mla else head_range(tp, self.tp, self.model.heads)
