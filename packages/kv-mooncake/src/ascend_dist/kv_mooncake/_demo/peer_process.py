@@ -164,15 +164,22 @@ class PInstance:
         self.peer = peer
         self.name = name
 
-    def prefill(self, rid: str, prompt_len: int, seed: int, *, end: str = "length") -> dict[str, Any]:
-        """Run a prefill ending as ``end`` (``length``, ``stopped``, ``aborted``); return P's kv_transfer_params."""
-        return self.peer.call(
-            {"cmd": "prefill", "name": self.name, "rid": rid, "prompt_len": prompt_len, "seed": seed, "end": end}
-        )["params"]
+    def prefill(
+        self, rid: str, prompt_len: int, seed: int, *, end: str = "length", preempt: bool = False
+    ) -> dict[str, Any]:
+        """Run a prefill ending as ``end`` (``length``, ``stopped``, ``aborted``); return P's kv_transfer_params.
 
-    def prefill_many(self, rids: list[str], prompt_len: int, seed: int) -> list[dict[str, Any]]:
-        """Run several prefills in one round trip; return their params in order."""
+        ``preempt``: vLLM preempts it after its first step and schedules it again into other blocks.
+        """
+        msg = {"cmd": "prefill", "name": self.name, "rid": rid, "prompt_len": prompt_len, "seed": seed}
+        return self.peer.call({**msg, "end": end, "preempt": preempt})["params"]
+
+    def prefill_many(
+        self, rids: list[str], prompt_len: int, seed: int, seeds: Sequence[int] = ()
+    ) -> list[dict[str, Any]]:
+        """Run several prefills in one round trip (``seeds``: one each, else ``seed`` for all); return their params."""
         msg = {"cmd": "prefill_many", "name": self.name, "rids": rids, "prompt_len": prompt_len, "seed": seed}
+        msg["seeds"] = list(seeds)
         return self.peer.call(msg, timeout_s=120.0)["params"]
 
     def addresses(self) -> list[tuple[str, int]]:

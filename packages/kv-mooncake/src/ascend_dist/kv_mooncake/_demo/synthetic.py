@@ -222,12 +222,15 @@ class SyntheticInstance:
         for r in self.ranks:
             r.worker.start_load_kv(meta)
 
-    def prefill(self, rid: str, prompt_len: int, seed: int, *, end: str = "length") -> dict[str, object]:
+    def prefill(
+        self, rid: str, prompt_len: int, seed: int, *, end: str = "length", preempt: bool = False
+    ) -> dict[str, object]:
         """P: run a request's prefill (fill its KV with the pattern) and return kv_transfer_params.
 
         ``end``: how the request ends on P: ``"length"`` (max_tokens reached, the P/D hand-off),
         or ``"stopped"`` / ``"aborted"`` (EOS on the first token, a client abort): then nothing is
-        lent, the blocks are freed at once and ``{}`` is returned.
+        lent, the blocks are freed at once and ``{}`` is returned. ``preempt``: vLLM preempts the
+        request after its first step (its blocks freed) and schedules it again into other blocks.
         """
         req = SchedRequest(rid, prompt_len, {"do_remote_decode": True})
         self.requests[rid] = req
@@ -235,6 +238,13 @@ class SyntheticInstance:
         ids = self._alloc(rid, req.prompt_len)
         self.scheduler.update_state_after_alloc(req, ids, 0)
         self._step()
+        if preempt:
+            freed = self.blocks.pop(rid)
+            ids = self._alloc(rid, req.prompt_len)  # other blocks: the free lists hand out from the front
+            for free, old in zip(self.free, freed, strict=True):
+                free.extend(old)
+            self.scheduler.update_state_after_alloc(req, ids, 0)
+            self._step()
         self.fill(rid, seed, 0)
         req.length_capped = end == "length"
         delay, params = self.scheduler.request_finished(req, ids)
