@@ -34,7 +34,9 @@ __all__ = ["WIRE_VERSION", "Channel", "Message", "Request"]
 # `Refused` without the server's value.
 # 4: pull's `Renew` and `Done` carry the signed capability (`core.capability.Grant`) of each request
 # (`Renew.grants`, `Done.grant`); a version-3 D could not present it, so it is refused at the handshake.
-WIRE_VERSION = 4
+# 5: a capability names the host of each P port (`Capability.hosts`, a P instance spanning nodes):
+# a version-4 peer cannot decode such a grant, so it is refused at the handshake.
+WIRE_VERSION = 5
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
