@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from typing import Any
 
 import pytest
 
-from ascend_dist.common.errors import ConfigError
+from ascend_dist.common.errors import ConfigError, DeviceUnavailable
 from ascend_dist.kv_mooncake.core.node import (
     HOST_ENV,
     device_protocol,
@@ -41,12 +42,33 @@ def test_a_node_without_any_address_falls_back_to_loopback_and_says_so(caplog: p
     assert "set host in kv_connector_extra_config" in caplog.text
 
 
+class Probe:
+    """Our `BackendProbe` Protocol with fixed answers (no NPU or GPU needed)."""
+
+    def __init__(self, npu: bool, cuda: bool) -> None:
+        self._npu, self._cuda = npu, cuda
+
+    def npu(self) -> tuple[bool, str]:
+        return self._npu, "fake"
+
+    def cuda(self) -> tuple[bool, str]:
+        return self._cuda, "fake"
+
+
 @pytest.mark.parametrize(
     ("npu", "cuda", "protocol"),
     [(True, False, "ascend"), (True, True, "ascend"), (False, True, "rdma"), (False, False, "tcp")],
 )
 def test_the_protocol_follows_the_device_runtime(npu: bool, cuda: bool, protocol: str) -> None:
-    assert device_protocol(lambda: npu, lambda: cuda) == protocol
+    assert device_protocol({}, Probe(npu, cuda)) == protocol
+
+
+def test_the_protocol_follows_a_forced_device_backend() -> None:
+    """``ASCEND_DIST_DEVICE`` picks the runtime for the device code and so for the transport."""
+    assert device_protocol({"ASCEND_DIST_DEVICE": "cuda"}, Probe(True, True)) == "rdma"
+    assert device_protocol({"ASCEND_DIST_DEVICE": "cpu"}, Probe(True, True)) == "tcp"
+    with pytest.raises(DeviceUnavailable):  # forced onto a device this node does not have: said, not guessed
+        device_protocol({"ASCEND_DIST_DEVICE": "cuda"}, Probe(True, False))
 
 
 def _parse(extra: dict[str, Any]) -> PullConfig:
@@ -70,8 +92,8 @@ def test_a_wildcard_node_address_is_refused_naming_host(monkeypatch: pytest.Monk
 def test_a_config_without_protocol_takes_this_machines_runtime() -> None:
     """On a machine with neither an NPU nor a CUDA GPU (CI): tcp (with them the probes above pick ascend/rdma)."""
     torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA GPU is present: the default is rdma here")
+    if torch.cuda.is_available() or os.environ.get("ASCEND_DIST_DEVICE"):
+        pytest.skip("a CUDA GPU is present or the device is forced: the default is not tcp here")
     assert device_protocol() == "tcp"
     assert _parse(TOPOLOGY).protocol == "tcp"
     assert _parse({**TOPOLOGY, "mooncake_protocol": "rdma"}).protocol == "rdma"  # control: a set one wins

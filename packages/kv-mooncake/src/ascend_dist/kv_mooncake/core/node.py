@@ -12,21 +12,23 @@ node: each process advertises the address of the node it runs on. That address i
 4. ``127.0.0.1``, with a warning: such a node can only pair with peers on itself.
 
 Never a wildcard: a value like ``0.0.0.0`` is refused by the config's host check (it binds every
-interface and advertises nothing reachable). The protocol follows the device runtime: ``ascend``
-with an Ascend NPU (torch_npu), ``rdma`` with a CUDA GPU, ``tcp`` otherwise. Both probes are
-injectable so the choice is tested without the hardware.
+interface and advertises nothing reachable). The protocol follows the device runtime the project
+selects (`ascend_dist.common.device.detect`): ``ascend`` with an Ascend NPU (torch_npu), ``rdma``
+with a CUDA GPU, ``tcp`` otherwise. The probes are injectable so the choice is tested without the
+hardware.
 """
 
 from __future__ import annotations
 
 import array
 import fcntl
-import importlib.util
 import logging
 import os
 import socket
 import struct
 from collections.abc import Callable, Iterable, Mapping
+
+from ascend_dist.common.device.detect import BackendProbe, select_backend
 
 __all__ = ["HOST_ENV", "device_protocol", "interface_addresses", "node_address", "route_address"]
 
@@ -99,27 +101,14 @@ def node_address(
     return "127.0.0.1"
 
 
-def _npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch
-    import torch_npu  # noqa: F401  # registers torch.npu
-
-    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+_PROTOCOLS = {"npu": "ascend", "cuda": "rdma", "cpu": "tcp"}
 
 
-def _cuda_available() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
+def device_protocol(env: Mapping[str, str] | None = None, probe: BackendProbe | None = None) -> str:
+    """Mooncake's transport for this node's device runtime: ``ascend`` (NPU), ``rdma`` (CUDA), else ``tcp``.
 
-    return bool(torch.cuda.is_available())
-
-
-def device_protocol(npu: Callable[[], bool] = _npu_available, cuda: Callable[[], bool] = _cuda_available) -> str:
-    """Mooncake's transport for this node's device runtime: ``ascend`` (NPU), ``rdma`` (CUDA), else ``tcp``."""
-    if npu():
-        return "ascend"
-    if cuda():
-        return "rdma"
-    return "tcp"
+    The runtime is the project's one choice of it (`ascend_dist.common.device.detect.select_backend`:
+    ``ASCEND_DIST_DEVICE`` when set, else torch_npu with an NPU, then CUDA, then the CPU), so the
+    transport and the device code of a process never disagree.
+    """
+    return _PROTOCOLS[select_backend(env, probe).name]
