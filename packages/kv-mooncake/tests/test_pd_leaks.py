@@ -137,7 +137,8 @@ def test_random_faults_leave_nothing_behind(make_pair: Callable[..., Any]) -> No
     per_wave: list[tuple[int, int, bool]] = []  # (failed, stalled reads, killed) per wave
     recovery: list[tuple[float, int]] = []  # after each restart: seconds and tries until a pull succeeded
     waves = range(0, CHAOS_REQUESTS, CHAOS_WAVE)
-    kill_waves = set(rng.sample(range(1, len(waves)), min(len(waves) - 1, max(1, len(waves) // 4))))
+    kills = int(os.environ.get("KV_MOONCAKE_CHAOS_KILLS", str(max(1, len(waves) // 4))))
+    kill_waves = set(rng.sample(range(1, len(waves)), min(len(waves) - 1, kills)))
     try:
         for wave, start in enumerate(waves):
             rids = [f"r{i}" for i in range(start, min(start + CHAOS_WAVE, CHAOS_REQUESTS))]
@@ -195,12 +196,18 @@ def test_random_faults_leave_nothing_behind(make_pair: Callable[..., Any]) -> No
         assert healthy and all(f <= st for f, st in healthy), per_wave
         assert counts["failed"] > 0 and counts["ok"] > 0, counts
         # Sockets and threads at their steady size (+1 thread: a lane's DONE thread for timeouts).
-        assert _fds() <= fds + 4, sorted(_fd_names() - fd_names)
+        # Known, not ours to close: Mooncake's TCP transport keeps its two connections to a dead P's
+        # session open (CLOSE_WAIT; the binding has no call to drop a segment): at most 2 per kill.
+        new_fds = _fd_names() - fd_names
+        stale = _close_wait(new_fds)
+        assert len(stale) <= 2 * counts["kills"], _describe(new_fds)
+        assert _fds() - len(stale) <= fds + 4, _describe(new_fds)
         assert threading.active_count() <= threads + 1
         d.shutdown()
         assert all(key not in engine.real.registered for key in regions)  # D's registrations released
         print(f"chaos: {CHAOS_REQUESTS} requests, {counts}, stalled reads {engine.stalled}, lease-freed on P")
-        print(f"  {p_state['expired']}, per wave (failed, stalled, killed) {per_wave}, recovery {recovery}")
+        print(f"  {p_state['expired']}, per wave (failed, stalled, killed) {per_wave}, recovery {recovery},")
+        print(f"  Mooncake sockets left in CLOSE_WAIT to dead P sessions: {len(stale)}")
     finally:
         if p is not pair.p:
             p.drop()
@@ -262,6 +269,33 @@ def _check_wave(d: Any, pulled: list[str], errors: set[int], seeds: dict[str, in
         assert not blocks & errors, f"{rid} failed in part"
         assert d.verify(rid, seed=seeds[rid]) > 0  # reported received: P's bytes, exactly
     return failed
+
+
+def _tcp_sockets() -> dict[str, tuple[str, str]]:
+    """This process's TCP sockets by inode: ``(local->remote, state)`` (state 08 is CLOSE_WAIT)."""
+    out: dict[str, tuple[str, str]] = {}
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            out[cols[9]] = (f"{cols[1]}->{cols[2]}", cols[3])
+    return out
+
+
+def _inode(fd_name: str) -> str:
+    target = fd_name.split(":", 1)[1]
+    return target[len("socket:[") : -1] if target.startswith("socket:[") else ""
+
+
+def _close_wait(new_fds: set[str]) -> list[str]:
+    """The new fds that are TCP sockets whose peer has closed and we have not (CLOSE_WAIT)."""
+    tcp = _tcp_sockets()
+    return [n for n in new_fds if tcp.get(_inode(n), ("", ""))[1] == "08"]
+
+
+def _describe(new_fds: set[str]) -> str:
+    """The fds opened since the steady state, with the TCP peer and state of each socket."""
+    tcp = _tcp_sockets()
+    return f"{len(new_fds)} new fds: {[f'{n} {tcp.get(_inode(n), ())}' for n in sorted(new_fds)]}"
 
 
 def _wait_idle(p: PInstance, timeout_s: float = 10.0) -> dict[str, Any]:
