@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("GLOG_minloglevel", "2")
+# Single-host tests: a config without ``host`` takes this node's address (`core.node`); pin it to
+# loopback here (the tests' ports are free on 127.0.0.1, and nothing is exposed on the network).
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 # --import-mode=importlib does not put this folder on sys.path; the vLLM tests import pull_vllm_support
 # from it (push/ and sfa/ add their own folders: helper names differ so they cannot shadow each other).

@@ -23,6 +23,7 @@ from netns_support import Hosts, NetnsUnavailable, rx_bytes
 
 from ascend_dist.common.errors import ProtocolError
 from ascend_dist.kv_mooncake._demo.peer_process import DInstance, PeerProcess, PInstance
+from ascend_dist.kv_mooncake.core.node import HOST_ENV
 
 SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 64}
 # The cut-link test's requests: 4 x 32 MiB (4 layers x K/V x 128 blocks of 32 KiB), large enough
@@ -81,7 +82,8 @@ def _base(kv_port: int, p_tp: int = 1) -> dict[str, Any]:
 def _start(hosts: Hosts, ns: str) -> PeerProcess:
     # 180 s, not 60: three children import torch at once, and on a 2-core machine other sessions
     # load (load average 24 seen) one took over 60 s.
-    return PeerProcess(launcher=hosts.launcher(ns), ready_timeout_s=180.0)
+    # Without the tests' VLLM_HOST_IP (127.0.0.1): a config without host finds the namespace's address.
+    return PeerProcess(launcher=hosts.launcher(ns), ready_timeout_s=180.0, unset_env=(HOST_ENV,))
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +184,51 @@ def test_two_p_hosts_serve_one_d(net: Net) -> None:
         d.finish(rid)
     p1.drop()
     p2.drop()
+    d.drop()
+
+
+def test_one_p_instance_with_a_rank_on_each_node_serves_one_d(net: Net) -> None:
+    """P TP 2 with rank 0 in one namespace and rank 1 in another (one P instance spanning two
+    nodes; each node's process runs the same scheduler decisions and its own rank), one config
+    without ``host`` on both nodes: each rank advertises its node's address, P's scheduler maps
+    each port to its node (vLLM's handshake metadata), and D (TP 1, each block stacks both ranks'
+    heads) reads each rank from its own node, byte-exact. Control: the same params without the map
+    (what D did before: every rank at ``remote_host``) fail as load errors, never as received."""
+    kv_port = 42000 + 10 * next(_IDS)
+    n = next(_IDS)
+    config = {**_base(kv_port, p_tp=2), "lease_s": 3.0, "engine_id": f"P{n}"}  # no host: each node's own
+    nodes = [net.p_peers[k].create(f"p{n}", config, SPEC, ranks=[k]) for k in (0, 1)]
+    d = net.d_instance(kv_port, SPEC, p_tp=2, peer_retry_s=0.2)
+    addresses = [a for node in nodes for a in node.addresses()]
+    assert addresses == [(net.p_host(0), kv_port), (net.p_host(1), kv_port + 1)]  # found, not configured
+    assert nodes[0].set_addresses(addresses) == ["", net.p_host(1)]  # vLLM hands the scheduler every worker's
+
+    params = [node.prefill("s", 120, seed=31) for node in nodes]  # both nodes prefill the request
+    assert params[0]["remote_block_ids"] == params[1]["remote_block_ids"]  # the same scheduler decisions
+    assert (params[0]["remote_host"], params[0]["remote_rank_hosts"]) == (net.p_host(0), ["", net.p_host(1)])
+    rx = [net.d_rx(0), net.d_rx(1)]
+    d.decode("s", 120, params[0])
+    assert d.wait_recv({"s"}, timeout_s=20.0) == set()
+    checked = d.verify("s", seed=31)  # every head of every block: half from each node
+    assert checked == 4 * 2 * 8 * 16 * 4 * 16 * 2  # layers x K/V x blocks x tokens x heads x dim x int16
+    assert net.d_rx(0) - rx[0] >= checked // 2 and net.d_rx(1) - rx[1] >= checked // 2  # each over its link
+    for node in nodes:  # each rank got its DONE on its own node
+        state = _wait_p_idle(node)
+        assert (state["blocks_lent"], state["tracked"], state["expired"]) == (0, 0, 0)
+    d.finish("s")
+
+    # Control: without the map D asks rank 1 at node 0, where nothing of this instance listens on its port.
+    time.sleep(0.3)  # past peer_retry_s of anything earlier
+    unmapped, _ = [node.prefill("u", 120, seed=32) for node in nodes]  # both nodes lend it
+    del unmapped["remote_rank_hosts"]
+    d.decode("u", 120, unmapped)
+    assert d.wait_recv({"u"}, timeout_s=20.0) == set(d.blocks["u"][0])  # every block reported: recomputed
+    d.finish("u")
+    for node in nodes:  # node 1 never heard from D: its lease (3 s) frees the blocks
+        state = _wait_p_idle(node, timeout_s=10.0)
+        assert (state["blocks_lent"], state["tracked"]) == (0, 0)
+    for node in nodes:
+        node.drop()
     d.drop()
 
 

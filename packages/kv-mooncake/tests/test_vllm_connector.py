@@ -190,3 +190,34 @@ def test_d_scheduler_waits_for_the_pull_then_recomputes_only_the_last_token(mode
         sched.shutdown()
         d_worker.shutdown()
         p.close()
+
+
+def test_p_workers_hand_their_address_to_ps_scheduler_through_vllms_handshake_metadata(model_dir: Path) -> None:
+    """vLLM gathers each worker's `get_handshake_metadata` and hands them to the scheduler
+    (`set_xfer_handshake_metadata_pp_aware`, keyed (pp, tp)): P's params then name the node of each
+    port that is not the scheduler's (a P instance spanning nodes); D's workers have none."""
+    from ascend_dist.kv_mooncake.pull.vllm_connector import PullRankAddress
+
+    port = free_port_range(2)
+    p = Side(make_config(model_dir, "kv_producer", "P-hs", port, host="127.0.0.1"), seed=1)
+    d = Side(make_config(model_dir, "kv_consumer", "D-hs", port, host="127.0.0.1"), seed=2)
+    try:
+        assert p.worker.get_handshake_metadata() == PullRankAddress("127.0.0.1", port)
+        assert d.worker.get_handshake_metadata() is None
+        d.sched.set_xfer_handshake_metadata_pp_aware({})  # vLLM calls it on D too: nothing to map
+        req = request("one-node", 40, {"do_remote_decode": True})
+        p.sched.set_xfer_handshake_metadata_pp_aware({(0, 0): p.worker.get_handshake_metadata()})
+        p.sched.update_state_after_alloc(req, blocks([4, 5, 6]), 0)
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = p.sched.request_finished(req, [4, 5, 6])
+        assert params is not None and "remote_rank_hosts" not in params  # one node: the params as before
+        # A worker on another node (an address that is not this scheduler's host), a stranger's metadata ignored.
+        p.sched.set_xfer_handshake_metadata_pp_aware({(0, 0): PullRankAddress("10.9.0.2", port), (0, 1): object()})
+        req = request("two-nodes", 40, {"do_remote_decode": True})
+        p.sched.update_state_after_alloc(req, blocks([8, 9, 10]), 0)
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = p.sched.request_finished(req, [8, 9, 10])
+        assert params is not None and params["remote_rank_hosts"] == ["10.9.0.2"]
+    finally:
+        d.close()
+        p.close()

@@ -4,12 +4,17 @@ Runs in: the child process started by the ``pd`` scenario and the tests:
 ``python -m ascend_dist.kv_mooncake._demo.pd_peer`` prints ``{"ready": true}``, then answers, one JSON
 line each:
 
-* ``{"cmd": "create", "name", "config": {...}, "model": {...}, "role"?}`` -> ``{"ok": true}`` (a
-  `SyntheticInstance`, a producer unless ``role`` is ``"consumer"``; several may live in one
-  process and share its Mooncake engine)
-* ``{"cmd": "prefill", "name", "rid", "prompt_len", "seed", "end"?}`` -> ``{"params": {...}}`` (``end``:
-  ``"length"`` by default, ``"stopped"`` or ``"aborted"`` for a request that lends nothing: ``{}``)
-* ``{"cmd": "prefill_many", "name", "rids", "prompt_len", "seed"}`` -> ``{"params": [...]}``
+* ``{"cmd": "create", "name", "config": {...}, "model": {...}, "role"?, "ranks"?}`` -> ``{"ok": true}``
+  (a `SyntheticInstance`, a producer unless ``role`` is ``"consumer"``, with only the ``ranks``
+  listed when given; several may live in one process and share its Mooncake engine)
+* ``{"cmd": "prefill", "name", "rid", "prompt_len", "seed", "end"?, "preempt"?}`` -> ``{"params": {...}}``
+  (``end``: ``"length"`` by default, ``"stopped"`` or ``"aborted"`` for a request that lends
+  nothing: ``{}``; ``preempt``: preempted after its first step and scheduled again)
+* ``{"cmd": "prefill_many", "name", "rids", "prompt_len", "seed", "seeds"?}`` -> ``{"params": [...]}``
+  (``seeds``: one per request instead of one for all)
+* ``{"cmd": "addresses", "name"}`` -> ``{"addresses": [[host, port], ...]}`` (each local P rank's side
+  channel, vLLM's handshake metadata); ``{"cmd": "set_addresses", "name", "addresses"}`` ->
+  ``{"rank_hosts": [...]}`` (hands every worker's address to P's scheduler, as vLLM does)
 * ``{"cmd": "poll", "name"}`` -> ``{"freed": [...], "tracked": n, "blocks_lent": n, "expired": n,
   "late_dones": n}``
 * D instances (``role: "consumer"``, e.g. a D in another network namespace):
@@ -111,17 +116,33 @@ def _create(msg: dict[str, Any]) -> SyntheticInstance:
         model=extra.get("model", "synthetic"),
         dtype="int16",
     )
-    return SyntheticInstance(config, Model(**msg["model"]))
+    return SyntheticInstance(config, Model(**msg["model"]), local_ranks=tuple(int(r) for r in msg.get("ranks", ())))
+
+
+def _set_addresses(inst: SyntheticInstance, m: dict[str, Any]) -> dict[str, Any]:
+    inst.scheduler.set_rank_addresses((str(host), int(port)) for host, port in m["addresses"])
+    return {"rank_hosts": inst.scheduler.rank_hosts}
 
 
 _COMMANDS: dict[str, Callable[[SyntheticInstance, dict[str, Any]], dict[str, Any]]] = {
     "prefill": lambda inst, m: {
-        "params": inst.prefill(m["rid"], int(m["prompt_len"]), int(m["seed"]), end=str(m.get("end", "length")))
+        "params": inst.prefill(
+            m["rid"],
+            int(m["prompt_len"]),
+            int(m["seed"]),
+            end=str(m.get("end", "length")),
+            preempt=bool(m.get("preempt", False)),
+        )
     },
     "prefill_many": lambda inst, m: {
-        "params": [inst.prefill(rid, int(m["prompt_len"]), int(m["seed"])) for rid in m["rids"]]
+        "params": [
+            inst.prefill(rid, int(m["prompt_len"]), int(seed))
+            for rid, seed in zip(m["rids"], m.get("seeds") or [m["seed"]] * len(m["rids"]), strict=True)
+        ]
     },
     "poll": lambda inst, m: _poll(inst),
+    "addresses": lambda inst, m: {"addresses": [r.worker.rank_address for r in inst.ranks]},
+    "set_addresses": _set_addresses,
     "decode": lambda inst, m: {
         "count": inst.decode(m["rid"], int(m["prompt_len"]), dict(m["params"]), int(m.get("computed", 0))),
         "blocks": inst.blocks[m["rid"]],

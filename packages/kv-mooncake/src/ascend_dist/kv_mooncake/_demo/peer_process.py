@@ -56,13 +56,15 @@ class PeerProcess:
         module: str = "ascend_dist.kv_mooncake._demo.pd_peer",
         ready_timeout_s: float = 60.0,
         launcher: Sequence[str] = (),
+        unset_env: Sequence[str] = (),
     ) -> None:
         """Start ``python -m module`` and wait until it reports ready.
 
         ``launcher``: a command that execs the rest of its arguments (``ip netns exec NAME``: the
         child then runs in that network namespace; the child's pid stays the one we started).
+        ``unset_env``: variables the child must not inherit (``VLLM_HOST_IP``: find its own address).
         """
-        env = {**os.environ, "GLOG_minloglevel": "2"}
+        env = {k: v for k, v in os.environ.items() if k not in unset_env} | {"GLOG_minloglevel": "2"}
         self.proc = subprocess.Popen(
             [*launcher, sys.executable, "-m", module],
             stdin=subprocess.PIPE,
@@ -108,9 +110,10 @@ class PeerProcess:
             raise ProtocolError(f"peer: {reply['error']}")
         return reply
 
-    def create(self, name: str, config: dict[str, Any], model: dict[str, Any]) -> PInstance:
-        """Create a producer instance in the child."""
-        self.call({"cmd": "create", "name": name, "config": config, "model": model}, timeout_s=60.0)
+    def create(self, name: str, config: dict[str, Any], model: dict[str, Any], ranks: Sequence[int] = ()) -> PInstance:
+        """Create a producer instance in the child (only ``ranks`` of it when given: the rest run elsewhere)."""
+        msg = {"cmd": "create", "name": name, "config": config, "model": model, "ranks": list(ranks)}
+        self.call(msg, timeout_s=60.0)
         return PInstance(self, name)
 
     def create_consumer(self, name: str, config: dict[str, Any], model: dict[str, Any]) -> DInstance:
@@ -161,16 +164,32 @@ class PInstance:
         self.peer = peer
         self.name = name
 
-    def prefill(self, rid: str, prompt_len: int, seed: int, *, end: str = "length") -> dict[str, Any]:
-        """Run a prefill ending as ``end`` (``length``, ``stopped``, ``aborted``); return P's kv_transfer_params."""
-        return self.peer.call(
-            {"cmd": "prefill", "name": self.name, "rid": rid, "prompt_len": prompt_len, "seed": seed, "end": end}
-        )["params"]
+    def prefill(
+        self, rid: str, prompt_len: int, seed: int, *, end: str = "length", preempt: bool = False
+    ) -> dict[str, Any]:
+        """Run a prefill ending as ``end`` (``length``, ``stopped``, ``aborted``); return P's kv_transfer_params.
 
-    def prefill_many(self, rids: list[str], prompt_len: int, seed: int) -> list[dict[str, Any]]:
-        """Run several prefills in one round trip; return their params in order."""
+        ``preempt``: vLLM preempts it after its first step and schedules it again into other blocks.
+        """
+        msg = {"cmd": "prefill", "name": self.name, "rid": rid, "prompt_len": prompt_len, "seed": seed}
+        return self.peer.call({**msg, "end": end, "preempt": preempt})["params"]
+
+    def prefill_many(
+        self, rids: list[str], prompt_len: int, seed: int, seeds: Sequence[int] = ()
+    ) -> list[dict[str, Any]]:
+        """Run several prefills in one round trip (``seeds``: one each, else ``seed`` for all); return their params."""
         msg = {"cmd": "prefill_many", "name": self.name, "rids": rids, "prompt_len": prompt_len, "seed": seed}
+        msg["seeds"] = list(seeds)
         return self.peer.call(msg, timeout_s=120.0)["params"]
+
+    def addresses(self) -> list[tuple[str, int]]:
+        """Each local P rank's ``(host, port)`` (the handshake metadata vLLM gathers from workers)."""
+        return [(str(h), int(p)) for h, p in self.peer.call({"cmd": "addresses", "name": self.name})["addresses"]]
+
+    def set_addresses(self, addresses: Sequence[tuple[str, int]]) -> list[str]:
+        """Hand every P worker's address to this instance's scheduler; returns its port -> host map."""
+        msg = {"cmd": "set_addresses", "name": self.name, "addresses": [list(a) for a in addresses]}
+        return list(self.peer.call(msg)["rank_hosts"])
 
     def poll(self) -> dict[str, Any]:
         """Collect finished sends, free their blocks; return P's counters."""

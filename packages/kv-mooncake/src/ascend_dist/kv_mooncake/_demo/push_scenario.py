@@ -97,7 +97,13 @@ class LayerwiseScenario:
             "num_blocks": 4 * blocks + 4,
         }
         kv_port = free_port_range(1)
-        extra = {"engine_id": "lw-P", "kv_port": kv_port, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+        extra = {
+            "engine_id": "lw-P",
+            "kv_port": kv_port,
+            "host": "127.0.0.1",
+            "prefill": {"tp_size": 1},
+            "decode": {"tp_size": 1},
+        }
         ctx.progress.step("starting the layer-wise P rank (child process)")
         with LwPeerProcess() as p:
             p.call({"cmd": "create", "name": "p", "config": extra, "model": model}, timeout_s=120.0)
@@ -228,7 +234,13 @@ class LayerwiseScenario:
     ) -> float:
         """The whole-prompt pull of the same model: P's per-layer compute, then D's pull, best of ``repeat``."""
         kv_port = free_port_range(1)
-        extra = {"engine_id": "pull-P", "kv_port": kv_port, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+        extra = {
+            "engine_id": "pull-P",
+            "kv_port": kv_port,
+            "host": "127.0.0.1",
+            "prefill": {"tp_size": 1},
+            "decode": {"tp_size": 1},
+        }
         best = float("inf")
         with PeerProcess() as peer:
             p = peer.create("p", extra, model)

@@ -71,7 +71,13 @@ class PdScenario:
         report = ScenarioReport(self.name, ctx.mode)
         model = _model(ctx, self.base_model)
         kv_port = free_port_range(1)
-        extra = {"engine_id": "pd-P", "kv_port": kv_port, "prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+        extra = {
+            "engine_id": "pd-P",
+            "kv_port": kv_port,
+            "host": "127.0.0.1",
+            "prefill": {"tp_size": 1},
+            "decode": {"tp_size": 1},
+        }
         ctx.progress.step("starting the P instance (child process)")
         with PeerProcess() as peer:
             p = peer.create("p", extra, model)

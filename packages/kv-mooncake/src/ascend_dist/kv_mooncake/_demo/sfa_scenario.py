@@ -49,6 +49,7 @@ class SfaScenario:
         )
         extra: dict[str, Any] = {
             "kv_port": free_port_range(2),
+            "host": "127.0.0.1",
             "prefill": {"tp_size": 2},
             "decode": {"tp_size": 2},
             "transfer_backend": "mooncake",

@@ -125,6 +125,9 @@ class SyntheticInstance:
     ranks: list[_Rank] = field(default_factory=list)
     p_block_size: int = 0
     secret: DeploymentSecret | None = field(default_factory=load_secret)  # as a deployment's nodes read it
+    # The ranks (in TP, then PCP, then PP order) this process runs; empty = all. A P instance spanning
+    # nodes runs one process per node, each with the same scheduler decisions and its own ranks.
+    local_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         topo = self.config.prefill if self.config.is_producer else self.config.decode
@@ -144,10 +147,10 @@ class SyntheticInstance:
         self.blocks: dict[str, list[list[int]]] = {}
         self.requests: dict[str, SchedRequest] = {}
         stages = pp_layer_ranges(self.model.layers, self.pp, topo.pp_layer_partition)
-        for pp in range(self.pp):
-            for pcp in range(self.pcp):
-                for tp in range(self.tp):
-                    self.ranks.append(self._make_rank(tp, pp, list(range(*stages[pp])), pcp))
+        order = [(tp, pp, pcp) for pp in range(self.pp) for pcp in range(self.pcp) for tp in range(self.tp)]
+        for i, (tp, pp, pcp) in enumerate(order):
+            if not self.local_ranks or i in self.local_ranks:
+                self.ranks.append(self._make_rank(tp, pp, list(range(*stages[pp])), pcp))
 
     def _heads(self, tp: int) -> tuple[int, int]:
         return (0, 1) if self.model.mla else head_range(tp, self.tp, self.model.heads)
@@ -219,12 +222,15 @@ class SyntheticInstance:
         for r in self.ranks:
             r.worker.start_load_kv(meta)
 
-    def prefill(self, rid: str, prompt_len: int, seed: int, *, end: str = "length") -> dict[str, object]:
+    def prefill(
+        self, rid: str, prompt_len: int, seed: int, *, end: str = "length", preempt: bool = False
+    ) -> dict[str, object]:
         """P: run a request's prefill (fill its KV with the pattern) and return kv_transfer_params.
 
         ``end``: how the request ends on P: ``"length"`` (max_tokens reached, the P/D hand-off),
         or ``"stopped"`` / ``"aborted"`` (EOS on the first token, a client abort): then nothing is
-        lent, the blocks are freed at once and ``{}`` is returned.
+        lent, the blocks are freed at once and ``{}`` is returned. ``preempt``: vLLM preempts the
+        request after its first step (its blocks freed) and schedules it again into other blocks.
         """
         req = SchedRequest(rid, prompt_len, {"do_remote_decode": True})
         self.requests[rid] = req
@@ -232,6 +238,13 @@ class SyntheticInstance:
         ids = self._alloc(rid, req.prompt_len)
         self.scheduler.update_state_after_alloc(req, ids, 0)
         self._step()
+        if preempt:
+            freed = self.blocks.pop(rid)
+            ids = self._alloc(rid, req.prompt_len)  # other blocks: the free lists hand out from the front
+            for free, old in zip(self.free, freed, strict=True):
+                free.extend(old)
+            self.scheduler.update_state_after_alloc(req, ids, 0)
+            self._step()
         self.fill(rid, seed, 0)
         req.length_capped = end == "length"
         delay, params = self.scheduler.request_finished(req, ids)

@@ -6,10 +6,12 @@ before writing). The params that name blocks travel through API clients and prox
 signature any client could edit ``remote_block_ids`` and read (or overwrite) another request's KV.
 
 A `Capability` is the request id, the engine id of the side that owns the blocks, the exact block
-ids per KV-cache group, the prompt digest and an expiry (wall-clock milliseconds: P and D are
-different hosts). Its canonical encoding is msgspec's msgpack of the array-like Struct (one byte
-string for one value), and its tag is `DeploymentSecret.sign` under a per-transport purpose
-(`PULL_PURPOSE`, `PUSH_PURPOSE`, `SFA_PURPOSE`), so a tag made for one use never verifies as another, nor as a
+ids per KV-cache group, the prompt digest, an expiry (wall-clock milliseconds: P and D are
+different hosts) and, for a pull from a P instance spanning nodes, the host of each P rank's port
+(``hosts``, empty otherwise): a client cannot point one rank's reads at another host. Its
+canonical encoding is msgspec's msgpack of the array-like Struct (one byte string for one value),
+and its tag is `DeploymentSecret.sign` under a per-transport purpose (`PULL_PURPOSE`,
+`PUSH_PURPOSE`, `SFA_PURPOSE`), so a tag made for one use never verifies as another, nor as a
 frame MAC. The tag travels as hex in the params beside the fields it covers; the checker rebuilds
 the capability from those fields, so a client can replay what it was given and nothing wider.
 
@@ -31,6 +33,7 @@ from ascend_dist.common.secret import DeploymentSecret
 
 __all__ = [
     "CLOCK_SKEW_S",
+    "MAX_RANK_HOSTS",
     "PULL_PURPOSE",
     "PUSH_PURPOSE",
     "SFA_PURPOSE",
@@ -55,6 +58,8 @@ SFA_PURPOSE = "kv-mooncake/sfa-capability"
 """Subkey purpose of SFA D's signature over its contact (which D request P's reads are for)."""
 CLOCK_SKEW_S = 30.0
 """Added to every expiry: the signer's and the checker's wall clocks may disagree by this much."""
+MAX_RANK_HOSTS = 4096
+"""Most P ports (TP x PP x PCP of one DP rank) a capability's ``hosts`` names."""
 TAG_HEX = 64
 """Hex digits of a tag (HMAC-SHA256)."""
 
@@ -74,6 +79,7 @@ class Capability(msgspec.Struct, frozen=True, array_like=True):
     block_ids: list[list[_BlockId]]
     prompt_digest: _Text
     expires_ms: WallMs
+    hosts: Annotated[list[_Text], msgspec.Meta(max_length=MAX_RANK_HOSTS)] = []
 
 
 class Grant(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -151,7 +157,7 @@ def check_capability(
         raise CapabilityRefused(
             field,
             tag[:16] + "...",
-            "the signature of exactly this request id, engine id, block ids, prompt digest and expiry",
+            "the signature of exactly this request id, engine id, block ids, prompt digest, expiry and rank hosts",
         )
     if now_ms is not None and now_ms > capability.expires_ms:
         raise CapabilityRefused(f"{field}_expires", capability.expires_ms, f"a time after now ({now_ms} ms)")

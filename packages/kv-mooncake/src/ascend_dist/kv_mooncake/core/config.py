@@ -1,6 +1,8 @@
 """The config base of the pull, layer-wise and SFA connectors: parses their ``kv_transfer_config``.
 
-Runs in: scheduler and worker processes. Pure: no I/O. `ConnectorConfig` owns the keys every
+Runs in: scheduler and worker processes. Pure apart from the node defaults: a config without
+``host`` or ``mooncake_protocol`` takes this node's address and its device runtime's transport
+(`core.node`). `ConnectorConfig` owns the keys every
 connector reads the same way (``kv_role``, ``kv_port``, the ``prefill`` / ``decode`` topologies,
 ``host``, ``mooncake_protocol``, ``dp_rank``, ``max_message_bytes``) and the one parser,
 `ConnectorConfig.from_kv_transfer_config`. A transport's config declares only its own keys, each
@@ -19,6 +21,7 @@ from typing import Any, ClassVar, Self, TypedDict, TypeVar
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.zmq_server import tcp_endpoint
+from ascend_dist.kv_mooncake.core.node import device_protocol, node_address
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -249,8 +252,9 @@ def parse_common(
         kv_role: ``kv_producer`` or ``kv_consumer``.
         kv_port: The side channel's base port.
         extra: ``kv_connector_extra_config``: ``prefill`` and ``decode`` are required,
-            ``host`` (``127.0.0.1``) and ``mooncake_protocol`` (``tcp``; vllm-ascend's
-            ``use_ascend_direct: true`` means ``ascend``) optional.
+            ``host`` (this node's address, `node_address`) and ``mooncake_protocol`` (from the
+            device runtime, `device_protocol`; vllm-ascend's ``use_ascend_direct: true`` means
+            ``ascend``) optional.
         topology_expected: What the error says a missing ``prefill`` / ``decode`` should be.
 
     Raises:
@@ -268,7 +272,7 @@ def parse_common(
         kv_port=int_field("kv_port", kv_port, 1, 65535),
         prefill=Topology.parse("prefill", extra["prefill"]),
         decode=Topology.parse("decode", extra["decode"]),
-        host=str(extra.get("host", "127.0.0.1")),
+        host=str(extra["host"]) if "host" in extra else node_address(),
         protocol=_protocol(extra),
     )
 
@@ -277,7 +281,7 @@ _ASCEND_DIRECT = "kv_connector_extra_config.use_ascend_direct"
 
 
 def _protocol(extra: Mapping[str, Any]) -> str:
-    """``mooncake_protocol`` (default ``tcp``), or what vllm-ascend's guides write instead.
+    """``mooncake_protocol`` (default: the device runtime's), or what vllm-ascend's guides write instead.
 
     Their Mooncake guides set ``use_ascend_direct: true`` (Mooncake's Ascend transport): that is
     ``mooncake_protocol: "ascend"`` here. ``false`` (their older HCCL transport) is not built, and a
@@ -286,9 +290,9 @@ def _protocol(extra: Mapping[str, Any]) -> str:
     Raises:
         ConfigError: ``use_ascend_direct`` is not a bool, is false, or contradicts ``mooncake_protocol``.
     """
-    protocol = str(extra.get("mooncake_protocol", "tcp"))
     if "use_ascend_direct" not in extra:
-        return protocol
+        return str(extra["mooncake_protocol"]) if "mooncake_protocol" in extra else device_protocol()
+    protocol = str(extra.get("mooncake_protocol", "ascend"))
     direct = bool_field(_ASCEND_DIRECT, extra["use_ascend_direct"])
     if not direct:
         raise ConfigError(_ASCEND_DIRECT, False, 'true, or leave it out and set mooncake_protocol ("tcp", "rdma" or '

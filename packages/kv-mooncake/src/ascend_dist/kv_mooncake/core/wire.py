@@ -35,7 +35,8 @@ __all__ = ["WIRE_VERSION", "Channel", "Message", "Request"]
 # 4: pull's `Renew` and `Done` carry the signed capability (`core.capability.Grant`) of each request
 # (`Renew.grants`, `Done.grant`); a version-3 D could not present it, so it is refused at the handshake.
 # 5: pull's side channel batched per P rank: `Renew` is answered by `Held` (one flag per request id,
-# up to 64 ids) and D sends its DONEs as one `Dones` list; a version-4 D would read `Held` as garbage.
+# up to 64 ids) and D sends its DONEs as one `Dones` list; and a capability names the host of each
+# P port (`Capability.hosts`, a P instance spanning nodes). A version-4 peer can decode neither.
 WIRE_VERSION = 5
 
 

@@ -29,7 +29,7 @@ import msgspec
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.kv_mooncake.core.admission import Count, Port, Text, check_host, convert_params
-from ascend_dist.kv_mooncake.core.capability import Grant, Tag, WallMs
+from ascend_dist.kv_mooncake.core.capability import MAX_RANK_HOSTS, Grant, Tag, WallMs
 from ascend_dist.kv_mooncake.core.messages import Ack, Done, GetMeta, MetaReply, Rank, Refused, WireText
 from ascend_dist.kv_mooncake.core.wire import Channel, Message
 from ascend_dist.kv_mooncake.core.wire import Request as _Request
@@ -106,6 +106,9 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``remote_prompt_tokens`` tokens, see `prompt_digest`): D pulls only for that prompt.
     ``remote_capability`` (hex) is P's signature over the request id, engine id, block ids, prompt
     digest and ``remote_capability_expires`` (wall ms), with a deployment secret (`core.capability`).
+    ``remote_rank_hosts`` (a P instance whose ranks span nodes): entry ``i`` is the host of P's
+    side channel and Mooncake segment on port ``remote_port + i`` ("" or past the end:
+    ``remote_host``); P fills it from its workers' handshake metadata and signs it with the rest.
     Every field is bounded (strings `Text`, counts and ids `Count`): the params come from clients.
     """
 
@@ -128,6 +131,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     remote_prompt_digest: Text | None = None
     remote_capability: Tag | None = None
     remote_capability_expires: WallMs | None = None
+    remote_rank_hosts: Annotated[list[Text], msgspec.Meta(max_length=MAX_RANK_HOSTS)] | None = None
 
 
 _REQUIRED_FOR_PULL = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
@@ -146,4 +150,7 @@ def parse_transfer_params(raw: Mapping[str, Any]) -> TransferParams:
             if getattr(params, key) is None:
                 raise ConfigError(f"kv_transfer_params.{key}", None, "present when do_remote_prefill is true")
         check_host("remote_host", params.remote_host or "")
+        for i, host in enumerate(params.remote_rank_hosts or []):
+            if host:
+                check_host(f"remote_rank_hosts[{i}]", host)
     return params

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.secret import DeploymentSecret
+from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.core.admission import check_block_ids
 from ascend_dist.kv_mooncake.core.blocks import trim_block_ids
 from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, Capability, expiry_ms, sign_capability
@@ -97,6 +98,8 @@ class PullScheduler:
         # With CP on P each scheduler block id covers cp blocks' worth of prompt.
         self._p_cp = config.prefill.cp_size if config.is_producer else 1
         self._remote_port = layout.dp_base(config.dp_rank) if config.is_producer else 0
+        self._ports = config.prefill.tp_size * config.prefill.pp_size * config.prefill.pcp_size
+        self._rank_hosts: list[str] = []  # P: host of port remote_port + i, when the ranks span nodes
         self._pending: dict[str, ReqMeta] = {}
         self._to_send: list[str] = []
         self._in_batch: set[str] = set()
@@ -106,6 +109,37 @@ class PullScheduler:
     def tracked(self) -> int:
         """Requests with scheduler state (0 when idle: nothing leaks)."""
         return len(self._pending) + len(self._to_send) + len(self._in_batch) + len(self._to_drop)
+
+    @property
+    def rank_hosts(self) -> list[str]:
+        """P: the host of each of this instance's ports (empty while every rank is on ``host``)."""
+        return list(self._rank_hosts)
+
+    def set_rank_addresses(self, addresses: Iterable[tuple[str, int]]) -> None:
+        """P: where each worker's side channel listens, from vLLM's handshake metadata of every worker.
+
+        A P instance whose ranks span nodes has workers on other hosts than this scheduler's
+        ``host``: the params then name each port's host (``remote_rank_hosts``), and D reads each
+        rank there. Ports outside this DP rank's range are logged and ignored.
+
+        Raises:
+            ConfigError: A host that is a wildcard or malformed (names ``handshake_metadata.host``).
+        """
+        if not self._config.is_producer:
+            return
+        hosts = [""] * self._ports
+        for host, port in addresses:
+            tcp_endpoint(host, 0)  # a specific address: a wildcard is not reachable from D
+            i = port - self._remote_port
+            if not 0 <= i < self._ports:
+                logger.warning("handshake metadata names port %d outside P's ports %d..%d: ignored", port,
+                               self._remote_port, self._remote_port + self._ports - 1)  # fmt: skip
+                continue
+            hosts[i] = "" if host == self._config.host else host
+        self._rank_hosts = hosts if any(hosts) else []  # all on this node: the params stay as before
+        if self._rank_hosts:
+            logger.info("P ranks span nodes: port -> host %s", {self._remote_port + i: h or self._config.host
+                        for i, h in enumerate(hosts)})  # fmt: skip
 
     def check_params(self, request_id: str, raw: Mapping[str, Any], prompt_len: int) -> TransferParams:
         """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
@@ -291,6 +325,7 @@ class PullScheduler:
             prompt_digest=params.remote_prompt_digest or "",
             capability=params.remote_capability or "",
             capability_expires_ms=params.remote_capability_expires or 0,
+            remote_rank_hosts=list(params.remote_rank_hosts or []),
         )
 
     def build_connector_meta(self) -> PullMetadata:
@@ -357,6 +392,7 @@ class PullScheduler:
                 "num_prompt_blocks": math.ceil(request.prompt_len / self._attn_block),
                 "remote_window_blocks": list(self._windows),
                 "remote_state_groups": list(self._states),
+                **({"remote_rank_hosts": list(self._rank_hosts)} if self._rank_hosts else {}),
                 **(
                     {"remote_prompt_tokens": request.prompt_len, "remote_prompt_digest": request.prompt_digest}
                     if request.prompt_digest is not None
@@ -379,6 +415,7 @@ class PullScheduler:
             params["remote_block_ids"],
             params.get("remote_prompt_digest") or "",
             expires,
+            list(params.get("remote_rank_hosts") or []),
         )
         params["remote_capability"] = sign_capability(self._secret, PULL_PURPOSE, capability)
         params["remote_capability_expires"] = expires

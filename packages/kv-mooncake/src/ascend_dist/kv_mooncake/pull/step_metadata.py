@@ -11,7 +11,7 @@ import msgspec
 
 from ascend_dist.kv_mooncake.core.capability import Capability, Grant
 
-__all__ = ["PullMetadata", "ReqMeta", "pull_capability", "pull_grant"]
+__all__ = ["PullMetadata", "ReqMeta", "pull_capability", "pull_grant", "rank_host"]
 
 
 class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +41,15 @@ class ReqMeta(msgspec.Struct, frozen=True, kw_only=True):
     prompt_digest: str = ""
     capability: str = ""
     capability_expires_ms: int = 0
+    # Host of P's port remote_port + i ("" or past the end: remote_host): a P instance spanning nodes.
+    remote_rank_hosts: list[str] = []
+
+
+def rank_host(meta: ReqMeta, port: int) -> str:
+    """The host of P's side channel and Mooncake segment on ``port`` (one of the instance's ports)."""
+    i = port - meta.remote_port
+    hosts = meta.remote_rank_hosts
+    return (hosts[i] if 0 <= i < len(hosts) else "") or meta.remote_host
 
 
 def pull_capability(meta: ReqMeta) -> Capability:
@@ -51,6 +60,7 @@ def pull_capability(meta: ReqMeta) -> Capability:
         [list(ids) for ids in meta.remote_block_ids],
         meta.prompt_digest,
         meta.capability_expires_ms,
+        list(meta.remote_rank_hosts),
     )
 
 

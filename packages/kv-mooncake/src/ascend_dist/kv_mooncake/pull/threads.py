@@ -62,7 +62,7 @@ from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
 from ascend_dist.kv_mooncake.pull.messages import DoneItem
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
 from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
-from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant
+from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant, rank_host
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, TaskBatch, check_peer_rank, group_pairs, task_batch
 
 __all__ = ["LocalCache", "Receiver", "ShardKind", "done_sender"]
@@ -187,7 +187,7 @@ class Receiver:
             thread_cpus=thread_cpus,
         )
         self._lock = threading.Lock()  # guards the table, the load errors and the DONE outbox
-        self._outbox: dict[Lane, list[tuple[int, DoneItem]]] = {}  # DONEs per lane not sent yet (port, item)
+        self._outbox: dict[Lane, list[tuple[str, int, DoneItem]]] = {}  # DONEs not sent yet (host, port, item)
         self._requests = DRequests(pull_timeout_s=config.pull_timeout_s)
         self._errors: set[int] = set()
 
@@ -382,7 +382,7 @@ class Receiver:
         """Plan, lease-check and read ``items`` (one P rank), in chunks of ``recv_batch_bytes``."""
         meta = items[0].pull.meta
         try:
-            agent = self._peers.metadata(meta.remote_engine_id, meta.remote_host, port)
+            agent = self._peers.metadata(meta.remote_engine_id, rank_host(meta, port), port)
         except Exception as exc:
             for item in items:
                 item.fail(exc)
@@ -429,7 +429,8 @@ class Receiver:
 
     def _read_chunk(self, lane: Lane, session: str, chunk: list[_Item]) -> None:
         """One lease check, one engine read, one lease check for ``chunk`` (one P rank); report each."""
-        host, port = chunk[0].pull.meta.remote_host, chunk[0].port
+        port = chunk[0].port
+        host = rank_host(chunk[0].pull.meta, port)  # a P instance spanning nodes: this rank's node
         reading = chunk
         try:
             # Before reading, P must confirm it still holds each request's blocks: params replayed
@@ -478,10 +479,11 @@ class Receiver:
         pull, meta = item.pull, item.pull.meta
         exc = item.error
         if exc is not None:  # every failure becomes load errors, never a crash
-            logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, meta.remote_host, item.port, exc)
+            host = rank_host(meta, item.port)
+            logger.error("request %s: pull from %s:%d failed: %s", pull.request_id, host, item.port, exc)
             self._on_failure(exc)
             if not item.unsigned:  # P did nothing wrong: its metadata stays cached
-                self._peers.forget(meta.remote_engine_id, meta.remote_host, item.port)
+                self._peers.forget(meta.remote_engine_id, host, item.port)
             self._fail(pull)
             if _peer_stopped_answering(exc):
                 lane.failed(pull)
@@ -511,9 +513,10 @@ class Receiver:
             sender=done_sender(self._pcp_rank, task.shard),
             grant=pull_grant(meta),
         )
+        port = meta.remote_port + task.global_rank
         with self._lock:
             outbox = self._outbox.setdefault(lane, [])
-            outbox.append((meta.remote_port + task.global_rank, item))
+            outbox.append((rank_host(meta, port), port, item))
             first = len(outbox) == 1  # else a flush is already queued and will take this one
         if first:
             self._lanes.run(lane, lambda: self._flush_dones(lane), note=True)
@@ -522,11 +525,11 @@ class Receiver:
         """Send the lane's queued DONEs, one `Dones` list per P rank."""
         with self._lock:
             queued = self._outbox.pop(lane, [])
-        by_port: dict[int, list[DoneItem]] = {}
-        for port, item in queued:
-            by_port.setdefault(port, []).append(item)
-        for port, items in by_port.items():
-            self._peers.send_dones(lane.key[1], port, items)
+        by_rank: dict[tuple[str, int], list[DoneItem]] = {}
+        for host, port, item in queued:
+            by_rank.setdefault((host, port), []).append(item)
+        for (host, port), items in by_rank.items():
+            self._peers.send_dones(host, port, items)
 
     def _claim_notice(self, task: PullTask) -> bool:
         """Whether the caller is the one to send ``task``'s DONE (each task's DONE goes once)."""

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ascend_dist.common.errors import ConfigError
@@ -42,13 +47,24 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["MooncakeConnectorV1", "MooncakeConnectorV1Metadata", "MooncakeHybridConnector"]
+__all__ = ["MooncakeConnectorV1", "MooncakeConnectorV1Metadata", "MooncakeHybridConnector", "PullRankAddress"]
 
 logger = logging.getLogger(__name__)
 
 
 class MooncakeConnectorV1Metadata(StepMetadata[PullMetadata]):
     """vLLM's metadata object carrying this package's `PullMetadata`."""
+
+
+@dataclass(frozen=True)
+class PullRankAddress(KVConnectorHandshakeMetadata):
+    """A P worker's side-channel host and port, gathered by vLLM from every worker for P's scheduler.
+
+    The scheduler maps each of P's ports to the node its worker runs on (`PullScheduler.set_rank_addresses`).
+    """
+
+    host: str
+    port: int
 
 
 def _state_layout(vllm_config: VllmConfig, spec: MambaSpec | None) -> StateLayout | None:
@@ -191,10 +207,22 @@ class MooncakeConnectorV1(SchedRequestAdapter[PullScheduler, PullWorker]):
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Accept every (pp_rank, tp_rank) worker, PP stages > 0 included (PP on P is supported).
 
-        vLLM's default refuses ``pp_rank > 0``. Nothing needs storing: D fetches each P worker's
-        metadata over the side channel and checks it is the (pp, tp) rank it planned for.
+        vLLM's default refuses ``pp_rank > 0``. P's scheduler keeps where each worker listens (its
+        `PullRankAddress`), so the params name each rank's node when the instance spans nodes; D
+        fetches each P worker's metadata over the side channel from there and checks its rank.
         """
-        logger.debug("handshake metadata of %d workers (pp, tp): %s", len(metadata), sorted(metadata))
+        self.set_xfer_handshake_metadata(dict(enumerate(metadata.values())))
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Record each P worker's `PullRankAddress` (the rank keys are not needed: the port says it)."""
+        addresses = [(m.host, m.port) for m in metadata.values() if isinstance(m, PullRankAddress)]
+        logger.debug("handshake metadata of %d workers: %s", len(metadata), addresses)
+        self._sched().set_rank_addresses(addresses)
+
+    def get_handshake_metadata(self) -> PullRankAddress | None:
+        """P's worker: where its side channel and Mooncake segment live (None on D)."""
+        address = self._work().rank_address
+        return PullRankAddress(*address) if address is not None else None
 
     # ---- worker side ----------------------------------------------------------------------------
 

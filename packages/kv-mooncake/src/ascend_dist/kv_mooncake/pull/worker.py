@@ -129,6 +129,14 @@ class PullWorker:
         self._transfer_cpus = transfer_cpus()
 
     @property
+    def rank_address(self) -> tuple[str, int] | None:
+        """P: ``(host, port)`` of this worker's side channel and Mooncake segment; None on D.
+
+        vLLM hands it to P's scheduler as handshake metadata, which maps each port to its node.
+        """
+        return (self._config.host, self.handshake_port) if self._config.is_producer else None
+
+    @property
     def handshake_port(self) -> int:
         """The side-channel port of this worker (P binds it)."""
         topo = self._config.prefill if self._config.is_producer else self._config.decode
