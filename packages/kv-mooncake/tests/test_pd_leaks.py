@@ -193,9 +193,11 @@ def test_random_faults_leave_nothing_behind(make_pair: Callable[..., Any]) -> No
         assert engine.real.registered == regions
         # Controls: every kind of fault happened, and most requests still transferred.
         assert engine.stalled >= 2 and counts["kills"] == len(kill_waves) > 0, counts
-        # A wave neither killed nor right after a restart fails only its stalled pulls.
+        # A wave neither killed nor right after a restart fails only its stalled reads' requests: D
+        # reads up to `recv_batch_requests` (4) queued requests of one P in one engine call, and a
+        # stalled call times out every request in it.
         healthy = [(f, st) for w, (f, st, _) in enumerate(per_wave) if w - 1 not in kill_waves and w not in kill_waves]
-        assert healthy and all(f <= st for f, st in healthy), per_wave
+        assert healthy and all(f <= st * 4 for f, st in healthy), per_wave
         assert counts["failed"] > 0 and counts["ok"] > 0, counts
         # Sockets and threads at their steady size (+1 thread: a lane's DONE thread for timeouts).
         # Known, not ours to close: Mooncake's TCP transport keeps its connections to a dead P's
