@@ -84,7 +84,7 @@ def install() -> list[str]:
         original = module.create_eplb_communicator
         wrapped = wrap_communicator_factory(original, select_communicator)
         if wrapped is not original:
-            module.create_eplb_communicator = wrapped
+            setattr(module, "create_eplb_communicator", wrapped)  # noqa: B010 (a module pyright types narrowly)
             done.append(f"{module.__name__}.create_eplb_communicator")
     original = eplb_state._move_to_workspace
     wrapped = wrap_move_to_workspace(original)

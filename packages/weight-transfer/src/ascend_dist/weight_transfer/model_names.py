@@ -91,8 +91,8 @@ def mismatches(model: torch.nn.Module, specs: Iterable[tuple[str, str, tuple[int
 
     Names the model has no tensor for are not reported here (`unknown_names` does).
     """
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
     packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     quantised = getattr(model, "quant_config", None) is not None

@@ -27,6 +27,7 @@ Shims (bench only, never in the product; see the kv-mooncake README, *pd-vllm*):
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -50,15 +51,16 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import MooncakeBootstrapServer
 from vllm.platforms import current_platform
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.kv_mooncake._demo.pd_vllm_geometry import Shape
-from ascend_dist.testing import vllm_builders as vb
 
 __all__ = [
     "BootstrapServer",
@@ -78,16 +80,23 @@ def write_model_dir(root: Path, shape: Shape) -> Path:
     """A Llama ``config.json`` of this shape (no weights: nothing runs the model)."""
     d = root / f"bench-llama-{shape.name}"
     d.mkdir(parents=True, exist_ok=True)
-    return vb.write_model_dir(
-        d,
-        hidden_size=shape.kv_heads * shape.head_dim,
-        head_dim=shape.head_dim,
-        num_attention_heads=shape.kv_heads,
-        num_key_value_heads=shape.kv_heads,
-        num_hidden_layers=shape.layers,
-        max_position_embeddings=shape.tokens + 64,
-        vocab_size=1 << 20,
-    )
+    # The bench ships in the product (`ascend-dist bench`), so it cannot use the dev-only testing
+    # member's builders: the few lines it needs of them are here.
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.kv_heads * shape.head_dim,
+        "intermediate_size": 128,
+        "head_dim": shape.head_dim,
+        "num_attention_heads": shape.kv_heads,
+        "num_key_value_heads": shape.kv_heads,
+        "num_hidden_layers": shape.layers,
+        "vocab_size": 1 << 20,
+        "max_position_embeddings": shape.tokens + 64,
+        "torch_dtype": "float16",
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    return d
 
 
 def vllm_config(model_dir: Path, shape: Shape, transfer: Mapping[str, Any]) -> VllmConfig:
@@ -117,7 +126,33 @@ def kv_cache_config(shape: Shape) -> Any:
         block_size=shape.block, num_kv_heads=shape.kv_heads, head_size=shape.head_dim, dtype=torch.float16
     )
     assert spec.page_size_bytes == shape.block_bytes
-    return vb.kv_cache_config([(shape.layer_names, spec)], num_blocks=shape.num_blocks)
+    tensors = [
+        KVCacheTensor(
+            size=spec.page_size_bytes * shape.num_blocks,
+            layers=[name],
+            layer_stride=0,
+            block_stride=spec.page_size_bytes,
+        )
+        for name in shape.layer_names
+    ]
+    return KVCacheConfig(
+        num_blocks=shape.num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(list(shape.layer_names), spec)],
+    )
+
+
+def block_hasher(config: VllmConfig, kcc: Any) -> Any:
+    """The block hasher vLLM's ``EngineCore`` gives each request (its hash function, hash block size)."""
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hash_block = resolve_kv_cache_block_sizes(kcc, config)[1]
+    lookahead = getattr(config, "num_hash_lookahead_tokens", 0)  # vLLM 0.33: tokens after a block
+    return (
+        get_request_block_hasher(hash_block, hash_fn, lookahead)
+        if lookahead
+        else get_request_block_hasher(hash_block, hash_fn)
+    )
 
 
 def make_caches(shape: Shape) -> dict[str, torch.Tensor]:
@@ -250,7 +285,7 @@ class Instance:
         self.shape = shape
         self.caches = make_caches(shape)
         self.kcc = kv_cache_config(shape)
-        self.hasher = vb.block_hasher(config, self.kcc)
+        self.hasher = block_hasher(config, self.kcc)
         with set_current_vllm_config(config):
             self.worker: KVConnectorBase_V1 = KVConnectorFactory.create_connector(
                 config, KVConnectorRole.WORKER, self.kcc
