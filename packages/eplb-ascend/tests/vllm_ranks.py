@@ -153,6 +153,14 @@ def run_installed(cfg):
             from ascend_dist.eplb_ascend.vllm_install import install
 
             out = {"rank": rank, "installed": install(), "again": install()}
+            from vllm.distributed.eplb import eplb_communicator
+
+            targets = {
+                f"{eplb_communicator.__name__}.create_eplb_communicator": eplb_communicator.create_eplb_communicator,
+                f"{eplb_state.__name__}.create_eplb_communicator": eplb_state.create_eplb_communicator,
+                f"{eplb_state.__name__}._move_to_workspace": eplb_state._move_to_workspace,
+            }
+            out["hooked"] = sorted(k for k, fn in targets.items() if getattr(fn, "__ascend_dist_wrapped__", False))
             old, new = [[0, 1, 2, 3, 0, 1]] * LAYERS, [[3, 3, 2, 0, 1, 3], [1, 0, 3, 2, 2, 0]]
             model = SyntheticMoE(world, rank, old)
             buffer = [torch.empty_like(w) for w in model.expert_weights[0]]
