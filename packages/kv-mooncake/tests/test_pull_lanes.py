@@ -55,6 +55,26 @@ def test_a_probe_that_times_out_reopens_and_an_unrelated_timeout_does_not_open()
         lane.close()
 
 
+def test_a_probe_released_without_a_verdict_hands_the_probe_to_the_next_request() -> None:
+    clock = Clock()
+    lane = Lane(("P", "127.0.0.1", 1), 1, 1.0, clock)
+    try:
+        first, empty, probe, other = object(), object(), object(), object()
+        assert lane.admit(first)
+        lane.failed(first)
+        clock.now = 1.5
+        assert lane.admit(empty)  # it probes, but ends without asking P (nothing to read)
+        assert not lane.admit(other)
+        lane.release(empty)
+        assert lane.admit(probe) and not lane.passes(other)  # still half-open: the next one probes
+        lane.release(other)  # not the probe: changes nothing
+        assert lane.passes(probe) and not lane.admit(other)
+        lane.answered(probe)
+        assert not lane.is_open and lane.admit(other)
+    finally:
+        lane.close()
+
+
 def test_lanes_are_per_peer_and_idle_ones_are_closed_beyond_the_cap() -> None:
     lanes = Lanes(2, 1.0)
     try:

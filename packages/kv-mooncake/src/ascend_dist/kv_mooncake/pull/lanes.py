@@ -11,7 +11,8 @@ requests and one lane has one thread waiting on Mooncake, not one per request.
 The breaker: once a P stops answering (an RPC past its deadline, a failed read), its lane is
 *open* for ``peer_retry_s``; requests to it fail at once instead of each waiting out the RPC
 retries. After that time one request is let through as a probe; while it runs the others still
-fail fast. The probe's success closes the lane, its failure opens it again.
+fail fast. P's answer to the probe closes the lane (a "not held" is an answer too: P is alive), its
+silence opens it again; a probe that ends without asking P hands the probe to the next request.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ class Lane:
                 host, port = self.key[1:]
                 logger.error("P %s:%d stopped answering: its requests fail fast for %.1f s", host, port, self._retry_s)
             self._open_until = self._clock() + self._retry_s
+
+    def release(self, token: object) -> None:
+        """``token``'s request ended without a verdict on the peer (it had nothing to read, or
+        failed on D's side before P was asked): if it was the probe, the next request probes."""
+        with self._lock:
+            if self._probe is token:
+                self._probe = None
 
     def expired(self, token: object) -> None:
         """``token``'s request timed out: if it was the probe, P did not answer it (open again)."""

@@ -284,6 +284,10 @@ class Receiver:
                         self._errors.update(ids)
                 record.pending = 0
                 self._requests.end(record, self._clock())
+        if not admitted and record.tasks and self._signed(record.meta):
+            for task in record.tasks:  # P may be back already: it frees the blocks now, not at the lease
+                if self._claim_notice(task):
+                    self._post_done(lane, record, task, False)
         return lane if admitted else None
 
     def _plan(self, meta: ReqMeta) -> DRequest:
@@ -365,6 +369,7 @@ class Receiver:
                 if not item.live:
                     item.ok = False
                 elif not lane.passes(pull):
+                    item.unsigned = not self._signed(pull.meta)  # its DONE goes only where P signed
                     raise PeerDown(f"P {pull.meta.remote_host}:{pull.meta.remote_port} is not answering")
                 elif self._wanted(pull, task):
                     self._check_capability(pull.meta)  # before P is contacted or any byte is read
@@ -485,14 +490,18 @@ class Receiver:
             if not item.unsigned:  # P did nothing wrong: its metadata stays cached
                 self._peers.forget(meta.remote_engine_id, host, item.port)
             self._fail(pull)
-            if _peer_stopped_answering(exc):
-                lane.failed(pull)
-        elif item.live and item.contacted:  # a task with nothing to read proves nothing about P
-            lane.answered(pull)
+        # The breaker's verdict. A probe must always end, or every later request fails at once.
+        if exc is not None and _peer_stopped_answering(exc):
+            lane.failed(pull)
+        elif item.live and item.contacted and (exc is None or isinstance(exc, NotHeld)):
+            lane.answered(pull)  # P replied ("not held" included)
+        else:  # nothing read, or failed before P was asked: proves nothing about P
+            lane.release(pull)
         # Report the request first (D's latency), then release P's blocks with DONE (from the
-        # lane's DONE thread, batched per P rank). A P that stopped answering gets none.
+        # lane's DONE thread, batched per P rank). Also while the lane is open: a P that came back
+        # on its ports would otherwise hold the blocks of every request failed fast for the lease.
         self._task_done(pull)
-        if self._claim_notice(item.task) and not item.unsigned and not (lane.is_open and not item.ok):
+        if self._claim_notice(item.task) and not item.unsigned:
             self._post_done(lane, pull, item.task, item.ok)
 
     def _wanted(self, pull: DRequest, task: PullTask) -> bool:
@@ -551,6 +560,14 @@ class Receiver:
             field="kv_transfer_params.remote_capability",
             now_ms=wall_ms(self._wall_clock),
         )
+
+    def _signed(self, meta: ReqMeta) -> bool:
+        """Whether ``meta``'s params verify (or there is no secret): only then may D send its P a DONE."""
+        try:
+            self._check_capability(meta)
+        except CapabilityRefused:
+            return False
+        return True
 
     def _fail(self, pull: DRequest) -> None:
         with self._lock:
