@@ -61,6 +61,8 @@ def test_the_wire_uses_the_external_request_id(make_lw_pair: Callable[..., Any])
         # More P ranks than heads: replicas of a head sit on consecutive ranks, so the exchange
         # groups are strided ([0, 2], [1, 3]); consecutive groups paired two copies of head 0.
         pytest.param(4, 1, {"heads": 2}, id="tp4-1-replicated-heads-gloo"),
+        pytest.param(4, 2, {"heads": 2}, id="tp4-2-replicated-heads-gloo"),
+        pytest.param(8, 2, {"heads": 4}, id="tp8-2-replicated-heads-gloo"),
     ],
 )
 def test_multi_rank_push_is_byte_exact(make_lw_pair: Callable[..., Any], p_tp: int, d_tp: int, model: dict) -> None:
