@@ -302,7 +302,9 @@ class IpcWorker:
         try:
             self.sink.load_weights(pairs)
             self.runtime.synchronize()
-        except Exception as exc:
+        except Exception as raised:
+            # the vLLM sink already wraps its loader's error in a LoadFailed: name (and chain) the loader's own
+            exc = raised.__cause__ if isinstance(raised, LoadFailed) and raised.__cause__ is not None else raised
             what = f"the model's loader failed ({type(exc).__name__}: {exc})"
             if snapshot is None:
                 raise LoadFailed(f"{what} and restoring is turned off: the model holds mixed weights") from exc
