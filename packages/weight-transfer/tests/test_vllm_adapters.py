@@ -618,3 +618,38 @@ def test_hccl_streamed_loader_failure_makes_every_engine_refuse_to_run_until_a_c
         for e in engines:
             e.shutdown()
         client.pool.shutdown()
+
+
+def test_npu_ipc_update_with_a_hung_rpc_fails_within_its_deadline(registered: list[str]) -> None:
+    """Issue 25 item 4 on npu_ipc: a server that never answers update_weights hung send_weights forever."""
+    import threading
+    import time
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.common.errors import DeadlineExceeded
+    from ascend_dist.weight_transfer.vllm_trainer import NPUIPCTrainerInitInfo
+
+    release = threading.Event()
+
+    class HungServer(EngineClient):
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            release.wait(60)  # never answers while the test runs
+
+    engines, models = _workers("npu_ipc", 1)
+    client = HungServer(engines)
+    info = NPUIPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=3000, layerwise_reload=False, op_timeout_s=1.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=1)))
+    try:
+        before = _digests(models[0])
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match=r"update_weights did not return within 1 s"):
+            trainer.send_weights()
+        assert time.monotonic() - t0 < 1.0 + 2.0
+        assert _digests(models[0]) == before
+    finally:
+        release.set()
+        trainer.shutdown()
+        engines[0].shutdown()
+        client.pool.shutdown()
