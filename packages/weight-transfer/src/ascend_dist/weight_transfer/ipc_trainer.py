@@ -237,6 +237,12 @@ class IpcTrainer:
 
         Returns:
             Number of update messages sent.
+
+        Raises:
+            UpdateAborted: Another trainer rank failed (its rank and error are named); this rank
+                stopped at the same exchange.
+            Exception: This rank's own failure (the sender: the client's error), after every rank
+                was told; finish is then not called.
         """
         if manifest is None:
             tensors = list(tensors)
