@@ -325,7 +325,10 @@ def test_trainer_killed_mid_stream_makes_the_engine_refuse_to_generate(
     """Streamed (``hccl``, ``streamed=true``): killed after one bucket was loaded, the engine holds a mix of "a"
     and "b". Its update fails with `PartialUpdate`, and the next generation must fail naming
     `WeightsInconsistent` instead of answering from mixed weights. In vLLM a forward that raises fails
-    the engine core's step, so the engine stops serving (reported dead): it is not updated again here.
+    the engine core's step: a separate engine-core process dies (vLLM reports the engine dead); this
+    tier's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) raises it from ``generate``.
+    Not updated again here: with ``layerwise_reload=false`` vLLM's CPU build cannot load new weights
+    into its packed GEMM weights, so no later output could be compared with "b".
 
     Its own engine (it does not survive); never run on this VM yet (written 2026-12-04, see the README).
     """
