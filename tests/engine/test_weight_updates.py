@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from ascend_dist.cli.engines.host import Engine, EngineHost, WeightSyncError
+from ascend_dist.cli.engines.host import Engine, EngineError, EngineHost, WeightSyncError
 from ascend_dist.cli.engines.wire import WEIGHT_SYNC_METHODS, Completion, EngineSpec, WeightSync
 from ascend_dist.testing.engines import (
     assert_every_output_differs,
@@ -317,3 +317,42 @@ def test_trainer_updates_engine_to_other_weights(
     assert_same_output(after, outputs(reference_b, prompts))
     assert_every_output_differs(after, before)
     print(f"{backend}: update of {done['tensors']} tensors in {len(methods)} calls ({len(methods) - 3} update_weights)")
+
+
+def test_trainer_killed_mid_stream_makes_the_engine_refuse_to_generate(
+    host: EngineHost, models: dict[str, Path], reference: Engine, tmp_path: Path
+) -> None:
+    """Streamed (``hccl``, ``streamed=true``): killed after one bucket was loaded, the engine holds a mix of "a"
+    and "b". Its update fails with `PartialUpdate`, and the next generation must fail naming
+    `WeightsInconsistent` instead of answering from mixed weights. In vLLM a forward that raises fails
+    the engine core's step: a separate engine-core process dies (vLLM reports the engine dead); this
+    tier's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) raises it from ``generate``.
+    Not updated again here: with ``layerwise_reload=false`` vLLM's CPU build cannot load new weights
+    into its packed GEMM weights, so no later output could be compared with "b".
+
+    Its own engine (it does not survive); never run on this VM yet (written 2026-12-04, see the README).
+    """
+    spec = EngineSpec(model=str(models["a"]), weight_transfer_config={"backend": "hccl"})
+    engine = host.spawn(spec, "weights-hccl-streamed")
+    try:
+        prompts = make_prompts(951)
+        assert_same_output(outputs(engine, prompts), outputs(reference, prompts))  # precondition: "a"
+        with trainer(engine, models, tmp_path, backend="hccl", streamed=True, pause_after_buffers=1,
+                     weight_version="mixed") as t:  # fmt: skip
+            t.wait_event("paused", 120.0)
+            t.kill()
+            t.wait_relay(FAILURE_DEADLINE_S)
+        failed = [c for c in t.calls if c.error is not None]
+        assert [c.method for c in failed] == ["update_weights"], t.calls
+        assert failed[0].error is not None and "PartialUpdate" in failed[0].error.reason, failed[0].error
+        with contextlib.suppress(WeightSyncError):  # close vLLM's session if the failed update left it open
+            engine.weight_sync.finish_weight_update()
+        assert engine.weight_sync.last_weight_version != "mixed"
+        with pytest.raises(EngineError) as refused:
+            got = outputs(engine, prompts)
+            raise AssertionError(f"the engine generated from mixed weights: {got}")
+        log = engine.log_path.read_text(errors="replace")
+        assert "WeightsInconsistent" in str(refused.value) or "WeightsInconsistent" in log, refused.value
+        print(f"hccl streamed: trainer killed mid-stream -> {failed[0].error.reason[:160]}; generate refused")
+    finally:
+        engine.close()

@@ -173,6 +173,11 @@ def run_hccl(config: dict[str, Any], tensors: list[tuple[str, Any]], client: Rel
 
     port, timeout = int(config["port"]), float(config["op_timeout_s"])
     after = config.get("pause_after_buffers")
+    streamed = bool(config.get("streamed", False))
+    buffer = int(config["buffer_size_bytes"])
+    if streamed:  # a bucket holds whole tensors: at least the largest one, 64-byte aligned
+        largest = max(t.numel() * t.element_size() for _, t in tensors)
+        buffer = max(buffer, -(-largest // 64) * 64)
     factory = gloo_collective
     if after is not None:
 
@@ -185,18 +190,20 @@ def run_hccl(config: dict[str, Any], tensors: list[tuple[str, Any]], client: Rel
         "rank_offset": 1,
         "world_size": 2,
         "packed": True,
-        "packed_buffer_size_bytes": int(config["buffer_size_bytes"]),
+        "packed_buffer_size_bytes": buffer,
         "packed_num_buffers": 2,
         "packed_direct_threshold_bytes": 0,
         "op_timeout_s": timeout,
     }
+    if streamed:  # our sink cannot run vLLM's layer-wise reload once per bucket yet
+        init_info.update(streamed=True, layerwise_reload=False)
     joining, join_errors = _in_thread(lambda: client.init_weight_transfer_engine(init_info), "engine-join")
     trainer = BroadcastTrainer.connect(
         "127.0.0.1", port, 2, device="cpu", collective_factory=factory, op_timeout_s=timeout,
-        buffer_size_bytes=init_info["packed_buffer_size_bytes"], num_buffers=2, direct_threshold_bytes=0,
+        buffer_size_bytes=buffer, num_buffers=2, direct_threshold_bytes=0, streamed=streamed,
     )  # fmt: skip
     _join(joining, join_errors, timeout + 30)
-    if trainer.worker_init_info(port) != init_info:
+    if trainer.worker_init_info(port) != {k: v for k, v in init_info.items() if k != "layerwise_reload"}:
         raise RuntimeError(f"init info {init_info} differs from the trainer's {trainer.worker_init_info(port)}")
     manifest = trainer.manifest_of(tensors)
     update_info = {

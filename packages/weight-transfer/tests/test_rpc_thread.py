@@ -1,4 +1,4 @@
-"""`beside_rpc`: the engines' RPC beside the trainer's side, both bounded, both errors kept."""
+"""`beside_rpc`: the engines' RPC beside the trainer's side, both bounded, both errors kept; `bounded_rpc` alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.weight_transfer.errors import EngineRpcFailed
-from ascend_dist.weight_transfer.rpc_thread import beside_rpc
+from ascend_dist.weight_transfer.rpc_thread import beside_rpc, bounded_rpc
 
 
 def _refuse() -> None:
@@ -44,3 +44,21 @@ def test_a_hung_rpc_is_a_deadline_and_success_returns_the_trainers_result() -> N
     finally:
         release.set()
     assert beside_rpc("update_weights", lambda: None, lambda: 7, timeout_s=5, local_timeout_s=10) == 7
+
+
+def test_bounded_rpc_returns_raises_unchanged_or_times_out() -> None:
+    assert bounded_rpc("ok", lambda: 7, timeout_s=5.0) == 7
+    refused = ValueError("the engine refused it")
+
+    def refuse() -> None:
+        raise refused
+
+    with pytest.raises(ValueError) as caught:
+        bounded_rpc("refuse", refuse, timeout_s=5.0)
+    assert caught.value is refused  # the engine's own error, not wrapped
+    release = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"hung did not return within 0.3 s .*wt-rpc-hung"):
+        bounded_rpc("hung", lambda: release.wait(30), timeout_s=0.3)
+    assert time.monotonic() - t0 < 2.0
+    release.set()

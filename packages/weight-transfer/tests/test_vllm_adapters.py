@@ -58,6 +58,9 @@ class LoadableModel(torch.nn.Module):
         params = dict(self.named_parameters())
         return [(name, params[name]) for name, _, _ in self.specs]
 
+    def forward(self) -> torch.Tensor:  # reads every weight, as generating a token does
+        return torch.stack([p.float().sum() for p in self.parameters()]).sum()
+
 
 def _vllm_config(dp_index: int) -> Any:
     from vllm.config import DeviceConfig, VllmConfig
@@ -536,4 +539,117 @@ def test_hccl_loader_failure_after_the_vote_restores_every_engine(registered: li
         trainer.shutdown()
         for e in engines:
             e.shutdown()
+        client.pool.shutdown()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+@pytest.mark.parametrize("packed", [True, False])
+def test_npu_ipc_loader_failure_restores_the_engine(registered: list[str], layerwise: bool, packed: bool) -> None:
+    """Issue 25 item 4 on npu_ipc: a loader raising half-way left the model half written (or layers on meta)."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import LoadRestored
+    from ascend_dist.weight_transfer.vllm_trainer import NPUIPCTrainerInitInfo
+
+    model = ReloadableModel(seed=1, broken=SPECS[len(SPECS) // 2][0])
+    engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="npu_ipc"), _vllm_config(0), torch.device("cpu"), model
+    )
+    assert engine.worker.peers == 1  # one worker in this replica (TP x PP = 1)
+    client = EngineClient([engine])
+    info = NPUIPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=3000, layerwise_reload=layerwise)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=2)))
+    try:
+        before = _digests(model)
+        with pytest.raises(LoadRestored, match="scale shape not supported"):
+            trainer.send_weights()
+        assert not any(p.is_meta for p in model.parameters())
+        assert _digests(model) == before
+        model()  # one worker, restored: it serves the old weights
+        model.mend(None)  # control: the next update lands
+        good = LoadableModel(seed=3)
+        trainer.source = ModuleSource(good)
+        trainer.send_weights()
+        assert _digests(model) == _digests(good)
+    finally:
+        trainer.shutdown()
+        engine.shutdown()
+        client.pool.shutdown()
+
+
+def test_hccl_streamed_loader_failure_makes_every_engine_refuse_to_run_until_a_complete_update(
+    registered: list[str],
+) -> None:
+    """A streamed update leaves mixed weights when a loader fails mid-stream: the engines must not serve them."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import LoadFailed, WeightsInconsistent
+    from ascend_dist.weight_transfer.vllm_trainer import HCCLTrainerInitInfo
+
+    models = [ReloadableModel(seed=1), ReloadableModel(seed=1, broken=SPECS[len(SPECS) // 2][0])]
+    engines = [
+        WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="hccl"), _vllm_config(i),
+                                                  torch.device("cpu"), m)
+        for i, m in enumerate(models)
+    ]  # fmt: skip
+    client = EngineClient(engines)
+    info = HCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, packed_buffer_size_bytes=4096, op_timeout_s=30.0,
+                               layerwise_reload=False, streamed=True)  # fmt: skip
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=2)))
+    try:
+        with pytest.raises(LoadFailed, match="ranks"):
+            trainer.send_weights()
+        for m in models:  # rank 1 loaded everything, rank 2 half: the engine as a whole is a mix
+            with pytest.raises(WeightsInconsistent, match=r"LoadFailed"):
+                m()
+        models[1].mend(None)
+        good = LoadableModel(seed=3)
+        trainer.source = ModuleSource(good)
+        trainer.send_weights()
+        for m in models:
+            assert _digests(m) == _digests(good)
+            m()  # serves again
+    finally:
+        trainer.shutdown()
+        for e in engines:
+            e.shutdown()
+        client.pool.shutdown()
+
+
+def test_npu_ipc_update_with_a_hung_rpc_fails_within_its_deadline(registered: list[str]) -> None:
+    """Issue 25 item 4 on npu_ipc: a server that never answers update_weights hung send_weights forever."""
+    import threading
+    import time
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.common.errors import DeadlineExceeded
+    from ascend_dist.weight_transfer.vllm_trainer import NPUIPCTrainerInitInfo
+
+    release = threading.Event()
+
+    class HungServer(EngineClient):
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            release.wait(60)  # never answers while the test runs
+
+    engines, models = _workers("npu_ipc", 1)
+    client = HungServer(engines)
+    info = NPUIPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=3000, layerwise_reload=False, op_timeout_s=1.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=1)))
+    try:
+        before = _digests(models[0])
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match=r"update_weights did not return within 1 s"):
+            trainer.send_weights()
+        assert time.monotonic() - t0 < 1.0 + 2.0
+        assert _digests(models[0]) == before
+    finally:
+        release.set()
+        trainer.shutdown()
+        engines[0].shutdown()
         client.pool.shutdown()

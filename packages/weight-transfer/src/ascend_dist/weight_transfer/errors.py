@@ -18,6 +18,7 @@ __all__ = [
     "PartialUpdate",
     "UpdateAborted",
     "UpdateStateError",
+    "WeightsInconsistent",
     "WorkerLost",
 ]
 
@@ -98,4 +99,15 @@ class LoadRestored(UpdateAborted):
     host copy of its model it took before loading, so no rank serves the new weights and none serves
     a mix. The transfer group is still usable. Degrade: read the cause (the failing rank's loader
     error), fix the update and send it again.
+    """
+
+
+class WeightsInconsistent(TransferError):
+    """The model may hold a mix of two updates' weights, so it refuses to run.
+
+    Raised by every forward of a guarded model (`guard.WeightsGuard`) after an update left mixed
+    weights: a streamed update that broke after loading some buckets (`PartialUpdate`), a loader
+    failure that could not be undone (`LoadFailed`), or one rank of several that undid its own part
+    while the others loaded. The message names that cause. Degrade: send a complete update again;
+    the model runs again once one succeeds on this rank.
     """

@@ -9,8 +9,13 @@ Runs in: every colocated trainer rank (one per chip). Call order:
 Every rank exports its own copy and the handles are merged across ranks through a
 `HandleExchange`, so each worker finds its own chip's entry; only rank 0 (the sender) talks to the
 client. Packed mode reuses one buffer: after each chunk the sender's ``update_weights`` returns
-only once the workers have copied it, and a barrier holds the other ranks until then, so no rank
-overwrites its buffer while its worker still reads it.
+only once the workers have copied it, and a gather of its outcome holds the other ranks until
+then, so no rank overwrites its buffer while its worker still reads it.
+
+The ranks move in lockstep: each exchange carries either a rank's handles / outcome or the error
+it just raised, so a failure on any rank (the sender's RPC, another rank's source) reaches every
+rank at the next exchange: the failing rank raises its own error, the others `UpdateAborted`
+naming it. Nothing waits for a rank that has already given up.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import msgspec
 
 from ascend_dist.common.device.ipc import IpcHandle
 from ascend_dist.common.errors import ProtocolError
+from ascend_dist.weight_transfer.errors import UpdateAborted
 from ascend_dist.weight_transfer.ipc import (
     HandleExchange,
     LocalExchange,
@@ -53,8 +59,17 @@ __all__ = ["IpcTrainer", "TorchDistExchange", "WeightSyncClient"]
 
 logger = logging.getLogger(__name__)
 
-_HANDLE_LISTS = msgspec.msgpack.Decoder(list[dict[str, IpcHandle]])
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+class _Step(msgspec.Struct, frozen=True):
+    """One rank's part of a lockstep exchange: its handles, or the error it raised (then no handles)."""
+
+    error: str = ""
+    handles: list[dict[str, IpcHandle]] = msgspec.field(default_factory=list)
+
+
+_STEP = msgspec.msgpack.Decoder(_Step)
 
 
 @runtime_checkable
@@ -166,20 +181,52 @@ class IpcTrainer:
                 del params["streamed"]
             self.client.init_weight_transfer_engine(params)
 
-    def _merged(self, handles: list[dict[str, IpcHandle]]) -> list[dict[str, IpcHandle]]:
+    def _step(
+        self, what: str, handles: list[dict[str, IpcHandle]], failure: BaseException | None
+    ) -> list[list[dict[str, IpcHandle]]]:
+        """Exchange this rank's handles (or its ``failure``) with every rank; every rank raises on any failure.
+
+        Raises:
+            BaseException: ``failure`` itself, on the rank that raised it.
+            UpdateAborted: Another trainer rank failed (named, with its error).
+            ProtocolError: A rank sent something undecodable.
+        """
         if self.exchange.world_size == 1:
-            return handles
-        gathered = self.exchange.all_gather(_ENCODER.encode(handles))
+            if failure is not None:
+                raise failure
+            return [handles]
+        error = f"{type(failure).__name__}: {failure}" if failure is not None else ""
+        gathered = self.exchange.all_gather(_ENCODER.encode(_Step(error, handles if failure is None else [])))
+        if failure is not None:
+            raise failure
         try:
-            per_rank = [_HANDLE_LISTS.decode(raw) for raw in gathered]
+            steps = [_STEP.decode(raw) for raw in gathered]
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(f"undecodable handle list from a trainer rank: {exc}") from exc
-        return merge_handles(per_rank)
+            raise ProtocolError(f"undecodable exchange from a trainer rank: {exc}") from exc
+        failed = [(rank, step.error) for rank, step in enumerate(steps) if step.error]
+        if failed:
+            rank, why = failed[0]
+            raise UpdateAborted(f"trainer rank {rank} failed {what}: {why}; this rank stopped too")
+        return [step.handles for step in steps]
+
+    def _merged(
+        self, handles: list[dict[str, IpcHandle]], failure: BaseException | None = None
+    ) -> list[dict[str, IpcHandle]]:
+        per_rank = self._step("exporting its weights", handles, failure)
+        return per_rank[0] if len(per_rank) == 1 else merge_handles(per_rank)
+
+    def _call(self, what: str, call: Any) -> None:  # Callable[[], object]: the sender's client call
+        """The sender runs ``call``; every rank learns its outcome (no rank reuses memory before it returned)."""
+        failure: BaseException | None = None
+        if self.is_sender:
+            try:
+                call()
+            except Exception as exc:
+                failure = exc
+        self._step(f"the engines' {what}", [], failure)
 
     def _deliver(self, chunk: IpcChunk) -> None:
-        if self.is_sender:
-            self.client.update_weights({"chunk": ipc_chunk_to_builtins(chunk)})
-        self.exchange.barrier()  # no rank reuses its memory before the workers are done with it
+        self._call("update_weights", lambda: self.client.update_weights({"chunk": ipc_chunk_to_builtins(chunk)}))
 
     def send(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest | None = None) -> int:
         """Run one full update round (start, update(s), finish) on every rank.
@@ -190,6 +237,12 @@ class IpcTrainer:
 
         Returns:
             Number of update messages sent.
+
+        Raises:
+            UpdateAborted: Another trainer rank failed (its rank and error are named); this rank
+                stopped at the same exchange.
+            Exception: This rank's own failure (the sender: the client's error), after every rank
+                was told; finish is then not called.
         """
         if manifest is None:
             tensors = list(tensors)
@@ -197,8 +250,7 @@ class IpcTrainer:
                 tensors, packed=self.params.packed, buffer_size_bytes=self.params.buffer_size_bytes, num_buffers=1,
                 streamed=self.params.streamed,
             )  # fmt: skip
-        if self.is_sender:
-            self.client.start_weight_update()
+        self._call("start_weight_update", self.client.start_weight_update)
         sent = 0
         if manifest.packed:
             if manifest.streamed:
@@ -208,17 +260,30 @@ class IpcTrainer:
             else:
                 count = plan_stream(manifest).num_buffers
                 chunks = packed_chunks(self.exporter, manifest, tensors)
-            for index, handle in chunks:
+            while True:
+                try:  # a rank's source failing mid-way joins the exchange with its error instead of leaving
+                    item = next(chunks, None)
+                except Exception as exc:
+                    self._merged([], exc)
+                    raise  # not reached: _merged raises exc on this rank
+                if item is None:
+                    break
+                index, handle = item
                 self._deliver(make_chunk(manifest, index, count, self._merged([handle])))
                 sent += 1
             if count == 0:  # an update without bytes: one message so the workers still load nothing
                 self._deliver(make_chunk(manifest, 0, 1, self._merged([{}])))
                 sent += 1
         else:
-            handles, keep = unpacked_chunk(self.exporter, manifest, tensors)
+            try:
+                handles, keep = unpacked_chunk(self.exporter, manifest, tensors)
+            except Exception as exc:
+                self._merged([], exc)
+                raise  # not reached: _merged raises exc on this rank
             self._deliver(make_chunk(manifest, 0, 1, self._merged(handles)))
             del keep
             sent = 1
-        if self.is_sender:
-            self.client.finish_weight_update()
+        # a source with tensors past the manifest fails only after its last chunk: settle that before finishing
+        self._step("checking the end of its weights", [], None)
+        self._call("finish_weight_update", self.client.finish_weight_update)
         return sent

@@ -10,6 +10,13 @@ the trainer's memory) before anything is loaded, then all tensors are loaded at 
 into staging tensors and loads them into the model when the last chunk arrives (upstream's packed
 path never loaded them). A chunk out of order, a different manifest mid-update, or a handle for
 another chip is refused with a typed error, and the staged bytes are dropped.
+
+Loader failures (issue 25 item 4): before a staged update is loaded the worker takes a host restore
+point of the model (`session.RestorableSink.snapshot`) and puts it back when the loader raises
+(`LoadRestored`). There is no vote between the ranks on this path (each worker is driven by its
+own RPC), so when ``peers`` > 1 the other ranks may have loaded the update: this rank restores its
+part and refuses to run (`guard`) until a complete update succeeds, raising `LoadFailed`. A
+streamed update that fails after a chunk was loaded (or a restore that fails) trips the guard too.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from ascend_dist.common.device.ipc import IpcHandle
 from ascend_dist.common.errors import ProtocolError
-from ascend_dist.weight_transfer.errors import LoadFailed, ManifestMismatch
+from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored, ManifestMismatch
+from ascend_dist.weight_transfer.guard import WeightsGuard
 from ascend_dist.weight_transfer.ipc import device_uuid, pick_handle
 from ascend_dist.weight_transfer.messages import (
     IpcChunk,
@@ -36,7 +44,7 @@ from ascend_dist.weight_transfer.packing import (
     staging_images,
     unpack_buffer,
 )
-from ascend_dist.weight_transfer.session import Session, SessionState, WeightSink
+from ascend_dist.weight_transfer.session import RestorableSink, Session, SessionState, WeightSink
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +89,8 @@ class IpcWorker:
         *,
         uuid: str | None = None,
         validate: Callable[[Manifest], None] | None = None,
+        peers: int = 1,
+        guard: WeightsGuard | None = None,
     ) -> None:
         """Create the engine.
 
@@ -89,6 +99,10 @@ class IpcWorker:
             runtime: Opens handles (shared memory on the CPU, device IPC on npu/cuda).
             uuid: This worker's chip identity; default `device_uuid` of the runtime's device.
             validate: Optional check of each manifest against the model before anything is loaded.
+            peers: Ranks that load the same update, each through its own RPC (vLLM: the replica's
+                TP x PP workers); above 1 a loader failure here cannot be undone everywhere.
+            guard: Tripped while the model may hold mixed weights (install it on the model); a
+                fresh one by default.
         """
         import torch
 
@@ -98,6 +112,8 @@ class IpcWorker:
         self.uuid = uuid if uuid is not None else device_uuid(runtime.device_index, runtime.name)
         self.device = torch.device("cpu") if runtime.name == "cpu" else torch.device(runtime.name, runtime.device_index)
         self._validate = validate
+        self.peers = peers
+        self.guard = guard if guard is not None else WeightsGuard()
         self.session = Session("npu_ipc weight transfer")
         self.params = IpcParams()
         self._staged: _Staged | None = None
@@ -132,14 +148,19 @@ class IpcWorker:
                 raise ProtocolError("update payload lacks the 'chunk' object")
             self._apply(ipc_chunk_from_builtins(raw))
         except Exception as exc:
-            self._staged = None  # drop half-received bytes; the model was not touched
+            self._staged = None  # drop half-received bytes; the model was not touched (or was restored)
             streaming, self._streaming = self._streaming, None
             self.session.move(SessionState.READY)
             if streaming is not None and streaming.next_chunk and not isinstance(exc, LoadFailed):
-                raise LoadFailed(
+                failed = LoadFailed(
                     f"streamed update failed after {streaming.next_chunk} of {streaming.count} chunks were loaded "
                     f"({type(exc).__name__}: {exc}): the model holds mixed weights; send a complete update again"
-                ) from exc
+                )
+                self.guard.trip(f"{type(failed).__name__}: {failed}")
+                raise failed from exc
+            if isinstance(exc, LoadFailed):  # LoadRestored is not one: the previous weights are back
+                cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ is not None else ""
+                self.guard.trip(f"{type(exc).__name__}: {exc}{cause}")
             raise
 
     def _apply(self, chunk: IpcChunk) -> None:
@@ -187,8 +208,7 @@ class IpcWorker:
                     f"handle of {spec.name!r} describes {view.dtype}{tuple(view.shape)}, manifest {spec}"
                 )
             pairs.append((spec.name, view))
-        self.sink.load_weights(pairs)
-        self.runtime.synchronize()
+        self._load_staged(pairs)
 
     def _apply_packed(self, chunk: IpcChunk) -> None:
         staged = self._staged
@@ -239,6 +259,7 @@ class IpcWorker:
                     )
                 )
                 self._streaming = None
+                self.guard.clear()
                 return
         if streaming is None:
             raise ProtocolError(f"chunk {chunk.chunk_index} arrived before chunk 0 of its update")
@@ -262,12 +283,46 @@ class IpcWorker:
         self.runtime.synchronize()  # the trainer refills the buffer once this call returns
         if streaming.next_chunk == streaming.count:
             self._streaming = None
+            self.guard.clear()  # every bucket of a complete update loaded: one version again
 
     def _commit(self, staged: _Staged) -> None:
         """Load a fully received packed update into the model."""
-        self.sink.load_weights([(s.name, t) for s, t in zip(staged.manifest.tensors, staged.staging, strict=True)])
-        self.runtime.synchronize()
         self._staged = None
+        self._load_staged([(s.name, t) for s, t in zip(staged.manifest.tensors, staged.staging, strict=True)])
+
+    def _load_staged(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a whole update; on a loader failure put the restore point back.
+
+        Raises:
+            LoadRestored: The loader failed; this worker (the only rank) is back on its previous weights.
+            LoadFailed: The loader failed and this worker could not restore, or restored while other
+                ranks may have loaded the update (``peers`` > 1); `update` then trips the guard.
+        """
+        snapshot = self.sink.snapshot() if isinstance(self.sink, RestorableSink) else None
+        try:
+            self.sink.load_weights(pairs)
+            self.runtime.synchronize()
+        except Exception as raised:
+            # the vLLM sink already wraps its loader's error in a LoadFailed: name (and chain) the loader's own
+            exc = raised.__cause__ if isinstance(raised, LoadFailed) and raised.__cause__ is not None else raised
+            what = f"the model's loader failed ({type(exc).__name__}: {exc})"
+            if snapshot is None:
+                raise LoadFailed(f"{what} and restoring is turned off: the model holds mixed weights") from exc
+            try:
+                snapshot.restore()
+                self.runtime.synchronize()
+            except Exception as restore_exc:
+                raise LoadFailed(
+                    f"{what} and restoring the previous weights failed ({type(restore_exc).__name__}: {restore_exc}): "
+                    "the model holds mixed weights"
+                ) from exc
+            if self.peers > 1:
+                raise LoadFailed(
+                    f"{what}; this rank restored its previous weights, but the other ranks of the engine "
+                    f"({self.peers - 1}) load each update independently and may hold the new ones"
+                ) from exc
+            raise LoadRestored(f"{what}; this worker restored its previous weights") from exc
+        self.guard.clear()  # a complete update loaded: one version again
 
     def finish(self) -> None:
         """Close the update; raises if a packed update is missing chunks.
@@ -281,10 +336,12 @@ class IpcWorker:
         streaming, self._streaming = self._streaming, None
         self.session.move(SessionState.READY)
         if streaming is not None and streaming.next_chunk:
-            raise LoadFailed(
+            failed = LoadFailed(
                 f"finish after {streaming.next_chunk} of {streaming.count} streamed chunks: those were loaded, so "
                 "the model holds mixed weights; send a complete update again"
             )
+            self.guard.trip(str(failed))
+            raise failed
         if staged is not None:
             raise ProtocolError(
                 f"finish after {staged.next_chunk} of {staged.plan.num_buffers} chunks: the update was not loaded"

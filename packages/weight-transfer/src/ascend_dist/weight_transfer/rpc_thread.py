@@ -15,6 +15,9 @@ broadcasts. Both run on threads here and the caller waits for the first decisive
 - the trainer's side succeeds: the RPC must answer within ``timeout_s``, else `DeadlineExceeded`.
 
 A call stuck inside the client cannot be interrupted: its thread is a daemon and is named in the error.
+
+`bounded_rpc` is the same deadline for an RPC with nothing beside it (the ``npu_ipc`` control plane):
+its own error is raised unchanged, and a call that does not return in time is a `DeadlineExceeded`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ascend_dist.common.device import current_device_index, set_current_device
 from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.weight_transfer.errors import EngineRpcFailed
 
-__all__ = ["LOCAL_GRACE_S", "RPC_GRACE_S", "beside_rpc"]
+__all__ = ["LOCAL_GRACE_S", "RPC_GRACE_S", "beside_rpc", "bounded_rpc"]
 
 T = TypeVar("T")
 
@@ -148,3 +151,25 @@ def beside_rpc(
             discard(result)  # pyright: ignore[reportArgumentType]
         raise
     return result  # pyright: ignore[reportReturnType]
+
+
+def bounded_rpc(what: str, rpc: Callable[[], T], *, timeout_s: float) -> T:
+    """Run ``rpc`` on a daemon thread and return its result, or raise its own error, within ``timeout_s``.
+
+    Raises:
+        DeadlineExceeded: ``rpc`` did not return within ``timeout_s`` (its thread, named ``wt-rpc-<what>``,
+            is left running: a client call cannot be interrupted).
+        Exception: ``rpc``'s own error, unchanged.
+    """
+    changed = threading.Condition()
+    call = _Call(f"wt-rpc-{what}", rpc, changed, current_device_index())
+    with changed:
+        changed.wait_for(lambda: call.done, timeout=timeout_s)
+    if not call.done:
+        call.abandon(None)
+        raise DeadlineExceeded(
+            f"{what} did not return within {timeout_s:g} s (the call is left running on thread {call.thread.name})"
+        )
+    if call.error is not None:
+        raise call.error
+    return call.result  # pyright: ignore[reportReturnType]

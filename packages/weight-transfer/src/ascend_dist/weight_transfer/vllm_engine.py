@@ -18,7 +18,14 @@ The classes are thin: they translate vLLM's dataclasses and configs into `Broadc
   raises during that apply is undone on every rank from a host copy taken just before it
   (``restore_on_load_failure``, see `restore` and `broadcast`'s load vote);
 - ``update_weights`` synchronises through ``ascend_dist.common.device`` rather than
-  ``torch.accelerator.synchronize()``, which raises on a CPU-only host.
+  ``torch.accelerator.synchronize()``, which raises on a CPU-only host;
+- an update that leaves mixed weights (a streamed update broken midway, a loader failure that
+  could not be undone on every rank) trips the worker's `guard.WeightsGuard`, installed on the
+  model here: every forward then raises `WeightsInconsistent` naming the cause until a complete
+  update succeeds. In vLLM an exception in the forward fails the engine core's step, so the engine
+  stops serving (vLLM reports it dead) rather than generate from mixed weights; it does not
+  answer later requests with the typed error one by one (vLLM has no per-request refusal that a
+  worker-side engine can reach).
 """
 
 from __future__ import annotations
@@ -225,6 +232,7 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
         self.worker = BroadcastWorker(
             self._sink, device=device, collective_factory=_device_factory(device), validate=self._validate
         )
+        self.worker.guard.install(model)  # refuse to run on mixed weights (see the module docstring)
 
     def _validate(self, manifest: Manifest) -> None:
         """Before the commit vote: every name must be one the model can load."""
@@ -290,6 +298,7 @@ class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     layerwise_reload: bool = True
     validate_names: bool = True
     streamed: bool = False
+    restore_on_load_failure: bool = True
 
 
 @dataclass
@@ -312,13 +321,17 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
         super().__init__(config, vllm_config, device, model)
         self._sink = _ModelSink(self, layerwise=True)
         self._validate_names = True
-        self.worker = IpcWorker(self._sink, get_runtime(device), validate=self._validate)
+        self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
+        # every worker of this replica (TP x PP) loads each update through its own RPC, with no vote between them
+        self.worker = IpcWorker(
+            self._sink, get_runtime(device), validate=self._validate, peers=self.parallel_config.world_size
+        )
+        self.worker.guard.install(model)  # refuse to run on mixed weights (see the module docstring)
 
     def _validate(self, manifest: Manifest) -> None:
         """Before anything is loaded: every name must be one the model can load."""
         if self._validate_names:
             self._sink.validate(manifest)
-        self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
 
     def init_transfer_engine(self, init_info: NPUIPCWeightTransferInitInfo) -> None:
         """Record the trainer's must-agree parameters."""
@@ -328,6 +341,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
                 "layerwise_reload", True, "false with streamed=true (layer-wise reload across chunks: not yet)"
             )
         self._sink.layerwise = init_info.layerwise_reload
+        self._sink.restore = init_info.restore_on_load_failure
         self._validate_names = init_info.validate_names
         self.worker.init(
             msgspec.convert(

@@ -44,7 +44,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
     make_manifest,
 )
-from ascend_dist.weight_transfer.rpc_thread import beside_rpc
+from ascend_dist.weight_transfer.rpc_thread import beside_rpc, bounded_rpc
 from ascend_dist.weight_transfer.trainer import BroadcastTrainer
 from ascend_dist.weight_transfer.vllm_engine import _device_factory
 
@@ -250,26 +250,40 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
     layerwise_reload: bool = True
     validate_names: bool = True
+    op_timeout_s: float = 300.0
 
 
 class _ClientAdapter:
-    """Our `WeightSyncClient` over vLLM's client; adds the vLLM-only fields to the init payload."""
+    """Our `WeightSyncClient` over vLLM's client; adds the vLLM-only fields to the init payload.
 
-    def __init__(self, client: VLLMWeightSyncClient, layerwise_reload: bool, validate_names: bool = True) -> None:
+    Every call must return within ``op_timeout_s`` (`DeadlineExceeded`; the engines' own errors pass
+    unchanged): a client call cannot be interrupted, so a hung server would otherwise hang the trainer.
+    """
+
+    def __init__(
+        self, client: VLLMWeightSyncClient, layerwise_reload: bool, validate_names: bool = True,
+        op_timeout_s: float = 300.0,
+    ) -> None:  # fmt: skip
+        if not op_timeout_s > 0:
+            raise ConfigError("op_timeout_s", op_timeout_s, "a positive number of seconds")
         self._client = client
         self._extra = {"layerwise_reload": layerwise_reload, "validate_names": validate_names}
+        self._timeout_s = op_timeout_s
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._client.init_weight_transfer_engine({**init_info, **self._extra})
+        payload = {**init_info, **self._extra}
+        bounded_rpc("init_weight_transfer_engine", lambda: self._client.init_weight_transfer_engine(payload),
+                    timeout_s=self._timeout_s)  # fmt: skip
 
     def start_weight_update(self) -> None:
-        self._client.start_weight_update()
+        bounded_rpc("start_weight_update", self._client.start_weight_update, timeout_s=self._timeout_s)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._client.update_weights(update_info)
+        bounded_rpc("update_weights", lambda: self._client.update_weights(update_info), timeout_s=self._timeout_s)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._client.finish_weight_update(weight_version)
+        bounded_rpc("finish_weight_update", lambda: self._client.finish_weight_update(weight_version),
+                    timeout_s=self._timeout_s)  # fmt: skip
 
 
 class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTrainerInitInfo]):
@@ -285,7 +299,8 @@ class NPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTraine
         # Several trainer ranks (FSDP): every rank exports its gathered copy on its own chip, the handles
         # are merged on the default group, and only rank 0 calls the client.
         self.trainer = IpcTrainer(
-            _ClientAdapter(client, init_info.layerwise_reload, init_info.validate_names), get_runtime(),
+            _ClientAdapter(client, init_info.layerwise_reload, init_info.validate_names, init_info.op_timeout_s),
+            get_runtime(),
             packed=init_info.packed, buffer_size_bytes=init_info.packed_buffer_size_bytes,
             exchange=_trainer_exchange(rank),
         )  # fmt: skip

@@ -11,6 +11,10 @@ loaded into the model only when every rank has every byte, so a failed update le
 weights in place (`init(streamed=True)`: bounded buckets loaded as they land instead, see
 `broadcast`). After a failed collective the group is unusable: `update` then raises
 `UpdateAborted` until `init` is called again.
+
+When an update leaves mixed weights (a streamed `PartialUpdate` or `LoadFailed`, a staged update
+some rank could not restore) the worker trips its `guard`: installed on the model, it makes every
+forward raise `WeightsInconsistent` until a later update succeeds on this worker.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ascend_dist.weight_transfer.errors import (
     PartialUpdate,
     UpdateAborted,
 )
+from ascend_dist.weight_transfer.guard import WeightsGuard
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -94,6 +99,7 @@ class BroadcastWorker:
         validate: Callable[[Manifest], None] | None = None,
         heartbeat_interval_s: float = 0.2,
         heartbeat_factory: Callable[[Any, int, float], Stoppable] = Heartbeat,
+        guard: WeightsGuard | None = None,
     ) -> None:
         """Create an engine that is not yet in a group.
 
@@ -104,6 +110,8 @@ class BroadcastWorker:
             validate: Optional check of each manifest against the model before any byte is received.
             heartbeat_interval_s: Liveness interval published to the trainer.
             heartbeat_factory: Starts the liveness publisher ``(store, rank, interval_s)``.
+            guard: Tripped while the model may hold mixed weights (install it on the model); a
+                fresh one by default.
         """
         import torch
 
@@ -113,6 +121,7 @@ class BroadcastWorker:
         self._validate = validate
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_factory = heartbeat_factory
+        self.guard = guard if guard is not None else WeightsGuard()
         self.session = Session("hccl weight transfer")
         self._group: TransferGroup | None = None
         self._comm: Collective | None = None
@@ -253,9 +262,13 @@ class BroadcastWorker:
             )
         except PartialUpdate as exc:  # the wire broke after loads began: mixed weights, group unusable
             self._broken = f"{type(exc).__name__}: {exc}"[:200]
+            self.guard.trip(f"{type(exc).__name__}: {exc}")
             raise
-        except (ManifestRejected, LoadFailed, LoadRestored):
-            raise  # refused at the vote, or the model's loader failed after it: the group is intact
+        except LoadFailed as exc:  # a loader failed and the ranks could not all be put back: mixed weights
+            self.guard.trip(f"{type(exc).__name__}: {exc}")
+            raise
+        except (ManifestRejected, LoadRestored):
+            raise  # refused at the vote, or the model's loader failed after it and every rank restored
         except UpdateAborted as exc:
             self._broken = f"{type(exc).__name__}: {exc}"[:200]
             raise
@@ -264,6 +277,7 @@ class BroadcastWorker:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             raise UpdateAborted(f"weight update aborted on worker rank {group.rank}: {self._broken}") from exc
         self.last_update_id, self.last_phases = update_id, phases
+        self.guard.clear()  # a complete update loaded on every rank: one version again
         return phases
 
     def finish(self) -> None:
