@@ -386,6 +386,36 @@ def test_a_model_eight_times_the_bound_updates_bit_exact_within_the_bound_over_g
         trainer.shutdown()
 
 
+def test_one_tensor_buckets_go_direct_over_gloo_bit_exact(spawn_workers: Callable[..., list[WorkerProcess]]) -> None:
+    """Buckets sent from the trainer's tensors land bit-exactly through a real gloo group."""
+    specs: list[Spec] = [
+        ("a", "bfloat16", (40, 128)),  # 10240 B: b does not fit after it, so a is alone (direct)
+        ("b", "float32", (3000,)),  # 12000 B: alone too (direct)
+        ("c", "int8", (9000,)),  # c and d share a bucket (packed)
+        ("d", "float16", (10, 7)),
+    ]
+    workers = spawn_workers(2, specs)
+    trainer = _connect(workers, streamed=True)
+    try:
+        previous: dict[str, str] | None = None
+        for seed in (21, 22):
+            weights = synthetic_weights(specs, seed)
+            _start(workers, specs)
+            phases = trainer.send(weights)
+            for proc in workers:
+                assert proc.reply(TIMEOUT_S)["ok"] and proc.call("finish")["ok"]
+            assert phases.extra["direct_buckets"] == 2
+            expected = param_digests(weights)
+            for proc in workers:
+                got = proc.call("digest")["digests"]
+                assert got == expected
+                if previous is not None:  # control: every tensor changed, so a stale one would show
+                    assert all(got[name] != previous[name] for name in got)
+            previous = expected
+    finally:
+        trainer.shutdown()
+
+
 def test_streamed_updates_over_the_hccl_communicator_path(spawn_workers: Callable[..., list[WorkerProcess]]) -> None:
     """The same over `hccl_collective` (the real `PyHcclCommunicator` on its gloo engine, simulated streams)."""
     workers = spawn_workers(2, SPECS)
