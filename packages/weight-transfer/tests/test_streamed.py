@@ -7,6 +7,7 @@ device's allocation counters (`CpuSimRuntime.peak_allocated_bytes`).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -28,7 +29,15 @@ from ascend_dist.weight_transfer.broadcast import receive_update, send_update
 from ascend_dist.weight_transfer.collective import gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.errors import LoadFailed, ManifestMismatch, WorkerLost
 from ascend_dist.weight_transfer.messages import check_manifests
-from ascend_dist.weight_transfer.packing import BUCKET_ALIGN, as_bytes, plan_buckets, spec_nbytes
+from ascend_dist.weight_transfer.packing import (
+    BUCKET_ALIGN,
+    as_bytes,
+    pack_images,
+    plan_buckets,
+    pull_bucket,
+    spec_nbytes,
+)
+from ascend_dist.weight_transfer.pool import BufferPool
 from ascend_dist.weight_transfer.trainer import BroadcastTrainer, manifest_of
 
 from .conftest import free_port
@@ -156,6 +165,92 @@ def test_each_bucket_is_loaded_as_it_lands_while_the_next_is_posted_within_the_b
     assert alloc.runtime.allocated_bytes == 0  # released after the update
 
 
+class PtrCollective(LateCollective):
+    """A `LateCollective` that also records the address of each broadcast tensor (which memory was sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ptrs: list[int] = []
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> LatePending:
+        self.ptrs.append(tensor.data_ptr())
+        return super().broadcast(tensor, src)
+
+
+def _u8(numel: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_bucket_that_is_one_contiguous_tensor_is_broadcast_from_it_bytes_exact() -> None:
+    kib = 1024
+    big = _u8(12 * kib, 1).view(torch.bfloat16).reshape(96, 64)  # alone in its bucket (8 + 12 KiB > 16)
+    strided = _u8(12 * kib, 2).view(torch.float16).reshape(96, 64).t()  # alone too, but not contiguous
+    tail = _u8(5 * kib, 5).view(torch.int8)  # alone in the last bucket (12 + 5 KiB > 16)
+    weights = [
+        ("a1", _u8(4 * kib, 3).view(torch.float32)),
+        ("a2", _u8(4 * kib, 4)),
+        ("big", big),
+        ("empty", torch.empty(0, 4)),  # zero bytes: in big's bucket, takes no room
+        ("b1", _u8(5 * kib, 6)),
+        ("b2", _u8(3 * kib, 7)),
+        ("strided", strided),
+        ("tail", tail),
+    ]
+    manifest = manifest_of(weights, buffer_size_bytes=BUFFER, num_buffers=NUM_BUFFERS, streamed=True)
+    buckets = plan_buckets(manifest)
+    assert [b.first for b in buckets] == [0, 2, 4, 6, 7]
+    wire = PtrCollective()
+    phases = send_update(wire, manifest, iter(weights), update_id=0, rejection_detail=lambda u, r: "")
+    payloads, ptrs = wire.log[2:], wire.ptrs[2:]  # after the header and the manifest
+    # the one-tensor buckets were sent from the tensors themselves; the others (the strided one
+    # too: its image is a copy) from the trainer's buffers
+    assert (ptrs[1], ptrs[4]) == (big.data_ptr(), tail.data_ptr()) and phases.extra["direct_buckets"] == 2
+    assert not {ptrs[0], ptrs[2], ptrs[3]} & {t.data_ptr() for _, t in weights}
+    # bytes exact: each payload is what packing the bucket would give (the receiver cannot tell)
+    source = iter(weights)
+    for bucket, payload in zip(buckets, payloads, strict=True):
+        packed = torch.zeros(bucket.length, dtype=torch.uint8)
+        pack_images(packed, bucket, pull_bucket(bucket, source, manifest))  # type: ignore[arg-type]
+        assert payload == packed.numpy().tobytes()
+    sink = BucketSink([])
+    receive_update(ReplayCollective(wire.log), manifest, sink, reject=lambda u, r: None)
+    for name, want in weights:
+        got = sink.loaded[name]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(as_bytes(got), as_bytes(want))
+
+
+class CountingPoolAllocator(CountingAllocator):
+    """`CountingAllocator` that also counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        self.calls += 1
+        return super().__call__(nbytes, device)
+
+
+def test_an_engine_pool_keeps_the_buckets_between_updates_within_the_bound() -> None:
+    trainer_alloc, worker_alloc = CountingPoolAllocator(), CountingPoolAllocator()
+    trainer_pool, worker_pool = BufferPool(trainer_alloc), BufferPool(worker_alloc)
+    for seed in (11, 12, 13):
+        weights = synthetic_weights(SPECS, seed)
+        manifest = manifest_of(weights, buffer_size_bytes=BUFFER, num_buffers=NUM_BUFFERS, streamed=True)
+        wire = LateCollective()
+        send_update(wire, manifest, iter(weights), update_id=seed, rejection_detail=lambda u, r: "", pool=trainer_pool)
+        sink = BucketSink([])
+        receive_update(ReplayCollective(wire.log), manifest, sink, reject=lambda u, r: None, pool=worker_pool)
+        for name, want in weights:  # every update lands, though the buffers are the previous update's
+            assert torch.equal(as_bytes(sink.loaded[name]), as_bytes(want))
+    for alloc, pool in ((trainer_alloc, trainer_pool), (worker_alloc, worker_pool)):
+        assert alloc.calls == NUM_BUFFERS  # allocated by the first update only
+        assert 0 < alloc.runtime.peak_allocated_bytes <= BOUND
+        assert alloc.runtime.allocated_bytes == pool.nbytes <= BOUND  # held between updates, within the bound
+        pool.clear()  # what shutdown does
+        assert alloc.runtime.allocated_bytes == 0
+
+
 def test_a_loader_failure_mid_stream_is_load_failed_and_later_buckets_are_not_loaded() -> None:
     _, manifest, log = _streamed_wire(6)
     events: list[str] = []
@@ -203,27 +298,45 @@ def _start(workers: list[WorkerProcess], specs: list[Spec]) -> None:
                   shapes=[list(s[2]) for s in specs])  # fmt: skip
 
 
-def _update_measured(trainer: BroadcastTrainer, workers: list[WorkerProcess], seed: int) -> tuple[dict[str, str], int]:
-    """One update; returns the trainer's digests and the largest staging peak of any process."""
+def _bases(workers: list[WorkerProcess]) -> list[int]:
+    """Simulated-device bytes allocated now in this process and each worker (before any update's buffers)."""
+    gc.collect()  # buffers of earlier tests in this process that are garbage already would leave the base later
+    return [device_meter().allocated_bytes] + [proc.call("memory")["allocated"] for proc in workers]
+
+
+def _update_measured(
+    trainer: BroadcastTrainer, workers: list[WorkerProcess], seed: int, bases: list[int]
+) -> tuple[dict[str, str], int]:
+    """One update; returns the trainer's digests and the largest staging peak of any process.
+
+    The peak is counted from ``bases`` (taken before the connection's first update), so buffers an
+    engine keeps from an earlier update count in full.
+    """
     meter = device_meter()
     meter.reset_peak_allocated()
-    base = meter.allocated_bytes
-    bases = [proc.call("memory", reset_peak=True)["allocated"] for proc in workers]
+    for proc in workers:
+        proc.call("memory", reset_peak=True)
     weights = synthetic_weights(SPECS, seed)
     _start(workers, SPECS)
     trainer.send(weights)
-    peaks = [meter.peak_allocated_bytes - base]
-    for proc, worker_base in zip(workers, bases, strict=True):
+    peaks = [meter.peak_allocated_bytes - bases[0]]
+    for proc, worker_base in zip(workers, bases[1:], strict=True):
         reply = proc.reply(TIMEOUT_S)
         assert reply["ok"], reply
         assert proc.call("finish")["ok"]
-        memory = proc.call("memory")
-        peaks.append(memory["peak"] - worker_base)
-        if trainer.streamed:  # the buckets were released after the update
-            assert _settles(lambda proc=proc: proc.call("memory")["allocated"], worker_base)
-    if trainer.streamed:
-        assert _settles(lambda: meter.allocated_bytes, base)
+        peaks.append(proc.call("memory")["peak"] - worker_base)
     return param_digests(weights), max(peaks)
+
+
+def _released(trainer: BroadcastTrainer, workers: list[WorkerProcess], bases: list[int]) -> bool:
+    """Shut the trainer down and make the workers leave; whether every process is back at its base."""
+    trainer.shutdown()
+    for proc in workers:
+        assert proc.call("leave")["ok"]
+    return _settles(lambda: device_meter().allocated_bytes, bases[0]) and all(
+        _settles(lambda proc=proc: proc.call("memory")["allocated"], base)
+        for proc, base in zip(workers, bases[1:], strict=True)
+    )
 
 
 def _settles(read: Callable[[], int], want: int, deadline_s: float = 3.0) -> bool:
@@ -246,12 +359,53 @@ def test_a_model_eight_times_the_bound_updates_bit_exact_within_the_bound_over_g
     total = sum(spec_nbytes(s) for s in manifest_of(synthetic_weights(SPECS, 0)).tensors)
     assert total >= 8 * BOUND
     workers = spawn_workers(2, SPECS)
+    bases = _bases(workers)
     trainer = _connect(workers, streamed=True)
     try:
         previous: dict[str, str] | None = None
-        for seed in (1, 2):
-            expected, peak = _update_measured(trainer, workers, seed)
+        for seed in (1, 2, 3):  # the engines keep their buckets between updates: still within the bound
+            expected, peak = _update_measured(trainer, workers, seed, bases)
             assert 0 < peak <= BOUND, (peak, BOUND)
+            for proc in workers:
+                got = proc.call("digest")["digests"]
+                assert got == expected
+                if previous is not None:  # control: every tensor changed, so a stale one would show
+                    assert all(got[name] != previous[name] for name in got)
+            previous = expected
+        assert _released(trainer, workers, bases)  # shutdown frees the kept buckets everywhere
+    finally:
+        trainer.shutdown()
+    # control: the staged (all or nothing) mode on the same model holds the whole update: over the bound
+    trainer = _connect(workers, streamed=False)
+    try:
+        expected, peak = _update_measured(trainer, workers, 4, bases)
+        assert peak >= total > BOUND
+        for proc in workers:
+            assert proc.call("digest")["digests"] == expected
+    finally:
+        trainer.shutdown()
+
+
+def test_one_tensor_buckets_go_direct_over_gloo_bit_exact(spawn_workers: Callable[..., list[WorkerProcess]]) -> None:
+    """Buckets sent from the trainer's tensors land bit-exactly through a real gloo group."""
+    specs: list[Spec] = [
+        ("a", "bfloat16", (40, 128)),  # 10240 B: b does not fit after it, so a is alone (direct)
+        ("b", "float32", (3000,)),  # 12000 B: alone too (direct)
+        ("c", "int8", (9000,)),  # c and d share a bucket (packed)
+        ("d", "float16", (10, 7)),
+    ]
+    workers = spawn_workers(2, specs)
+    trainer = _connect(workers, streamed=True)
+    try:
+        previous: dict[str, str] | None = None
+        for seed in (21, 22):
+            weights = synthetic_weights(specs, seed)
+            _start(workers, specs)
+            phases = trainer.send(weights)
+            for proc in workers:
+                assert proc.reply(TIMEOUT_S)["ok"] and proc.call("finish")["ok"]
+            assert phases.extra["direct_buckets"] == 2
+            expected = param_digests(weights)
             for proc in workers:
                 got = proc.call("digest")["digests"]
                 assert got == expected
@@ -260,24 +414,16 @@ def test_a_model_eight_times_the_bound_updates_bit_exact_within_the_bound_over_g
             previous = expected
     finally:
         trainer.shutdown()
-    # control: the staged (all or nothing) mode on the same model holds the whole update: over the bound
-    trainer = _connect(workers, streamed=False)
-    try:
-        expected, peak = _update_measured(trainer, workers, 3)
-        assert peak >= total > BOUND
-        for proc in workers:
-            assert proc.call("digest")["digests"] == expected
-    finally:
-        trainer.shutdown()
 
 
 def test_streamed_updates_over_the_hccl_communicator_path(spawn_workers: Callable[..., list[WorkerProcess]]) -> None:
     """The same over `hccl_collective` (the real `PyHcclCommunicator` on its gloo engine, simulated streams)."""
     workers = spawn_workers(2, SPECS)
+    bases = _bases(workers)
     trainer = _connect(workers, streamed=True, collective="hccl")
     try:
         for seed in (1, 2):
-            expected, peak = _update_measured(trainer, workers, seed)
+            expected, peak = _update_measured(trainer, workers, seed, bases)
             assert 0 < peak <= BOUND
             assert all(proc.call("digest")["digests"] == expected for proc in workers)
     finally:

@@ -29,8 +29,10 @@ Streamed updates (``Manifest.streamed``) trade that atomicity for bounded memory
 same (the name check still refuses before any byte), then step 4 carries buckets of whole tensors
 (`packing.plan_buckets`) through ``num_buffers`` buffers on each side, and each worker loads a
 bucket into the model as soon as it landed, while the next ones are on the wire and the trainer
-packs the one after. Neither side holds more than ``num_buffers * buffer_size_bytes`` of buffers,
-and both drop them when the update ends. Step 5 then reports whether every rank loaded every
+packs the one after. Neither side holds more than ``num_buffers * buffer_size_bytes`` of buffers;
+the engines keep them between updates in their `BufferPool` (on the CPU a fresh buffer costs page
+faults as long as its wire time) and free them at shutdown. A bucket that is one contiguous source
+tensor is broadcast from that tensor, without the pack copy. Step 5 then reports whether every rank loaded every
 bucket: a worker whose loader failed keeps receiving (so the group stays in step) and votes no;
 every rank raises `LoadFailed`. A collective that fails after the first load is a `PartialUpdate`:
 the survivors hold some new weights.
@@ -69,12 +71,14 @@ from ascend_dist.weight_transfer.packing import (
     as_bytes,
     bucket_views,
     check_tensor,
+    direct_image,
     expect_end,
     next_tensor,
-    pack_bucket,
     pack_buffer,
+    pack_images,
     plan_buckets,
     plan_stream,
+    pull_bucket,
     spec_nbytes,
     tensor_views,
 )
@@ -188,53 +192,80 @@ def _send_packed(
 
 
 def _bucket_slots(
-    comm: Collective, manifest: Manifest, buckets: tuple[Bucket, ...], allocate: Allocate
+    comm: Collective, manifest: Manifest, buckets: tuple[Bucket, ...], pool: BufferPool | None, allocate: Allocate
 ) -> list[torch.Tensor]:
     """A streamed update's buffers: ``num_buffers`` of them, no larger than the largest bucket.
 
-    The caller holds them for this update only (`BufferPool` keeps buffers; these must not outlive it).
+    From ``pool`` (kept between updates, keys ``bucket0..``) when given, else fresh from ``allocate``
+    for this update only. Either way at most ``num_buffers`` of them exist: a pool holds no other
+    streamed buffers, and `BufferPool.get` frees a buffer of another size before allocating its
+    replacement.
     """
     size = max((b.length for b in buckets), default=0)
-    return [allocate(size, comm.device) for _ in range(min(manifest.num_buffers, len(buckets)))]
+    count = min(manifest.num_buffers, len(buckets))
+    if pool is None:
+        return [allocate(size, comm.device) for _ in range(count)]
+    return [pool.get(f"bucket{i}", size, comm.device) for i in range(count)]
 
 
 def _send_streamed(
-    comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases, allocate: Allocate
+    comm: Collective,
+    manifest: Manifest,
+    source: Iterator[tuple[str, Any]],
+    phases: Phases,
+    *,
+    pool: BufferPool | None,
+    allocate: Allocate,
 ) -> None:
     """Pack bucket ``k + 1`` while bucket ``k`` is on the wire; pull each tensor only when its bucket is packed.
 
     Nothing is imaged ahead: a tensor's bytes are read when they are copied into its bucket, so the
     trainer's extra memory is the ``num_buffers`` buffers (plus one tensor's contiguous copy when the
-    source tensor is not contiguous).
+    source tensor is not contiguous). A bucket whose bytes are one contiguous tensor on the group's
+    device is broadcast from that tensor (`direct_image`): the same bytes, no pack copy. At most
+    ``num_buffers`` broadcasts are in flight either way.
     """
+    t0 = time.perf_counter()
     buckets = plan_buckets(manifest)
-    slots = _bucket_slots(comm, manifest, buckets, allocate)
+    slots = _bucket_slots(comm, manifest, buckets, pool, allocate)
     free = list(range(len(slots)))
-    in_flight: collections.deque[tuple[Pending, int]] = collections.deque()
+    in_flight: collections.deque[tuple[Pending, int | None, torch.Tensor | None]] = collections.deque()
+    phases.extra["setup_s"] = phases.extra.get("setup_s", 0.0) + time.perf_counter() - t0
+    direct = 0
 
     def retire() -> None:
-        pending, slot = in_flight.popleft()
+        pending, slot, _memory = in_flight.popleft()  # _memory: a direct send's tensor, referenced until done
         t0 = time.perf_counter()
         pending.wait()
         phases.transfer_s += time.perf_counter() - t0
-        free.append(slot)
+        if slot is not None:
+            free.append(slot)
 
     for bucket in buckets:
-        if not free:
+        while len(in_flight) >= len(slots) or not free:
             retire()
+        t0 = time.perf_counter()
+        images = pull_bucket(bucket, source, manifest)
+        image = direct_image(bucket, images, comm.device)
+        if image is not None:
+            phases.pack_s += time.perf_counter() - t0
+            in_flight.append((comm.broadcast(image, _SRC), None, image))
+            direct += 1
+            continue
         slot = free.pop()
         buffer = slots[slot]
-        t0 = time.perf_counter()
-        pack_bucket(buffer, bucket, source, manifest)
+        pack_images(buffer, bucket, images)
+        del images
         phases.pack_s += time.perf_counter() - t0
         if bucket.length:
-            in_flight.append((comm.broadcast(buffer[: bucket.length], _SRC), slot))
+            in_flight.append((comm.broadcast(buffer[: bucket.length], _SRC), slot, None))
         else:
             free.append(slot)
     while in_flight:
         retire()
     expect_end(source, manifest)
     phases.bytes = sum(spec_nbytes(s) for s in manifest.tensors)
+    phases.extra["direct_buckets"] = float(direct)
 
 
 def _send_unpacked(comm: Collective, manifest: Manifest, source: Iterator[tuple[str, Any]], phases: Phases) -> None:
@@ -271,8 +302,9 @@ def send_update(
         update_id: Sequence number of the update (for logs and store keys).
         rejection_detail: ``(update_id, worker_rank) -> str``: the reason a worker gave.
         pool: Keeps the pipeline buffers between updates (default: fresh ones for this update);
-            streamed updates use buffers of their own, dropped when the update ends.
-        allocate: Where a streamed update's buffers come from.
+            streamed updates keep their ``num_buffers`` bucket buffers there too.
+        allocate: Where a streamed update's buffers come from when there is no ``pool`` (then
+            they are dropped when the update ends).
 
     Returns:
         Time split of the update.
@@ -284,22 +316,25 @@ def send_update(
         LoadFailed: Streamed: a worker's loader failed; the others loaded the whole update.
     """
     phases = Phases()
+    t0 = time.perf_counter()
     _exchange_manifest(comm, manifest, update_id)
     votes = _vote(comm, 0)
+    phases.extra["setup_s"] = time.perf_counter() - t0  # manifest exchange and the name vote
     rejected = [r for r, v in enumerate(votes) if v]
     if rejected:
         reasons = "; ".join(f"worker rank {r}: {rejection_detail(update_id, r)}" for r in rejected)
         raise ManifestRejected(f"update {update_id} refused before any data was sent ({reasons})")
     source = iter(tensors)
     if manifest.streamed:
-        _send_streamed(comm, manifest, source, phases, allocate)
+        _send_streamed(comm, manifest, source, phases, pool=pool, allocate=allocate)
     elif manifest.packed:
         _send_packed(comm, manifest, source, phases, pool if pool is not None else BufferPool(device_allocator))
     else:
         _send_unpacked(comm, manifest, source, phases)
     t0 = time.perf_counter()
     votes = _vote(comm, 0)
-    phases.transfer_s += time.perf_counter() - t0
+    phases.extra["final_vote_s"] = time.perf_counter() - t0  # streamed: the workers' last loads
+    phases.transfer_s += phases.extra["final_vote_s"]
     failed = [r for r, v in enumerate(votes) if v]
     if failed and manifest.streamed:
         raise LoadFailed(
@@ -354,7 +389,13 @@ def _recv_packed(comm: Collective, manifest: Manifest, phases: Phases, flat: tor
 
 
 def _recv_streamed(
-    comm: Collective, manifest: Manifest, phases: Phases, sink: WeightSink, allocate: Allocate
+    comm: Collective,
+    manifest: Manifest,
+    phases: Phases,
+    sink: WeightSink,
+    *,
+    pool: BufferPool | None,
+    allocate: Allocate,
 ) -> BaseException | None:
     """Receive bucket after bucket, loading each into ``sink`` while the next ones are on the wire.
 
@@ -364,8 +405,9 @@ def _recv_streamed(
     Raises:
         PartialUpdate: The collective failed after a bucket was loaded (cause: its error).
     """
+    t_start = time.perf_counter()
     buckets = plan_buckets(manifest)
-    slots = _bucket_slots(comm, manifest, buckets, allocate)
+    slots = _bucket_slots(comm, manifest, buckets, pool, allocate)
     depth = len(slots)
     posted: dict[int, Pending] = {}
     load_error: BaseException | None = None
@@ -385,6 +427,8 @@ def _recv_streamed(
                 pending.wait()
             t1 = time.perf_counter()
             phases.transfer_s += t1 - t0
+            if not k:  # how long until the first bucket could load: the pipeline's fill time on this side
+                phases.extra["first_bucket_s"] = t1 - t_start
             if load_error is None:
                 loaded += 1  # counted before the call: a loader that fails midway changed the model too
                 try:
@@ -511,10 +555,11 @@ def receive_update(
         reject: ``(update_id, reason)``: publish why this worker refuses (before the vote).
         refuse: A reason to refuse whatever the trainer sends (bad local update info).
         validate: Optional check of the manifest against the model (unknown names, shapes, dtypes).
-        pool: Keeps the staging stream between updates (default: a fresh one for this update).
-            ``sink`` must copy what it is given before ``load_weights`` returns. Streamed updates
-            use buffers of their own (from ``allocate``), dropped when the update ends.
-        allocate: Where a streamed update's buffers come from.
+        pool: Keeps the staging stream between updates (default: a fresh one for this update);
+            streamed updates keep their ``num_buffers`` bucket buffers there instead.
+            ``sink`` must copy what it is given before ``load_weights`` returns.
+        allocate: Where a streamed update's buffers come from when there is no ``pool`` (then
+            they are dropped when the update ends).
 
     Returns:
         ``(update_id, phases)``.
@@ -526,6 +571,7 @@ def receive_update(
         PartialUpdate: Streamed: the collective failed after this worker loaded a bucket.
     """
     phases = Phases()
+    t0 = time.perf_counter()
     update_id, remote = _exchange_manifest(comm, None, 0)
     reason = refuse
     try:
@@ -538,13 +584,17 @@ def receive_update(
     if reason:
         reject(update_id, reason)
     votes = _vote(comm, 1 if reason else 0)
+    phases.extra["setup_s"] = time.perf_counter() - t0  # manifest exchange, checks and the name vote
     if reason:
         raise ManifestRejected(f"update {update_id} refused: {reason}")
     if any(votes):
         others = [r for r, v in enumerate(votes) if v]
         raise ManifestRejected(f"update {update_id} refused by worker ranks {others}; nothing was written")
     if remote.streamed:
-        _finish_streamed(comm, update_id, _recv_streamed(comm, remote, phases, sink, allocate))
+        load_error = _recv_streamed(comm, remote, phases, sink, pool=pool, allocate=allocate)
+        t0 = time.perf_counter()
+        _finish_streamed(comm, update_id, load_error)
+        phases.extra["final_vote_s"] = time.perf_counter() - t0
         return update_id, phases
     total = sum(spec_nbytes(spec) for spec in remote.tensors)
     flat = (pool if pool is not None else BufferPool(device_allocator)).get("staging", total, comm.device)

@@ -42,7 +42,10 @@ __all__ = [
     "next_tensor",
     "new_staging",
     "bucket_views",
+    "direct_image",
     "pack_bucket",
+    "pack_images",
+    "pull_bucket",
     "pack_buffer",
     "plan_buckets",
     "plan_stream",
@@ -363,17 +366,53 @@ def next_tensor(source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, 
         ) from None
 
 
+def pull_bucket(
+    bucket: Bucket, source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest
+) -> list[tuple[torch.Tensor, bool]]:
+    """``bucket``'s tensors pulled from ``source`` (checked against the manifest) as ``(image, is_view)``.
+
+    ``image`` is the tensor's byte image (`as_bytes`); ``is_view`` says it aliases the source tensor
+    (it was contiguous), False when the image is a copy.
+    """
+    images: list[tuple[torch.Tensor, bool]] = []
+    for i in range(len(bucket.offsets)):
+        index = bucket.first + i
+        name, tensor = next_tensor(source, manifest, index)
+        check_tensor(manifest.tensors[index], name, tensor, index)
+        images.append((as_bytes(tensor), tensor.is_contiguous()))
+    return images
+
+
+def pack_images(buffer: torch.Tensor, bucket: Bucket, images: list[tuple[torch.Tensor, bool]]) -> None:
+    """Copy a bucket's images (from `pull_bucket`) into ``buffer`` at their offsets: one copy per tensor."""
+    for offset, (image, _) in zip(bucket.offsets, images, strict=True):
+        if image.numel():
+            copy_bytes(buffer[offset : offset + image.numel()], image)
+
+
 def pack_bucket(
     buffer: torch.Tensor, bucket: Bucket, source: Iterator[tuple[str, torch.Tensor]], manifest: Manifest
 ) -> None:
     """Pull ``bucket``'s tensors from ``source`` (checked against the manifest) into ``buffer`` at their offsets."""
-    for i, offset in enumerate(bucket.offsets):
-        index = bucket.first + i
-        name, tensor = next_tensor(source, manifest, index)
-        check_tensor(manifest.tensors[index], name, tensor, index)
-        image = as_bytes(tensor)
-        if image.numel():
-            copy_bytes(buffer[offset : offset + image.numel()], image)
+    pack_images(buffer, bucket, pull_bucket(bucket, source, manifest))
+
+
+def direct_image(bucket: Bucket, images: list[tuple[torch.Tensor, bool]], device: torch.device) -> torch.Tensor | None:
+    """The one tensor image that is the whole of ``bucket``'s payload, when it can be broadcast as is.
+
+    That is: the bucket's bytes are a single tensor (zero-byte tensors aside: it then lies at offset
+    0 and the payload is exactly its image), the image is a view of the source tensor (no copy, so
+    sending from it adds no memory to the bound) and it lives on ``device``. The wire then carries
+    the same bytes as a packed bucket would, so the receiver cannot tell the difference. None
+    otherwise (pack it).
+    """
+    full = [(image, is_view) for image, is_view in images if image.numel()]
+    if len(full) != 1:
+        return None
+    image, is_view = full[0]
+    if not is_view or image.numel() != bucket.length or image.device != device:
+        return None
+    return image
 
 
 def expect_end(source: Iterator[tuple[str, Any]], manifest: Manifest) -> None:

@@ -8,8 +8,10 @@ device, torch's caching allocator already does this; on the CPU every large ``to
 fresh ``mmap`` whose pages are faulted in (and zeroed by the kernel) on first write, which measured
 ~0.12 s per 267 MiB on the development VM: as long as the wire itself. The price is that the
 worker's staging area (the size of one update) stays resident between updates; `clear` (called by
-``shutdown``) releases it. Streamed updates use a pool of their own for one update only (at most
-``num_buffers`` buffers of ``buffer_size_bytes``), dropped when the update ends.
+``shutdown``) releases it. Streamed updates keep their ``num_buffers`` bucket buffers (of at most
+``buffer_size_bytes``) here too, for the same reason: a fresh pair per update cost 50-300 ms of
+first-touch faults per update on the development VM, as much as the whole wire. At most the bound
+is held, during an update and between updates.
 
 Buffers come from the device runtime's allocator where the runtime owns the device (`device_allocator`),
 so the CPU simulation counts them (`CpuSimRuntime.peak_allocated_bytes`): the bench and tests

@@ -105,7 +105,7 @@ class BroadcastTrainer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._broken: str | None = None
         self._next_update_id = 0
-        self._pool = BufferPool(device_allocator)  # pipeline buffers, kept between updates
+        self._pool = BufferPool(device_allocator)  # pipeline / bucket buffers, kept between updates
 
     @classmethod
     def connect(

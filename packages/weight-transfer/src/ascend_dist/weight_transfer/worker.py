@@ -163,8 +163,9 @@ class BroadcastWorker:
         """Join the trainer's group (collective with the trainer and every other worker).
 
         ``streamed``: updates travel in buckets of whole tensors of at most ``buffer_size_bytes``,
-        loaded as each lands; at most ``num_buffers`` buffers exist, only during an update. A failure
-        mid-update then leaves mixed weights (`PartialUpdate` / `LoadFailed`), not the old ones.
+        loaded as each lands; at most ``num_buffers`` buffers exist (kept between updates, freed by
+        `shutdown` and a new `init`). A failure mid-update then leaves mixed weights
+        (`PartialUpdate` / `LoadFailed`), not the old ones.
 
         Raises:
             UpdateStateError: Called while an update is active or after shutdown.

@@ -89,8 +89,13 @@ def raw_send(
     mode: str,
     weights: Sequence[tuple[str, torch.Tensor]],
     timeout_s: float,
+    *,
+    refill: bool = True,
 ) -> float:
     """Trainer side of one baseline run; returns seconds until every worker finished.
+
+    ``refill=False`` (``flat_wire`` only): the buffer already holds these weights from an earlier
+    run, so the untimed fill is skipped too (the bench then meters this call's CPU as the wire's).
 
     Raises:
         ConfigError: Unknown ``mode``.
@@ -100,7 +105,7 @@ def raw_send(
     images = [as_bytes(t) for _, t in weights]
     nbytes = sum(i.numel() for i in images)
     buf = _POOL.get("flat", nbytes, comm.device) if mode != "per_tensor" else None
-    if buf is not None and mode == "flat_wire":
+    if buf is not None and mode == "flat_wire" and refill:
         _fill(buf, images)  # untimed: the wire ceiling starts from a filled buffer
     t0 = time.perf_counter()
     for w in workers:

@@ -252,7 +252,8 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         engine.start()
     elif op == "update":
         phases = engine.update(cmd["names"], cmd["dtype_names"], cmd["shapes"])
-        return {"unpack_s": phases.pack_s, "transfer_s": phases.transfer_s, "load_s": phases.load_s}
+        return {"unpack_s": phases.pack_s, "transfer_s": phases.transfer_s, "load_s": phases.load_s,
+                "extra": phases.extra}  # fmt: skip
     elif op == "finish":
         engine.finish()
     elif op == "leave":  # before the trainer closes the group's store, so no heartbeat writes into a dead one
@@ -318,6 +319,15 @@ class WorkerProcess:
         self.process = ctx.Process(target=worker_main, args=(child, json.dumps(specs)), daemon=True)
         self.process.start()
         child.close()
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds the process used so far (Linux ``/proc``), None where unreadable."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        except (OSError, ValueError, IndexError):
+            return None
 
     def send(self, op: str, **fields: Any) -> None:
         """Send a command without waiting for its reply."""
