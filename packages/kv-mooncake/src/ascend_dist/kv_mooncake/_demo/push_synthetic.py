@@ -211,6 +211,7 @@ class LwInstance:
         compute_s: float = 0.0,
         chunks: int = 1,
         kv_in_forward: bool = True,
+        abort_after: int = 0,
     ) -> tuple[float, float]:
         """P: run the prompt's forward layer by layer (in ``chunks`` steps), pushing each layer; free at the end.
 
@@ -223,6 +224,8 @@ class LwInstance:
             kv_in_forward: Write each layer's KV inside the forward (after its reuse gate); False
                 writes every layer before the timed forward (the bench: then the forward costs only
                 ``compute_s`` per layer).
+            abort_after: When > 0, the request ends on P (client abort, stop) after this many
+                steps, before its last chunk: P frees it and never schedules it again.
 
         Returns:
             ``(start, seconds)``: `time.monotonic` at the first layer (comparable across processes
@@ -239,7 +242,9 @@ class LwInstance:
                 self._write_layer(rid, seed, i)
         per_chunk = -(-prompt_len // chunks)
         start, begin = time.monotonic(), time.perf_counter()
-        for done in range(0, prompt_len, per_chunk):
+        for n, done in enumerate(range(0, prompt_len, per_chunk)):
+            if abort_after and n == abort_after:
+                break
             self.step({rid: Scheduled(done, min(per_chunk, prompt_len - done))})
             self.forward(rid, seed, compute_s, write=kv_in_forward)
         elapsed = time.perf_counter() - begin
@@ -305,6 +310,18 @@ class LwInstance:
             heads = torch.arange(r.heads[0], r.heads[0] + r.heads[1])
             for part, t in enumerate(r.caches[m.layer_name(layer)]):
                 t[index] = pattern(seed, layer, part, heads, pos, dim=t.shape[3])
+
+    def held(self) -> dict[str, int]:
+        """P: what the instance still holds: scheduler entries, blocks, remembered failures, closed gates."""
+        failed = pending = 0
+        for r in self.ranks:
+            producer = r.worker._producer
+            if producer is not None:
+                failed += producer.sender.failures_kept
+                pending += sum(producer.gate.pending(i) for i in range(len(r.caches)))
+        blocks = sum(len(i) for per in self.blocks.values() for i in per)
+        tracked = self.scheduler.tracked
+        return {"tracked": tracked, "blocks_held": blocks, "failed_kept": failed, "gates_closed": pending}
 
     def wait_idle(self) -> None:
         """P: wait until every layer's push finished (all reuse gates open; bounded by ``gate_timeout_s``)."""

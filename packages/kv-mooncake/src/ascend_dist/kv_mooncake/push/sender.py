@@ -188,6 +188,12 @@ class SendThread:
             while len(self._failed) > FAILED_MEMORY:
                 self._failed.popitem(last=False)
 
+    @property
+    def failures_kept(self) -> int:
+        """Failed requests remembered (bounded by `FAILED_MEMORY`)."""
+        with self._lock:
+            return len(self._failed)
+
     def failure(self, transfer_id: str) -> str | None:
         """Why a request failed on this rank, or None."""
         with self._lock:

@@ -19,6 +19,7 @@ Runs in: every worker process (one per TP x PCP rank). Order of calls (vLLM v1 m
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
@@ -48,6 +49,8 @@ from ascend_dist.kv_mooncake.push.step_metadata import LayerwiseMetadata
 __all__ = ["LayerwiseWorker"]
 
 logger = logging.getLogger(__name__)
+
+FAILURE_REASONS_KEPT = 32  # D: the latest failed requests' reasons (each is logged when it fails)
 
 
 def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -112,7 +115,8 @@ class LayerwiseWorker:
         self._agent: AgentMetadata | None = None
         self._load_errors: set[int] = set()
         self._failed_rids: set[str] = set()
-        self.failure_reasons: dict[str, str] = {}
+        # The latest failures' reasons (tests, diagnostics); bounded: vLLM never collects them.
+        self.failure_reasons: OrderedDict[str, str] = OrderedDict()
         self._layout = "mla/NHD" if use_mla else "kv/NHD"  # kind/order; set from the tensors at registration
 
     @property
@@ -339,6 +343,8 @@ class LayerwiseWorker:
         self._load_errors |= errors
         self._failed_rids |= set(reasons)
         self.failure_reasons.update(reasons)
+        while len(self.failure_reasons) > FAILURE_REASONS_KEPT:
+            self.failure_reasons.popitem(last=False)
         return set(), done
 
     def take_failed(self) -> set[str]:

@@ -1,0 +1,346 @@
+"""Layer-wise pushes under faults, P in its own process: every request exact or failed whole, nothing left on D.
+
+Waves of requests D announces and a P child (`_demo/push_peer.py`, JSON lines) pushes, with faults
+in every wave: one request P never gets (D's first-layer deadline passes), one P aborts after its
+first chunk (its push stops half-way and no `PushDone` ever comes: D's layer deadline, then its
+fence), one D aborts before P pushes and one while P pushes (as vLLM does, D's scheduler forgets it
+but its blocks stay allocated until the worker reports it); in a few waves a slow request whose next
+layer comes after D's layer deadline (D fences it until P's failed `PushDone`); and
+``KV_MOONCAKE_LW_CHAOS_KILLS`` times P is SIGKILLed mid-wave, with layers in flight, and a new P
+process starts with the same configuration.
+
+Every request D reports is checked as it is reported: failed with all its blocks as load errors
+(never a load error outside a failed request's blocks), or received with every byte P's pattern of
+that request (verified again just before its blocks are freed; freed blocks are reused first, so a
+late write into them shows up as another request's wrong bytes). Afterwards D holds no request
+record (receiver, scheduler, blocks, kept failure reasons beyond their bound), its threads (native
+ones too), fds and registrations are at their steady size apart from Mooncake's CLOSE_WAIT sockets
+to dead P sessions (known, bounded, counted apart), and the last P holds nothing either.
+``KV_MOONCAKE_LW_CHAOS_REQUESTS`` (default 600), ``KV_MOONCAKE_LW_CHAOS_SEED`` and
+``KV_MOONCAKE_LW_CHAOS_SCALE`` (multiplies D's deadlines, for slow machines) change the run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.push_peer import LwPeerProcess
+from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver, LwInstance
+from ascend_dist.kv_mooncake._demo.synthetic import Model
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
+from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
+from ascend_dist.kv_mooncake.push.worker import FAILURE_REASONS_KEPT
+
+REQUESTS = int(os.environ.get("KV_MOONCAKE_LW_CHAOS_REQUESTS", "600"))
+KILLS = int(os.environ.get("KV_MOONCAKE_LW_CHAOS_KILLS", "2"))
+SEED = int(os.environ.get("KV_MOONCAKE_LW_CHAOS_SEED", "24"))
+SCALE = float(os.environ.get("KV_MOONCAKE_LW_CHAOS_SCALE", "1"))
+WAVE = 40
+BATCH = 20  # D announces a batch just before P gets it (as a proxy paces requests)
+PROMPT = 32  # two blocks
+MAX_PENDING = 40  # failing requests D may still hold (deadlines running) before the next wave starts
+FIRST_S, LAYER_S, FENCE_S = 3.0 * SCALE, 1.0 * SCALE, 1.0 * SCALE
+SHAPE: dict[str, Any] = {"layers": 3, "heads": 2, "head_dim": 8, "block_size": 16}
+SPAN = 2 * (FIRST_S + LAYER_S + FENCE_S) + 30.0  # longest a request may take to be reported
+
+
+def _fd_names() -> set[str]:
+    names = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            names.add(f"{fd.name}:{os.readlink(fd)}")
+        except OSError:  # closed meanwhile (the listing's own fd)
+            continue
+    return names
+
+
+def _tcp_sockets() -> dict[str, tuple[str, str]]:
+    """This process's TCP sockets by inode: ``(local->remote, state)`` (state 08 is CLOSE_WAIT)."""
+    out: dict[str, tuple[str, str]] = {}
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            out[cols[9]] = (f"{cols[1]}->{cols[2]}", cols[3])
+    return out
+
+
+def _inode(fd_name: str) -> str:
+    target = fd_name.split(":", 1)[1]
+    return target[len("socket:[") : -1] if target.startswith("socket:[") else ""
+
+
+def _describe(new_fds: set[str]) -> str:
+    tcp = _tcp_sockets()
+    return f"{len(new_fds)} new fds: {[f'{n} {tcp.get(_inode(n), ())}' for n in sorted(new_fds)]}"
+
+
+def _tasks() -> int:
+    """Every thread of this process, native ones (Mooncake's) included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+class _D:
+    """D in this process: what it reported, checked as it is reported; blocks freed as vLLM frees them."""
+
+    def __init__(self, inst: LwInstance) -> None:
+        self.inst = inst
+        self.worker = inst.ranks[0].worker
+        self.expect: dict[str, str] = {}  # announced, not reported yet: "ok", "failed" or "any"
+        self.seeds: dict[str, int] = {}
+        self.aborted: set[str] = set()  # D's scheduler forgot them; their blocks wait for the report
+        self.received: set[str] = set()  # reported received and verified; freed at the wave's end
+        self.counts: Counter[str] = Counter()
+
+    def announce(self, rid: str, seed: int, expect: str) -> None:
+        self.inst.announce(rid, PROMPT)
+        self.expect[rid], self.seeds[rid] = expect, seed
+
+    def abort(self, rid: str) -> None:
+        """The client went away: D's scheduler forgets it; vLLM keeps its blocks until the worker reports it."""
+        self.inst.scheduler.request_finished(self.inst.requests[rid], self.inst.blocks[rid])
+        self.aborted.add(rid)
+
+    def poll(self) -> set[str]:
+        """One vLLM step's report, checked; returns the requests reported."""
+        done, errors = self.inst.poll()
+        failed = self.worker.take_failed()
+        assert failed <= done, f"failed but not finished: {sorted(failed - done)[:4]}"
+        failed_blocks: set[int] = set()
+        for rid in failed:
+            blocks = {b for ids in self.inst.blocks[rid] for b in ids}
+            assert blocks <= errors, f"{rid} failed in part: {sorted(blocks - errors)} not reported"
+            failed_blocks |= blocks
+        stray = sorted(errors - failed_blocks)
+        assert not stray, f"load errors outside the failed requests' blocks: {stray}"
+        for rid in done:
+            want = self.expect.pop(rid)  # KeyError: reported twice, or never announced
+            if rid in failed:
+                assert want != "ok", f"{rid} failed without a fault: {self.worker.failure_reasons.get(rid)}"
+                self.counts["failed"] += 1
+                self.free(rid)
+            else:
+                assert want != "failed", f"{rid} reported received although its push could not complete"
+                assert self.inst.verify(rid, seed=self.seeds[rid]) > 0
+                self.counts["received"] += 1
+                self.received.add(rid)
+        return done
+
+    def wait(self, rids: set[str], timeout_s: float = SPAN) -> None:
+        deadline = time.monotonic() + timeout_s
+        while rids & self.expect.keys():
+            assert time.monotonic() < deadline, f"{sorted(rids & self.expect.keys())[:4]} not reported in {timeout_s} s"
+            self.poll()
+            time.sleep(0.005)
+
+    def wait_pending(self, below: int) -> None:
+        deadline = time.monotonic() + SPAN
+        while len(self.expect) >= below:
+            assert time.monotonic() < deadline, f"{sorted(self.expect)[:4]} not reported in {SPAN} s"
+            self.poll()
+            time.sleep(0.01)
+
+    def free_received(self) -> None:
+        """The wave's received requests decoded: verify once more (nothing late landed), then free."""
+        for rid in sorted(self.received):
+            assert self.inst.verify(rid, seed=self.seeds[rid]) > 0
+            self.free(rid)
+        self.received.clear()
+
+    def free(self, rid: str) -> None:
+        """vLLM frees the blocks; they go first in line (the next allocation reuses them)."""
+        ids = self.inst.blocks.get(rid, [])
+        if rid in self.aborted:
+            self.aborted.discard(rid)
+            self.inst.release(rid)
+        else:
+            self.inst.finish(rid)
+        for free, group in zip(self.inst.free, ids, strict=True):
+            if group:
+                del free[-len(group) :]
+                free[:0] = group
+
+
+def _start_p(extra: dict[str, Any]) -> LwPeerProcess:
+    peer = LwPeerProcess()
+    try:
+        peer.call({"cmd": "create", "name": "p", "config": extra, "model": {**SHAPE, "num_blocks": 64}}, timeout_s=60)
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
+def _held(peer: LwPeerProcess) -> dict[str, int]:
+    return {k: int(v) for k, v in peer.call({"cmd": "held", "name": "p"}, timeout_s=90.0).items()}
+
+
+_EXPECT = {"ok": "ok", "never": "failed", "p_abort": "failed", "slow": "failed"}  # else "any" (D aborted)
+
+
+class _Chaos:
+    """The driver: D (`_D`), the P child it restarts after each kill, the proxy's metaserver."""
+
+    def __init__(self, d: _D, metaserver: CollectingMetaserver, extra: dict[str, Any], rng: random.Random) -> None:
+        self.d, self.ms, self.extra, self.rng = d, metaserver, extra, rng
+        self.peer = _start_p(extra)
+        self.kills: list[tuple[int, int]] = []  # (wave, batch) of each kill
+        self.seed = 0
+        self.p_base: dict[str, int] = {}  # the current P's steady size (after its first whole wave)
+
+    def batch(self, rids: list[str], kinds: dict[str, str], *, kill: bool) -> set[str]:
+        """Announce ``rids`` on D and have P push them (faults per ``kinds``); returns the ones that must arrive."""
+        must: set[str] = set()
+        items = []
+        for rid in rids:
+            kind = kinds.get(rid, "ok")
+            want = _EXPECT.get(kind, "any")
+            want = "any" if kill and want == "ok" else want
+            self.seed += 1
+            self.d.announce(rid, self.seed, want)
+            if want == "ok":
+                must.add(rid)
+            params = self.ms.take(rid)
+            self.d.counts[kind] += 1
+            if kind == "never":  # the proxy never reaches P with it
+                continue
+            if kind == "d_before":
+                self.d.abort(rid)
+            item: dict[str, Any] = {"params": params, "prompt_len": PROMPT, "seed": self.seed}
+            if kind == "p_abort":  # the client goes away on P after the first of two chunks
+                item |= {"chunks": 2, "abort_after": 1}
+            if kind == "slow":  # its next layer comes after D's layer deadline
+                item["compute_s"] = LAYER_S + 0.4
+            if kill:
+                item["compute_s"] = 0.01  # P is inside the batch when it dies
+            items.append(item)
+        self.peer.send({"cmd": "prefill_many", "name": "p", "items": items})
+        for rid in rids:
+            if kinds.get(rid) == "d_during":  # while P pushes it (or is about to)
+                time.sleep(self.rng.uniform(0.0, 0.01))
+                self.d.abort(rid)
+        if kill:
+            self.kill_midway(rids)
+        else:
+            reply = self.peer.read(60.0 + 4 * LAYER_S)
+            assert "error" not in reply, reply
+        self.d.poll()
+        return must
+
+    def kill_midway(self, rids: list[str]) -> None:
+        """SIGKILL P once D received a few of the batch (layers of the next in flight), start a new P."""
+        deadline = time.monotonic() + 60.0
+        while len([r for r in rids if r not in self.d.expect]) < 3:
+            assert time.monotonic() < deadline, "P pushed nothing of the batch before its kill"
+            self.d.poll()
+            time.sleep(0.002)
+        self.peer.kill()
+        self.peer.close()
+        self.d.counts["kills"] += 1
+        self.peer = _start_p(self.extra)  # same configuration: same engine id, same D
+        self.p_base = {}
+
+    def wave(self, wave: int, rids: list[str], *, kill: bool, slow: bool) -> None:
+        """One wave in batches; waits for the requests that must arrive, then frees what D received."""
+        self.d.wait_pending(MAX_PENDING)
+        batches = [rids[i : i + BATCH] for i in range(0, len(rids), BATCH)]
+        kill_batch = self.rng.randrange(len(batches)) if kill else -1
+        kinds = dict(zip(self.rng.sample(batches[0], 4), ("never", "p_abort", "d_before", "d_during"), strict=True))
+        if slow:
+            batches[-1] = [*batches[-1], f"slow{wave}"]
+            kinds[f"slow{wave}"] = "slow"
+        must: set[str] = set()
+        for b, batch in enumerate(batches):
+            must |= self.batch(batch, kinds, kill=b == kill_batch)
+            if b == kill_batch:
+                self.kills.append((wave, b))
+        self.d.wait(must)
+        self.d.free_received()
+        if not self.p_base and kill_batch < 0:  # this P served a whole wave: its pools are at their steady size
+            self.p_base = _held(self.peer)
+
+
+@pytest.mark.timeout(max(240, REQUESTS // 4))
+def test_layerwise_faults_with_p_killed_leave_nothing_behind() -> None:
+    rng = random.Random(SEED)
+    waves = -(-REQUESTS // WAVE)
+    kill_waves = set(rng.sample(range(1, waves - 1), min(KILLS, waves - 2)))  # a whole wave after each
+    slow_waves = {w for w in (1, 2, waves // 2, waves - 1) if w not in kill_waves and 0 < w < waves}
+    port = free_port_range(1)
+    extra: dict[str, Any] = {
+        "engine_id": "chaosP",
+        "kv_port": port,
+        "prefill": {"tp_size": 1},
+        "decode": {"tp_size": 1},
+        "rpc_timeout_s": 1.0,
+        "rpc_retries": 2,
+    }
+    d_cfg = LayerwiseConfig.from_kv_transfer_config(
+        engine_id="chaosD",
+        kv_role="kv_consumer",
+        kv_port=port,
+        extra={**extra, "first_layer_timeout_s": FIRST_S, "layer_timeout_s": LAYER_S, "fence_timeout_s": FENCE_S},
+        model="synthetic",
+        dtype="int16",
+    )
+    ms = CollectingMetaserver()
+    engine = MooncakeEngine("127.0.0.1")
+    num_blocks = 2 * (2 * WAVE + MAX_PENDING + BATCH) + 16
+    d = _D(LwInstance(d_cfg, Model(**SHAPE, num_blocks=num_blocks), engine=engine, metaserver=ms))
+    regions = engine.registered
+    chaos: _Chaos | None = None
+    try:
+        chaos = _Chaos(d, ms, extra, rng)
+        fd_names: set[str] = set()
+        fds = tasks = threads = -1
+        for wave in range(waves):
+            rids = [f"r{i}" for i in range(wave * WAVE, min((wave + 1) * WAVE, REQUESTS))]
+            chaos.wave(wave, rids, kill=wave in kill_waves, slow=wave in slow_waves)
+            if wave == 0:  # pools (threads, pooled sockets) at their steady size; no P killed yet
+                fd_names, fds, tasks, threads = _fd_names(), len(_fd_names()), _tasks(), threading.active_count()
+        d.wait_pending(1)
+        d.free_received()
+        d.poll()
+
+        counts = d.counts
+        print(f"layer-wise chaos: {REQUESTS} requests, {dict(counts)}, kills at (wave, batch) {chaos.kills}")
+        # Controls: every fault happened, and most requests still arrived.
+        assert counts["kills"] == len(kill_waves) > 0 and counts["slow"] > 0, counts
+        assert counts["received"] > REQUESTS // 2 and counts["failed"] >= counts["never"] + counts["p_abort"], counts
+        receiver = d.worker.receiver
+        assert receiver is not None and len(receiver) == 0 and receiver.pending == 0
+        assert d.inst.scheduler.tracked == 0 and not d.inst.blocks and not d.inst.requests
+        assert not d.worker.take_failed() and not d.worker.get_block_ids_with_load_errors()
+        assert counts["failed"] > FAILURE_REASONS_KEPT or REQUESTS < 600, counts
+        assert len(d.worker.failure_reasons) <= FAILURE_REASONS_KEPT, (
+            f"D keeps {len(d.worker.failure_reasons)} failure reasons of {counts['failed']} failed requests"
+        )
+        assert engine.registered == regions
+        # Known, not ours to close: Mooncake's TCP transport may keep a connection from a dead P's
+        # session half-closed (CLOSE_WAIT). Bounded: only dead sessions, a few each.
+        new_fds = _fd_names() - fd_names
+        tcp = _tcp_sockets()
+        stale = [f for f in new_fds if tcp.get(_inode(f), ("", ""))[1] == "08"]
+        per_peer = Counter(tcp[_inode(f)][0].split("->")[1] for f in stale)
+        print(f"  Mooncake sockets left in CLOSE_WAIT, per dead P address: {dict(per_peer)}")
+        assert len(per_peer) <= len(chaos.kills) and max(per_peer.values(), default=0) <= 4, _describe(new_fds)
+        assert len(_fd_names()) - len(stale) <= fds + 2, _describe(new_fds)
+        assert _tasks() <= tasks and threading.active_count() <= threads
+
+        held, base = _held(chaos.peer), chaos.p_base
+        assert (held["tracked"], held["blocks_held"], held["gates_closed"], held["failed_kept"]) == (0, 0, 0, 0), held
+        assert held["threads"] <= base["threads"] and held["fds"] <= base["fds"] + 2, (held, base)
+        assert held["regions"] == base["regions"]
+    finally:
+        if chaos is not None:
+            chaos.peer.close()
+        d.inst.shutdown()
+    assert engine.registered == {}, "D's registrations were not released"
