@@ -249,6 +249,8 @@ class LwInstance:
             self.forward(rid, seed, compute_s, write=kv_in_forward)
         elapsed = time.perf_counter() - begin
         self.finish(rid)  # P frees at once; the reuse gate protects layers still in flight
+        if abort_after:
+            self.step({})  # vLLM schedules one more step to tell the workers what finished
         return start, elapsed
 
     def compute_only(self, compute_s: float) -> float:

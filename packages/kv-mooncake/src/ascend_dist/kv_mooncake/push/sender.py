@@ -216,6 +216,20 @@ class SendThread:
             for tid in transfer_ids:
                 self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} answered a claim with {type(reply).__name__}")
 
+    def end(self, transfer_id: str, done_to: Sequence[tuple[Endpoint, int]], reason: str) -> None:
+        """The request ended on P before its last chunk: queue a failed `PushDone` to each D in ``done_to``.
+
+        Queued behind the layers already submitted (FIFO through both threads), so D hears it after
+        their notices; nothing more of the request is written.
+        """
+        self.mark_failed(transfer_id, reason)
+        if not self.alive:
+            raise TransferError("send thread is not running")
+        try:  # empty after `plan_step`'s wait for every queued layer; bounded all the same
+            self._queue.put(SendTask(layer=-1, finished=[(transfer_id, tuple(done_to))]), timeout=self._timeout_s)
+        except queue.Full:
+            logger.error("request %s: its failed Done was not queued; D fails it at its deadline", transfer_id)
+
     def submit(self, task: SendTask, timeout_s: float) -> None:
         """Queue a layer (the gate must already be closed).
 
@@ -245,7 +259,8 @@ class SendThread:
             finally:
                 if task.release is not None:
                     task.release()
-                self._gate.complete(task.layer, error)
+                if task.layer >= 0:  # an early end (`end`) has no layer
+                    self._gate.complete(task.layer, error)
                 self._notes.put(task)
 
     def _notify_loop(self) -> None:

@@ -296,7 +296,7 @@ class LayerwiseWorker:
                 self._receiver.expect(r)
             return
         assert self._producer is not None
-        self._producer.plan_step(meta.send)
+        self._producer.plan_step(meta.send, meta.ended)
 
     def wait_for_layer_load(self, layer_name: str, request_ids: Collection[str] = ()) -> None:
         """P: wait until the layer's storage is no longer being pushed; D: wait for the listed requests' layer.
