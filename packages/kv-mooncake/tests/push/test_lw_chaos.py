@@ -27,11 +27,13 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ascend_dist.common.errors import DeadlineExceeded
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake._demo.push_peer import LwPeerProcess
 from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver, LwInstance
@@ -47,8 +49,9 @@ SCALE = float(os.environ.get("KV_MOONCAKE_LW_CHAOS_SCALE", "1"))
 WAVE = 40
 BATCH = 20  # D announces a batch just before P gets it (as a proxy paces requests)
 PROMPT = 32  # two blocks
+RECOMPUTED = 1_000_000  # seed offset of the bytes D writes into a failed request's blocks
 MAX_PENDING = 40  # failing requests D may still hold (deadlines running) before the next wave starts
-FIRST_S, LAYER_S, FENCE_S = 3.0 * SCALE, 1.0 * SCALE, 1.0 * SCALE
+FIRST_S, LAYER_S, FENCE_S = 3.0 * SCALE, 2.0 * SCALE, 1.5 * SCALE
 SHAPE: dict[str, Any] = {"layers": 3, "heads": 2, "head_dim": 8, "block_size": 16}
 SPAN = 2 * (FIRST_S + LAYER_S + FENCE_S) + 30.0  # longest a request may take to be reported
 
@@ -98,6 +101,7 @@ class _D:
         self.seeds: dict[str, int] = {}
         self.aborted: set[str] = set()  # D's scheduler forgot them; their blocks wait for the report
         self.received: set[str] = set()  # reported received and verified; freed at the wave's end
+        self.recomputed: set[str] = set()  # reported failed, D wrote its own bytes; checked at the wave's end
         self.counts: Counter[str] = Counter()
 
     def announce(self, rid: str, seed: int, expect: str) -> None:
@@ -129,7 +133,11 @@ class _D:
                 # P tells D at once; not D's deadline, then its fence's timeout with a "claimant" that never ends
                 assert want != "failed_on_p" or "ended on P" in str(reason), f"{rid}: {reason}"
                 self.counts["failed"] += 1
-                self.free(rid)
+                if rid in self.aborted:
+                    self.free(rid)
+                else:  # vLLM recomputes into the same blocks: no write of P may land there any more
+                    self.inst.recompute(rid, RECOMPUTED + self.seeds[rid])
+                    self.recomputed.add(rid)
             else:
                 assert want not in ("failed", "failed_on_p"), f"{rid} reported received, its push could not complete"
                 assert self.inst.verify(rid, seed=self.seeds[rid]) > 0
@@ -152,11 +160,18 @@ class _D:
             time.sleep(0.01)
 
     def free_received(self) -> None:
-        """The wave's received requests decoded: verify once more (nothing late landed), then free."""
+        """The wave's requests decoded: verify once more (no late write landed), then free their blocks."""
         for rid in sorted(self.received):
             assert self.inst.verify(rid, seed=self.seeds[rid]) > 0
             self.free(rid)
+        for rid in sorted(self.recomputed):
+            try:
+                self.inst.verify(rid, seed=RECOMPUTED + self.seeds[rid])
+            except AssertionError as exc:
+                raise AssertionError(f"P wrote into {rid}'s blocks after D reported it failed: {exc}") from None
+            self.free(rid)
         self.received.clear()
+        self.recomputed.clear()
 
     def free(self, rid: str) -> None:
         """vLLM frees the blocks; they go first in line (the next allocation reuses them)."""
@@ -221,7 +236,7 @@ class _Chaos:
             if kind == "p_abort":  # the client goes away on P after the first of two chunks
                 item |= {"chunks": 2, "abort_after": 1}
             if kind == "slow":  # its next layer comes after D's layer deadline
-                item["compute_s"] = LAYER_S + 0.4
+                item["pause_s"] = LAYER_S + 0.5
             if kill:
                 item["compute_s"] = 0.01  # P is inside the batch when it dies
             items.append(item)
@@ -233,10 +248,21 @@ class _Chaos:
         if kill:
             self.kill_midway(rids)
         else:
-            reply = self.peer.read(60.0 + 4 * LAYER_S)
-            assert "error" not in reply, reply
+            self.await_reply(60.0 + 4 * LAYER_S)
         self.d.poll()
         return must
+
+    def await_reply(self, timeout_s: float) -> None:
+        """Wait for P's reply while D keeps stepping (as a decoding vLLM D calls ``get_finished`` every step)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self.peer.read(0.005)
+                break
+            except DeadlineExceeded:
+                assert time.monotonic() < deadline, f"P did not answer within {timeout_s} s"
+                self.d.poll()
+        assert "error" not in reply, reply
 
     def kill_midway(self, rids: list[str]) -> None:
         """SIGKILL P once D received a few of the batch (layers of the next in flight), start a new P."""
@@ -347,3 +373,21 @@ def test_layerwise_faults_with_p_killed_leave_nothing_behind() -> None:
             chaos.peer.close()
         d.inst.shutdown()
     assert engine.registered == {}, "D's registrations were not released"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="known: a live P whose forward stalls longer than layer_timeout_s + fence_timeout_s between two "
+    "layers writes the next one into the blocks D reported failed (and vLLM recomputes into)",
+)
+def test_p_stalled_past_the_fence_writes_into_recomputed_blocks(make_lw_pair: Callable[..., Any]) -> None:
+    pair = make_lw_pair(d_extra={"layer_timeout_s": 0.5, "fence_timeout_s": 0.2}, layers=3, heads=1, head_dim=8)
+    d = pair.d
+    d.announce("s", PROMPT)
+    pair.send_prefill(pair.metaserver.take("s"), PROMPT, seed=7, pause_s=1.5)
+    errors = d.wait_recv({"s"}, timeout_s=10.0)  # D steps meanwhile: gives up at 0.5 s, fence over at 0.7 s
+    assert errors == set(d.blocks["s"][0])
+    d.recompute("s", seed=99)  # vLLM recomputes into the same blocks
+    pair.read_prefill()  # P's next layer came at 1.5 s
+    d.verify("s", seed=99)  # raises: P's layer 1 landed in the recomputed blocks

@@ -8,15 +8,16 @@ JSON line each:
   {"init_method", "rank", "world_size", "timeout_s"}}`` -> ``{"ok": true}``. With ``gloo`` the
   process joins a gloo group of all P ranks and builds the all-to-all sub-groups
   (the ``pd_head_ratio`` consecutive ranks feeding one D rank).
-* ``{"cmd": "prefill", "name", "params", "prompt_len", "seed", "compute_s", "chunks", "kv_in_forward"}``
+* ``{"cmd": "prefill", "name", "params", "prompt_len", "seed", "compute_s", "chunks", "kv_in_forward", "pause_s"}``
   -> ``{"start": monotonic, "elapsed": s}`` (the layer-by-layer forward; pushes overlap it).
 * ``{"cmd": "raw_push", "name", "params", "prompt_len"}`` -> ``{"elapsed": s}`` (the benchmark's
   raw-engine baseline: the same writes, one ``batch_transfer_sync_write`` per layer, no compute).
 * ``{"cmd": "compute_only", "name", "compute_s"}`` -> ``{"elapsed": s}`` (the forward's simulated
   compute alone, every layer, no push: the bench's measured total compute).
 * ``{"cmd": "prefill_many", "name", "items": [{"params", "prompt_len", "seed", "compute_s", "chunks",
-  "abort_after"}, ...]}`` -> ``{"done": n}`` (the prefills one after the other, in one round trip;
-  ``abort_after`` > 0 ends the request on P after that many chunks).
+  "abort_after", "pause_s"}, ...]}`` -> ``{"done": n}`` (the prefills one after the other, in one
+  round trip; ``abort_after`` > 0 ends the request on P after that many chunks, ``pause_s`` stalls
+  each step after its first layer).
 * ``{"cmd": "idle", "name"}`` -> ``{"ok": true}`` once every layer's push finished.
 * ``{"cmd": "held", "name"}`` -> what the instance holds (`LwInstance.held`) once idle, plus the
   process's ``threads`` (native ones too), open ``fds`` and engine ``regions``.
@@ -98,6 +99,7 @@ def _prefill(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
         compute_s=float(msg.get("compute_s", 0.0)),
         chunks=int(msg.get("chunks", 1)),
         kv_in_forward=bool(msg.get("kv_in_forward", True)),
+        pause_s=float(msg.get("pause_s", 0.0)),
     )
     return {"start": start, "elapsed": elapsed}
 
@@ -111,6 +113,7 @@ def _prefill_many(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
             compute_s=float(item.get("compute_s", 0.0)),
             chunks=int(item.get("chunks", 1)),
             abort_after=int(item.get("abort_after", 0)),
+            pause_s=float(item.get("pause_s", 0.0)),
         )
     return {"done": len(msg["items"])}
 

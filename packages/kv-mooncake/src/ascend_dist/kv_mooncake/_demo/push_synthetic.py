@@ -193,6 +193,11 @@ class LwInstance:
                     checked += got.numel() * got.element_size()
         return checked
 
+    def recompute(self, rid: str, seed: int) -> None:
+        """D: write the request's blocks itself, as vLLM's recompute of a failed load does (pattern of ``seed``)."""
+        for i in range(self.model.layers):
+            self._write_layer(rid, seed, i)
+
     def finish(self, rid: str) -> None:
         """The request finished (either side): forget it and free its blocks."""
         req = self.requests.get(rid)
@@ -212,6 +217,7 @@ class LwInstance:
         chunks: int = 1,
         kv_in_forward: bool = True,
         abort_after: int = 0,
+        pause_s: float = 0.0,
     ) -> tuple[float, float]:
         """P: run the prompt's forward layer by layer (in ``chunks`` steps), pushing each layer; free at the end.
 
@@ -226,6 +232,8 @@ class LwInstance:
                 ``compute_s`` per layer).
             abort_after: When > 0, the request ends on P (client abort, stop) after this many
                 steps, before its last chunk: P frees it and never schedules it again.
+            pause_s: An extra stall of each step's forward after its first layer was saved (a
+                slow step: D's ``layer_timeout_s`` may pass before the next layer).
 
         Returns:
             ``(start, seconds)``: `time.monotonic` at the first layer (comparable across processes
@@ -246,7 +254,7 @@ class LwInstance:
             if abort_after and n == abort_after:
                 break
             self.step({rid: Scheduled(done, min(per_chunk, prompt_len - done))})
-            self.forward(rid, seed, compute_s, write=kv_in_forward)
+            self.forward(rid, seed, compute_s, write=kv_in_forward, pause_s=pause_s)
         elapsed = time.perf_counter() - begin
         self.finish(rid)  # P frees at once; the reuse gate protects layers still in flight
         if abort_after:
@@ -290,7 +298,7 @@ class LwInstance:
         self.finish(rid)
         return elapsed
 
-    def forward(self, rid: str, seed: int, compute_s: float, *, write: bool = True) -> None:
+    def forward(self, rid: str, seed: int, compute_s: float, *, write: bool = True, pause_s: float = 0.0) -> None:
         """One forward over every layer: reuse gate, compute delay, KV write, save."""
         for i in range(self.model.layers):
             name = self.model.layer_name(i)
@@ -302,6 +310,8 @@ class LwInstance:
                 self._write_layer(rid, seed, i)
             for r in self.ranks:
                 r.worker.save_kv_layer(name)
+            if i == 0 and pause_s:
+                time.sleep(pause_s)
 
     def _write_layer(self, rid: str, seed: int, layer: int) -> None:
         m = self.model
