@@ -324,16 +324,23 @@ class LwInstance:
                 t[index] = pattern(seed, layer, part, heads, pos, dim=t.shape[3])
 
     def held(self) -> dict[str, int]:
-        """P: what the instance still holds: scheduler entries, blocks, remembered failures, closed gates."""
-        failed = pending = 0
+        """P: what the instance still holds: scheduler entries, blocks, remembered failures and claims, closed gates."""
+        failed = pending = claims = 0
         for r in self.ranks:
             producer = r.worker._producer
             if producer is not None:
                 failed += producer.sender.failures_kept
+                claims += producer.sender.claims_kept
                 pending += sum(producer.gate.pending(i) for i in range(len(r.caches)))
         blocks = sum(len(i) for per in self.blocks.values() for i in per)
         tracked = self.scheduler.tracked
-        return {"tracked": tracked, "blocks_held": blocks, "failed_kept": failed, "gates_closed": pending}
+        return {
+            "tracked": tracked,
+            "blocks_held": blocks,
+            "failed_kept": failed,
+            "claims_kept": claims,
+            "gates_closed": pending,
+        }
 
     def wait_idle(self) -> None:
         """P: wait until every layer's push finished (all reuse gates open; bounded by ``gate_timeout_s``)."""

@@ -250,6 +250,9 @@ class LayerwiseWorker:
                 # One step's layers at most: start_load_kv waits for every queued layer before the
                 # next forward; with resharding the staging slots bound it tighter.
                 queue_size=len(self._table.names) if self._p.pd_head_ratio == 1 else STAGING_SLOTS,
+                # D holds a request it gave up on fence_timeout_s after the latest claim (P's and D's
+                # values should match): a write needs a claim younger than half of it.
+                claim_ttl_s=c.fence_timeout_s / 2,
             )
 
         self._producer = Producer(
