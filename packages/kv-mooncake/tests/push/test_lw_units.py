@@ -314,6 +314,29 @@ def test_d_scheduler_announces_all_blocks_and_p_scheduler_tracks_chunks() -> Non
     assert p.build_connector_meta({"r": Scheduled(70, 1)}).send == [] and p.tracked == 0
 
 
+def test_p_scheduler_hands_an_early_end_to_the_workers_once() -> None:
+    """A push that ends on P before its last chunk is named in the next step's ``ended`` (the workers
+    tell D it failed); one that finished, or never got a step (nothing written), is not."""
+    ms = CollectingMetaserver()
+    d = LayerwiseScheduler(_cfg(), [16], metaserver=ms)
+    for rid in ("a", "b", "c"):
+        d.update_state_after_alloc(
+            SchedRequest(rid, 70, {"do_remote_prefill": True, "metaserver": "http://x"}), [[1]], 70
+        )
+    posted = {rid: ms.take(rid) for rid in ("a", "b", "c")}
+    d.close()
+    p = LayerwiseScheduler(_cfg("kv_producer"), [16])
+    reqs = {rid: SchedRequest(rid, 70, {**posted[rid], "do_remote_decode": True}) for rid in posted}
+    for req in reqs.values():
+        p.update_state_after_alloc(req, [[9, 8, 7, 6, 5]], 0)
+    meta = p.build_connector_meta({"a": Scheduled(0, 40), "b": Scheduled(0, 70)})
+    assert meta.ended == [] and [m.chunk_finished for m in meta.send] == [False, True]
+    for req in reqs.values():  # a: aborted after its first chunk; b: finished; c: never scheduled
+        p.request_finished(req, [[9, 8, 7, 6, 5]])
+    assert p.build_connector_meta({}).ended == ["a"]
+    assert p.build_connector_meta({}).ended == [] and p.tracked == 0
+
+
 def test_d_scheduler_query_is_pure() -> None:
     """Asked twice before allocation: same answer, no announcement, nothing tracked."""
     ms = CollectingMetaserver()

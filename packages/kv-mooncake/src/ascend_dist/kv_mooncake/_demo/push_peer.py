@@ -8,13 +8,19 @@ JSON line each:
   {"init_method", "rank", "world_size", "timeout_s"}}`` -> ``{"ok": true}``. With ``gloo`` the
   process joins a gloo group of all P ranks and builds the all-to-all sub-groups
   (the ``pd_head_ratio`` consecutive ranks feeding one D rank).
-* ``{"cmd": "prefill", "name", "params", "prompt_len", "seed", "compute_s", "chunks", "kv_in_forward"}``
+* ``{"cmd": "prefill", "name", "params", "prompt_len", "seed", "compute_s", "chunks", "kv_in_forward", "pause_s"}``
   -> ``{"start": monotonic, "elapsed": s}`` (the layer-by-layer forward; pushes overlap it).
 * ``{"cmd": "raw_push", "name", "params", "prompt_len"}`` -> ``{"elapsed": s}`` (the benchmark's
   raw-engine baseline: the same writes, one ``batch_transfer_sync_write`` per layer, no compute).
 * ``{"cmd": "compute_only", "name", "compute_s"}`` -> ``{"elapsed": s}`` (the forward's simulated
   compute alone, every layer, no push: the bench's measured total compute).
+* ``{"cmd": "prefill_many", "name", "items": [{"params", "prompt_len", "seed", "compute_s", "chunks",
+  "abort_after", "pause_s"}, ...]}`` -> ``{"done": n}`` (the prefills one after the other, in one
+  round trip; ``abort_after`` > 0 ends the request on P after that many chunks, ``pause_s`` stalls
+  each step after its first layer).
 * ``{"cmd": "idle", "name"}`` -> ``{"ok": true}`` once every layer's push finished.
+* ``{"cmd": "held", "name"}`` -> what the instance holds (`LwInstance.held`) once idle, plus the
+  process's ``threads`` (native ones too), open ``fds`` and engine ``regions``.
 * ``{"cmd": "drop", "name"}``; ``{"cmd": "quit"}`` shuts everything down and exits.
 
 It exits by itself when stdin closes, so it never outlives its parent.
@@ -32,6 +38,7 @@ from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess
 from ascend_dist.kv_mooncake._demo.peer_serve import serve
 from ascend_dist.kv_mooncake._demo.push_synthetic import LwInstance
 from ascend_dist.kv_mooncake._demo.synthetic import Model
+from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.plan import a2a_groups
 from ascend_dist.kv_mooncake.push.reshard import AllToAll, GlooAllToAll
@@ -92,8 +99,31 @@ def _prefill(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
         compute_s=float(msg.get("compute_s", 0.0)),
         chunks=int(msg.get("chunks", 1)),
         kv_in_forward=bool(msg.get("kv_in_forward", True)),
+        pause_s=float(msg.get("pause_s", 0.0)),
     )
     return {"start": start, "elapsed": elapsed}
+
+
+def _prefill_many(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    for item in msg["items"]:
+        inst.prefill(
+            item["params"],
+            int(item["prompt_len"]),
+            int(item["seed"]),
+            compute_s=float(item.get("compute_s", 0.0)),
+            chunks=int(item.get("chunks", 1)),
+            abort_after=int(item.get("abort_after", 0)),
+            pause_s=float(item.get("pause_s", 0.0)),
+        )
+    return {"done": len(msg["items"])}
+
+
+def _held(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    inst.wait_idle()
+    assert inst.engine is not None
+    regions = len(inst.engine.registered) if isinstance(inst.engine, MooncakeEngine) else -1
+    proc = {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")), "regions": regions}
+    return {**inst.held(), **proc}
 
 
 def _idle(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +134,8 @@ def _idle(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
 _COMMANDS: dict[str, Callable[[LwInstance, dict[str, Any]], dict[str, Any]]] = {
     "prefill": _prefill,
     "idle": _idle,
+    "prefill_many": _prefill_many,
+    "held": _held,
     "compute_only": lambda inst, m: {"elapsed": inst.compute_only(float(m["compute_s"]))},
     "raw_push": lambda inst, m: {"elapsed": inst.raw_push(m["params"], int(m["prompt_len"]))},
 }

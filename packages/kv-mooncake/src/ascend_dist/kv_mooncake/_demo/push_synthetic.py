@@ -193,6 +193,11 @@ class LwInstance:
                     checked += got.numel() * got.element_size()
         return checked
 
+    def recompute(self, rid: str, seed: int) -> None:
+        """D: write the request's blocks itself, as vLLM's recompute of a failed load does (pattern of ``seed``)."""
+        for i in range(self.model.layers):
+            self._write_layer(rid, seed, i)
+
     def finish(self, rid: str) -> None:
         """The request finished (either side): forget it and free its blocks."""
         req = self.requests.get(rid)
@@ -211,6 +216,8 @@ class LwInstance:
         compute_s: float = 0.0,
         chunks: int = 1,
         kv_in_forward: bool = True,
+        abort_after: int = 0,
+        pause_s: float = 0.0,
     ) -> tuple[float, float]:
         """P: run the prompt's forward layer by layer (in ``chunks`` steps), pushing each layer; free at the end.
 
@@ -223,6 +230,10 @@ class LwInstance:
             kv_in_forward: Write each layer's KV inside the forward (after its reuse gate); False
                 writes every layer before the timed forward (the bench: then the forward costs only
                 ``compute_s`` per layer).
+            abort_after: When > 0, the request ends on P (client abort, stop) after this many
+                steps, before its last chunk: P frees it and never schedules it again.
+            pause_s: An extra stall of each step's forward after its first layer was saved (a
+                slow step: D's ``layer_timeout_s`` may pass before the next layer).
 
         Returns:
             ``(start, seconds)``: `time.monotonic` at the first layer (comparable across processes
@@ -239,11 +250,15 @@ class LwInstance:
                 self._write_layer(rid, seed, i)
         per_chunk = -(-prompt_len // chunks)
         start, begin = time.monotonic(), time.perf_counter()
-        for done in range(0, prompt_len, per_chunk):
+        for n, done in enumerate(range(0, prompt_len, per_chunk)):
+            if abort_after and n == abort_after:
+                break
             self.step({rid: Scheduled(done, min(per_chunk, prompt_len - done))})
-            self.forward(rid, seed, compute_s, write=kv_in_forward)
+            self.forward(rid, seed, compute_s, write=kv_in_forward, pause_s=pause_s)
         elapsed = time.perf_counter() - begin
         self.finish(rid)  # P frees at once; the reuse gate protects layers still in flight
+        if abort_after:
+            self.step({})  # vLLM schedules one more step to tell the workers what finished
         return start, elapsed
 
     def compute_only(self, compute_s: float) -> float:
@@ -283,7 +298,7 @@ class LwInstance:
         self.finish(rid)
         return elapsed
 
-    def forward(self, rid: str, seed: int, compute_s: float, *, write: bool = True) -> None:
+    def forward(self, rid: str, seed: int, compute_s: float, *, write: bool = True, pause_s: float = 0.0) -> None:
         """One forward over every layer: reuse gate, compute delay, KV write, save."""
         for i in range(self.model.layers):
             name = self.model.layer_name(i)
@@ -295,6 +310,8 @@ class LwInstance:
                 self._write_layer(rid, seed, i)
             for r in self.ranks:
                 r.worker.save_kv_layer(name)
+            if i == 0 and pause_s:
+                time.sleep(pause_s)
 
     def _write_layer(self, rid: str, seed: int, layer: int) -> None:
         m = self.model
@@ -305,6 +322,25 @@ class LwInstance:
             heads = torch.arange(r.heads[0], r.heads[0] + r.heads[1])
             for part, t in enumerate(r.caches[m.layer_name(layer)]):
                 t[index] = pattern(seed, layer, part, heads, pos, dim=t.shape[3])
+
+    def held(self) -> dict[str, int]:
+        """P: what the instance still holds: scheduler entries, blocks, remembered failures and claims, closed gates."""
+        failed = pending = claims = 0
+        for r in self.ranks:
+            producer = r.worker._producer
+            if producer is not None:
+                failed += producer.sender.failures_kept
+                claims += producer.sender.claims_kept
+                pending += sum(producer.gate.pending(i) for i in range(len(r.caches)))
+        blocks = sum(len(i) for per in self.blocks.values() for i in per)
+        tracked = self.scheduler.tracked
+        return {
+            "tracked": tracked,
+            "blocks_held": blocks,
+            "failed_kept": failed,
+            "claims_kept": claims,
+            "gates_closed": pending,
+        }
 
     def wait_idle(self) -> None:
         """P: wait until every layer's push finished (all reuse gates open; bounded by ``gate_timeout_s``)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ __all__ = ["LayerTable", "Producer"]
 logger = logging.getLogger(__name__)
 
 STAGING_SLOTS = 2
+OPEN_MEMORY = 65536  # unfinished requests whose D endpoints a rank remembers (for an early end)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ class Producer:
         self._staging: list[list[torch.Tensor]] = []
         self._free_slots: queue.Queue[int] = queue.Queue()
         self._step: list[tuple[SendReqMeta, RequestPlan]] = []
+        # Requests planned whose last chunk has not been planned yet: who waits for their Done.
+        self._open: OrderedDict[str, tuple[tuple[Endpoint, int], ...]] = OrderedDict()
         if self._ratio > 1 and not all(self._direct(n) for n in layers.names):
             self._make_staging(register)
         slots = {i: [t.data_ptr() for t in layers.tensors[n]] for i, n in enumerate(layers.names)}
@@ -128,8 +132,11 @@ class Producer:
         assert self._sender is not None
         return self._sender
 
-    def plan_step(self, send: Sequence[SendReqMeta]) -> None:
+    def plan_step(self, send: Sequence[SendReqMeta], ended: Sequence[str] = ()) -> None:
         """Wait until every queued layer was pushed, then plan this step's writes (replacing the last step's).
+
+        ``ended``: requests that ended on P before their last chunk; each D this rank wrote them to
+        gets a failed `PushDone` (queued after their written layers, so it follows their notices).
 
         vLLM writes a layer's KV (``unified_kv_cache_update``) BEFORE it calls ``wait_for_layer_load``,
         so the reuse gate waited on there comes too late for blocks freed and reallocated since the
@@ -142,11 +149,16 @@ class Producer:
             TransferError: The send thread died with layers queued.
         """
         self.gate.wait_all(self._config.gate_timeout_s)
+        for tid in ended:
+            done_to = self._open.pop(tid, None)
+            if done_to:
+                self.sender.end(tid, done_to, "the request ended on P before its last chunk was pushed")
         self._step = []
         for idx, req in enumerate(send):
             plan = self._plan(idx, req)
             if plan is not None:
                 self._step.append((req, plan))
+                self._track(plan)
         # D's fence: claim every request this rank writes in this step before the first write; D
         # answers the ones it gave up on (their blocks may be recomputed) and those are not written.
         claims: dict[Endpoint, list[str]] = {}
@@ -156,6 +168,16 @@ class Producer:
                     claims.setdefault(endpoint, []).append(plan.transfer_id)
         for endpoint, ids in claims.items():
             self.sender.claim(endpoint, ids)
+
+    def _track(self, plan: RequestPlan) -> None:
+        """Remember who waits for an unfinished request's Done; forget it with its last chunk."""
+        if plan.chunk_finished:
+            self._open.pop(plan.transfer_id, None)
+            return
+        self._open[plan.transfer_id] = plan.done_to
+        self._open.move_to_end(plan.transfer_id)
+        while len(self._open) > OPEN_MEMORY:  # bounded: a request vLLM never finishes nor ends
+            self._open.popitem(last=False)
 
     def _plan(self, idx: int, req: SendReqMeta) -> RequestPlan | None:
         prm = req.params

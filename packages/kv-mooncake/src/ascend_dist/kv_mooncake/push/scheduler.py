@@ -124,6 +124,7 @@ class LayerwiseScheduler:
         self._send: dict[str, _Send] = {}
         self._lock = threading.Lock()
         self._failed: dict[str, str] = {}
+        self._ended: list[str] = []  # P: pushes that ended before their last chunk, for the next step
         self._announcer: AsyncAnnouncer | None = None
         if not config.is_producer:
             client = metaserver or HttpMetaserver(config.tls, timeout_s=config.metaserver_timeout_s)
@@ -133,7 +134,7 @@ class LayerwiseScheduler:
     def tracked(self) -> int:
         """Requests with scheduler state (0 when idle: nothing leaks)."""
         with self._lock:
-            return len(self._recv) + len(self._send) + len(self._failed)
+            return len(self._recv) + len(self._send) + len(self._failed) + len(self._ended)
 
     def check_params(self, request_id: str, raw: Mapping[str, Any], prompt_len: int) -> PushParams | None:
         """The strict check the vLLM adapter's `ParamsGate` runs before any hook sees a request's params.
@@ -328,7 +329,8 @@ class LayerwiseScheduler:
             recv.append(
                 RecvReqMeta(request_id=rid, transfer_id=external_request_id(rid), block_ids=state.ids, failed=reason)
             )
-        return LayerwiseMetadata(recv=recv, send=self._sends(scheduled or {}))
+        ended, self._ended = self._ended, []
+        return LayerwiseMetadata(recv=recv, send=self._sends(scheduled or {}), ended=ended)
 
     def _sends(self, scheduled: Mapping[str, Scheduled]) -> list[SendReqMeta]:
         out: list[SendReqMeta] = []
@@ -358,9 +360,17 @@ class LayerwiseScheduler:
         return out
 
     def request_finished(self, request: SchedRequest, block_ids: Sequence[Sequence[int]]) -> tuple[bool, None]:
-        """Forget the request; blocks are freed at once on both sides (P: the reuse gate protects them)."""
+        """Forget the request; blocks are freed at once on both sides (P: the reuse gate protects them).
+
+        P: a push that ends before its last chunk (the client aborted, a stop) is handed to the
+        workers at the next step (`LayerwiseMetadata.ended`): each rank that wrote some of it tells
+        D it failed once its written layers are notified, so D reports it at once instead of after
+        ``layer_timeout_s`` and the fence's ``fence_timeout_s`` (D cannot tell such a P from a dead one).
+        """
         self._recv.pop(request.request_id, None)
-        self._send.pop(request.request_id, None)
+        info = self._send.pop(request.request_id, None)
+        if info is not None and info.computed > 0:  # some chunk was scheduled: the workers wrote part of it
+            self._ended.append(info.params.request_id)
         return False, None
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ __all__ = ["MetaCache", "SendTask", "SendThread", "WriteItem"]
 logger = logging.getLogger(__name__)
 
 FAILED_MEMORY = 65536  # failed requests remembered per P rank
+CLAIMS_MEMORY = 65536  # (endpoint, request) claims remembered per P rank (dropped with the request's Done)
 
 _MAX_COALESCED = 64  # layers one notification may cover when the notifier lags behind the writes
 
@@ -145,6 +147,7 @@ class SendThread:
         sender: str,
         transfer_timeout_s: float,
         queue_size: int = 0,
+        claim_ttl_s: float = 0.0,
     ) -> None:
         """Start the thread.
 
@@ -158,6 +161,10 @@ class SendThread:
             sender: This rank's identity in DONEs (``"<host>:<engine session>"``, unique per rank).
             transfer_timeout_s: Deadline of one layer's writes to one session.
             queue_size: Bound on queued layers (0 = unbounded).
+            claim_ttl_s: A write needs a claim on its request sent at most this long ago, else the
+                claim is renewed first (D may have given up meanwhile). D holds a request it gave up on
+                for its ``fence_timeout_s`` after the latest claim it accepted, so half of it leaves
+                the write that long to land. 0: claims never age (tests of other parts).
         """
         self._engine, self._client = engine, client
         self._requests, self._replies = requests, replies
@@ -167,6 +174,8 @@ class SendThread:
         self._queue: queue.Queue[SendTask | None] = queue.Queue(maxsize=queue_size)
         # Popped when the request's last layer is notified; bounded, as an aborted request never gets there.
         self._failed: OrderedDict[str, str] = OrderedDict()
+        self._claim_ttl_s = claim_ttl_s
+        self._claims: OrderedDict[tuple[Endpoint, str], float] = OrderedDict()  # -> monotonic when sent
         self._lock = threading.Lock()
         # Notifications run on their own thread (FIFO, so a request's Done follows its LayerDones):
         # the next layer's write never waits for D's acknowledgement of the previous one.
@@ -188,6 +197,18 @@ class SendThread:
             while len(self._failed) > FAILED_MEMORY:
                 self._failed.popitem(last=False)
 
+    @property
+    def failures_kept(self) -> int:
+        """Failed requests remembered (bounded by `FAILED_MEMORY`)."""
+        with self._lock:
+            return len(self._failed)
+
+    @property
+    def claims_kept(self) -> int:
+        """Claims remembered (each dropped with its request's Done; bounded by `CLAIMS_MEMORY`)."""
+        with self._lock:
+            return len(self._claims)
+
     def failure(self, transfer_id: str) -> str | None:
         """Why a request failed on this rank, or None."""
         with self._lock:
@@ -199,6 +220,7 @@ class SendThread:
         Ids D answers ``unknown`` (it gave up on them; vLLM may be recomputing into their blocks) and
         every id when D does not answer are marked failed, so nothing of them is written.
         """
+        sent = time.monotonic()  # D received it later: its hold counts from then
         reply = self._call(endpoint, Claim(sender=self._sender, request_ids=list(transfer_ids)))
         if reply is None:
             for tid in transfer_ids:
@@ -206,9 +228,29 @@ class SendThread:
         elif isinstance(reply, Ack):
             for tid in reply.unknown:
                 self.mark_failed(tid, "D no longer waits for the request")
+            with self._lock:
+                for tid in set(transfer_ids) - set(reply.unknown):
+                    self._claims[(endpoint, tid)] = sent
+                    self._claims.move_to_end((endpoint, tid))
+                while len(self._claims) > CLAIMS_MEMORY:
+                    self._claims.popitem(last=False)
         else:
             for tid in transfer_ids:
                 self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} answered a claim with {type(reply).__name__}")
+
+    def end(self, transfer_id: str, done_to: Sequence[tuple[Endpoint, int]], reason: str) -> None:
+        """The request ended on P before its last chunk: queue a failed `PushDone` to each D in ``done_to``.
+
+        Queued behind the layers already submitted (FIFO through both threads), so D hears it after
+        their notices; nothing more of the request is written.
+        """
+        self.mark_failed(transfer_id, reason)
+        if not self.alive:
+            raise TransferError("send thread is not running")
+        try:  # empty after `plan_step`'s wait for every queued layer; bounded all the same
+            self._queue.put(SendTask(layer=-1, finished=[(transfer_id, tuple(done_to))]), timeout=self._timeout_s)
+        except queue.Full:
+            logger.error("request %s: its failed Done was not queued; D fails it at its deadline", transfer_id)
 
     def submit(self, task: SendTask, timeout_s: float) -> None:
         """Queue a layer (the gate must already be closed).
@@ -239,7 +281,8 @@ class SendThread:
             finally:
                 if task.release is not None:
                     task.release()
-                self._gate.complete(task.layer, error)
+                if task.layer >= 0:  # an early end (`end`) has no layer
+                    self._gate.complete(task.layer, error)
                 self._notes.put(task)
 
     def _notify_loop(self) -> None:
@@ -264,13 +307,34 @@ class SendThread:
             for tid, done_to in task.finished:
                 with self._lock:
                     reason = self._failed.pop(tid, None)
+                    for endpoint, _ in done_to:
+                        self._claims.pop((endpoint, tid), None)
                 for endpoint, count in done_to:
                     done = PushDone(
                         sender=self._sender, request_id=tid, trans_count=count, ok=reason is None, reason=reason or ""
                     )
                     self._send_done(endpoint, done)
 
+    def _renew_claims(self, items: Sequence[WriteItem]) -> None:
+        """Renew each claim older than ``claim_ttl_s`` before writing (a stalled forward: D may have given up)."""
+        if not self._claim_ttl_s:
+            return
+        now = time.monotonic()
+        stale: dict[Endpoint, list[str]] = {}
+        with self._lock:
+            for item in items:
+                sent = self._claims.get((item.endpoint, item.transfer_id))
+                if sent is None or now - sent > self._claim_ttl_s:
+                    ids = stale.setdefault(item.endpoint, [])
+                    if item.transfer_id not in ids:
+                        ids.append(item.transfer_id)
+        for endpoint, ids in stale.items():
+            live = [tid for tid in ids if self.failure(tid) is None]
+            if live:
+                self.claim(endpoint, live)  # ids D gave up on are marked failed: not written
+
     def _write(self, task: SendTask) -> str | None:
+        self._renew_claims(task.items)
         by_session: dict[str, list[WriteItem]] = {}
         for item in task.items:
             if self.failure(item.transfer_id) is None:

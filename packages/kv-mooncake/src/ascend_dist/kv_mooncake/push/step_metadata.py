@@ -40,3 +40,4 @@ class LayerwiseMetadata(msgspec.Struct, frozen=True, kw_only=True):
 
     recv: list[RecvReqMeta] = []
     send: list[SendReqMeta] = []
+    ended: list[str] = []  # P: transfer ids of requests that ended before their last chunk (abort, stop)

@@ -19,6 +19,7 @@ Runs in: every worker process (one per TP x PCP rank). Order of calls (vLLM v1 m
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
@@ -48,6 +49,8 @@ from ascend_dist.kv_mooncake.push.step_metadata import LayerwiseMetadata
 __all__ = ["LayerwiseWorker"]
 
 logger = logging.getLogger(__name__)
+
+FAILURE_REASONS_KEPT = 32  # D: the latest failed requests' reasons (each is logged when it fails)
 
 
 def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -112,7 +115,8 @@ class LayerwiseWorker:
         self._agent: AgentMetadata | None = None
         self._load_errors: set[int] = set()
         self._failed_rids: set[str] = set()
-        self.failure_reasons: dict[str, str] = {}
+        # The latest failures' reasons (tests, diagnostics); bounded: vLLM never collects them.
+        self.failure_reasons: OrderedDict[str, str] = OrderedDict()
         self._layout = "mla/NHD" if use_mla else "kv/NHD"  # kind/order; set from the tensors at registration
 
     @property
@@ -246,6 +250,9 @@ class LayerwiseWorker:
                 # One step's layers at most: start_load_kv waits for every queued layer before the
                 # next forward; with resharding the staging slots bound it tighter.
                 queue_size=len(self._table.names) if self._p.pd_head_ratio == 1 else STAGING_SLOTS,
+                # D holds a request it gave up on fence_timeout_s after the latest claim (P's and D's
+                # values should match): a write needs a claim younger than half of it.
+                claim_ttl_s=c.fence_timeout_s / 2,
             )
 
         self._producer = Producer(
@@ -292,7 +299,7 @@ class LayerwiseWorker:
                 self._receiver.expect(r)
             return
         assert self._producer is not None
-        self._producer.plan_step(meta.send)
+        self._producer.plan_step(meta.send, meta.ended)
 
     def wait_for_layer_load(self, layer_name: str, request_ids: Collection[str] = ()) -> None:
         """P: wait until the layer's storage is no longer being pushed; D: wait for the listed requests' layer.
@@ -339,6 +346,8 @@ class LayerwiseWorker:
         self._load_errors |= errors
         self._failed_rids |= set(reasons)
         self.failure_reasons.update(reasons)
+        while len(self.failure_reasons) > FAILURE_REASONS_KEPT:
+            self.failure_reasons.popitem(last=False)
         return set(), done
 
     def take_failed(self) -> set[str]:
