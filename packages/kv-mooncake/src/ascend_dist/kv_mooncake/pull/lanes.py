@@ -101,8 +101,10 @@ class Lane:
             self._open_until = self._clock() + self._retry_s
 
     def release(self, token: object) -> None:
-        """``token``'s request ended without a verdict on the peer (it had nothing to read, or
-        failed on D's side before P was asked): if it was the probe, the next request probes."""
+        """``token``'s request ended without a verdict on the peer: if it was the probe, the next probes.
+
+        It had nothing to read, or failed on D's side before P was asked.
+        """
         with self._lock:
             if self._probe is token:
                 self._probe = None
