@@ -1,8 +1,8 @@
 """Fault injection around a real transfer engine, for kv-mooncake's tests: wrappers of our engine interface.
 
 A fault test hands a connector one of these instead of the real engine (through its constructor):
-`EngineWrapper` forwards every call (``session``, ``register``, ``unregister``, ``read``, ``write``)
-to the real engine, so a subclass overrides only the call it breaks (a read that hangs, arrives
+`EngineWrapper` forwards every call (``session``, ``transport_ports``, ``register``, ``unregister``,
+``read``, ``write``) to the real engine, so a subclass overrides only the call it breaks (a read that hangs, arrives
 late, or outlasts a lease; a write that lags). Nothing here imports an engine: the wrapped object
 is whatever engine the test built.
 """
@@ -26,6 +26,11 @@ class EngineWrapper:
     def session(self) -> str:
         """The real engine's session id."""
         return str(self.real.session)
+
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        """The real engine's transport ports."""
+        return tuple(self.real.transport_ports)
 
     def register(self, regions: Any) -> None:
         """Register with the real engine."""

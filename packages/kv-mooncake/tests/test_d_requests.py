@@ -90,12 +90,30 @@ def test_deadline_fails_and_quarantines_until_the_reads_end() -> None:
     assert table.take_failed({"a"}) == {"a"}
 
 
-def test_a_read_that_never_returns_is_given_up_one_timeout_after_the_deadline() -> None:
+def test_a_read_still_running_a_timeout_past_the_deadline_is_named_once_and_stays_held() -> None:
+    """The blocks never go back while a read into them runs: past the deadline plus one more
+    timeout the request is named once (the receiver cuts its connections), and only the read's
+    return releases it (before, the table released it at that point with the read still running)."""
     table = DRequests(pull_timeout_s=TIMEOUT)
-    _pull(table, "a", pending=1)
+    record = _pull(table, "a", pending=1)
     table.expire(now=TIMEOUT)
-    assert table.take_finished(now=2 * TIMEOUT - 0.1) == set()
-    assert table.take_finished(now=2 * TIMEOUT) == {"a"}
+    assert table.stuck(now=2 * TIMEOUT - 0.1) == []
+    assert table.stuck(now=2 * TIMEOUT) == [record] and record.severed
+    assert table.stuck(now=2 * TIMEOUT + 1) == []  # once
+    assert table.take_finished(now=2 * TIMEOUT) == set()
+    assert table.take_finished(now=100 * TIMEOUT) == set()  # however long the read runs
+    table.hold(record, 100 * TIMEOUT + 1)  # it returned failed: the quarantine after a failed read
+    record.pending = 0
+    assert table.take_finished(now=100 * TIMEOUT) == set()
+    assert table.take_finished(now=100 * TIMEOUT + 1) == {"a"}
+
+
+def test_a_request_whose_reads_ended_is_never_named_stuck() -> None:
+    table = DRequests(pull_timeout_s=TIMEOUT)
+    record = _pull(table, "a", pending=1)
+    table.expire(now=TIMEOUT)
+    record.pending = 0
+    assert table.stuck(now=3 * TIMEOUT) == [] and not record.severed
 
 
 def test_notify_only_is_never_reported() -> None:

@@ -61,6 +61,10 @@ class FakeEngine:
     def session(self) -> str:
         return "127.0.0.1:1234"
 
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        return ()
+
     def register(self, regions: RegisterRegions) -> None:
         self.registered.extend(zip(regions.ptrs, regions.lengths, strict=True))
 

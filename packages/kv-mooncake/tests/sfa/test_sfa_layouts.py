@@ -37,6 +37,10 @@ class FakeEngine:
     def session(self) -> str:
         return "127.0.0.1:4321"
 
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        return ()
+
     def register(self, regions: RegisterRegions) -> None:
         pass
 

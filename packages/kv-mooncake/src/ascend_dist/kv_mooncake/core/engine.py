@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from ascend_dist.common.errors import ConfigError, NativeLibraryError, TransferError, TransferTimeout
 from ascend_dist.common.regions import RegisterRegions, validate_register_region_count
 from ascend_dist.kv_mooncake.core.descriptors import MOONCAKE_TCP_MAX_PIECES, Descriptors
+from ascend_dist.kv_mooncake.core.tcp_sockets import listening_ports
 
 __all__ = [
     "MooncakeEngine",
@@ -50,6 +51,11 @@ class Regions(Protocol):
     @property
     def session(self) -> str:
         """This engine's session id, ``"<host>:<rpc_port>"``."""
+        ...
+
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        """The ports its data transport listens on besides the session's (empty where none is known)."""
         ...
 
     def register(self, regions: RegisterRegions) -> None:
@@ -102,10 +108,15 @@ class MooncakeEngine:
                 f"{exc}; install ascend-dist-kv-mooncake[cpu] and the system library libibverbs1",
             ) from exc
         self._te: Any = TransferEngine()
+        before = listening_ports()
         rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise NativeLibraryError("TransferEngine.initialize", rc, f"host={host} protocol={protocol}")
-        self._session = f"{host}:{self._te.get_rpc_port()}"
+        rpc_port = self._te.get_rpc_port()
+        self._session = f"{host}:{rpc_port}"
+        # Mooncake does not name its TCP transport's listener: the ports initialize() opened, less
+        # the RPC port. A D that gives up a read cuts its connections to these (see tcp_sockets).
+        self._transport_ports = tuple(sorted(listening_ports() - before - {rpc_port}))
         self._max_pieces = max_pieces
         self._refs: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
@@ -117,6 +128,11 @@ class MooncakeEngine:
     def session(self) -> str:
         """This engine's session id."""
         return self._session
+
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        """The ports Mooncake's transport opened at ``initialize`` besides the RPC port."""
+        return self._transport_ports
 
     @property
     def pieces_in_flight(self) -> int:

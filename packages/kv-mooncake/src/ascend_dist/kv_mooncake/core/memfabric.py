@@ -66,6 +66,11 @@ class MemfabricEngine:
         """``"<host>:<rpc_port>"``, the address peers read from."""
         return self._session
 
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        """None known: MemFabric moves bytes over the device fabric, not over TCP connections of ours."""
+        return ()
+
     def register(self, regions: RegisterRegions) -> None:
         """Register each region (device or host memory).
 

@@ -75,6 +75,10 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
     head_major: bool = False
 
 
+MAX_TRANSPORT_PORTS = 8
+"""Listener ports a worker may name in `AgentMetadata.transport_ports` (Mooncake's TCP transport opens one)."""
+
+
 class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker tells its peer about its KV cache (pull: P's, read by D; push: D's, written by P).
 
@@ -86,6 +90,9 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
         block_size: Tokens per logical block.
         num_blocks: Logical blocks per tensor.
         layers: Layer name -> its tensors (K, V or MLA parts) in order.
+        transport_ports: Where the worker's Mooncake transport listens besides ``te_session``'s
+            port (pull's P: a D that gives up a read cuts its connections to them; empty from a
+            peer that does not say, which leaves D without that cut).
     """
 
     engine_id: str
@@ -95,6 +102,9 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int
     layers: dict[str, list[TensorMeta]]
     pp_rank: int = 0
+    transport_ports: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=1, le=65535)], ...], msgspec.Meta(max_length=MAX_TRANSPORT_PORTS)
+    ] = ()
 
 
 class Greeting(Request, frozen=True, kw_only=True):

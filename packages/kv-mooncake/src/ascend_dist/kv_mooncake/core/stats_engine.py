@@ -52,6 +52,11 @@ class CountingEngine:
         """The wrapped engine's session id."""
         return str(self.inner.session)
 
+    @property
+    def transport_ports(self) -> tuple[int, ...]:
+        """The wrapped engine's transport ports."""
+        return tuple(self.inner.transport_ports)
+
     def register(self, regions: Any) -> None:
         """Register memory regions with the wrapped engine."""
         self.inner.register(regions)

@@ -7,8 +7,10 @@ Runs in: D worker processes, under the `Receiver`'s lock (the table itself takes
 A request is ``PULLING`` while its tasks run. When the last one ends it is ``DONE`` (reported in
 the next ``finished_recving``) or, if a read failed and may still write into its blocks (Mooncake
 #4247), ``QUARANTINED`` until no read runs and ``quarantine_s`` has passed since the last failed
-read. One still pulling at its deadline is failed and quarantined: its reads may still run; if one
-never returns, the blocks are released one more ``pull_timeout_s`` after the deadline. A failed
+read. One still pulling at its deadline is failed and quarantined: its reads may still run. One
+whose read still runs one more ``pull_timeout_s`` after the deadline is named once by
+`DRequests.stuck`, so the receiver cuts its connections to that P (which ends the read), and stays
+held until the read has returned: the blocks never go back to vLLM while a read into them runs. A failed
 request, once reported finished, stays ``REPORTED`` until `DRequests.take_failed` names it. A
 receive that only tells P to free (``notify_only``: vLLM no longer holds the request) is never
 reported: it leaves the table instead of becoming ``DONE``.
@@ -74,6 +76,10 @@ class DRequest:
     tasks: list[PullTask] = field(default_factory=list)
     failed: bool = False
     hold_until: float = 0.0
+    sources: set[tuple[str, tuple[int, ...]]] = field(default_factory=set)
+    """``(P host, its transport ports)`` of every read started for the request (what to cut if one hangs)."""
+    severed: bool = False
+    """Its connections were cut once because a read outlived the deadline and the grace."""
     machine: StateMachine[DState] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,18 +178,27 @@ class DRequests:
             record.machine.advance(DState.QUARANTINED)
         return expired
 
+    def stuck(self, now: float) -> list[DRequest]:
+        """``QUARANTINED`` requests whose read still runs ``pull_timeout_s`` after their deadline.
+
+        Each is named once: the caller cuts its connections (the blocks stay held until the read returns).
+        """
+        out = [
+            r
+            for r in self._records.values()
+            if r.state is DState.QUARANTINED and r.pending > 0 and not r.severed and now >= r.deadline + self._grace_s
+        ]
+        for record in out:
+            record.severed = True
+        return out
+
     def _release(self, now: float) -> None:
         for record in [r for r in self._records.values() if r.state is DState.QUARANTINED]:
+            if record.pending > 0:
+                continue  # a read into its blocks still runs
             if record.meta.notify_only:
-                del self._records[record.request_id]  # vLLM no longer holds it: nothing to report
-            elif record.pending <= 0 and now >= record.hold_until:
-                record.machine.advance(DState.DONE)
-            elif now >= record.deadline + self._grace_s:
-                logger.error(
-                    "request %s: a read still runs %.1f s after its deadline; releasing its blocks anyway",
-                    record.request_id,
-                    self._grace_s,
-                )
+                del self._records[record.request_id]  # vLLM holds no blocks of it: nothing to report
+            elif now >= record.hold_until:
                 record.machine.advance(DState.DONE)
 
     def take_finished(self, now: float) -> set[str]:

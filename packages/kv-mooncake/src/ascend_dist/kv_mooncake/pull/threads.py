@@ -29,10 +29,14 @@ DONE (P would not count it: the params were never P's). Every ``Renew`` and DONE
 `Grant`.
 
 Quarantine: a failed or timed-out read may still write into D's blocks later
-(Mooncake #4247), so its request's blocks are reported as load errors at once but the request
-reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of its reads runs and
-``quarantine_s`` has passed since the last failed read; a read that never returns is given up one
-more ``pull_timeout_s`` after the deadline (logged). Each request's state (pulling, quarantined,
+(Mooncake #4247: its TCP transport's pending receive outlives a failed read, and a read hung on a
+dead link lands when the link returns), so its request's blocks are reported as load errors at
+once but the request reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of
+its reads runs and ``quarantine_s`` has passed since the last failed read. A read still running
+one more ``pull_timeout_s`` past the deadline is ended by cutting D's connections to that P's
+transport (`core.tcp_sockets`); the request stays held until the read has returned. (Only then:
+Mooncake keeps the cut connections pooled, so the next reads to that P may fail once on them;
+cutting after every failed read would make each such failure cut again.) Each request's state (pulling, quarantined,
 done, reported failed) is one record of `ascend_dist.kv_mooncake.pull.d_requests.DRequests`.
 """
 
@@ -55,6 +59,7 @@ from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
 from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode, select_sources
+from ascend_dist.kv_mooncake.core.tcp_sockets import sever_connections
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
@@ -154,6 +159,7 @@ class Receiver:
         secret: DeploymentSecret | None = None,
         wall_clock: Callable[[], float] = time.time,
         thread_cpus: frozenset[int] | None = None,
+        sever: Callable[[str, Sequence[int]], int] = sever_connections,
     ) -> None:
         """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats).
 
@@ -161,6 +167,8 @@ class Receiver:
         (checked before any contact with P) and D presents it in each ``Renew`` and ``Done``.
         ``thread_cpus``: the CPUs the pool's threads run on (`core.affinity.transfer_cpus`; they
         are started from vLLM's bound forward thread); None: where they start.
+        ``sever(host, ports)``: cuts this process's connections to a P's transport ports (returns
+        how many), so a failed or abandoned read can write nothing more into D's blocks.
         """
         self._secret = secret
         self._wall_clock = wall_clock
@@ -177,6 +185,7 @@ class Receiver:
         self._reformat = reformat
         self._clock = clock
         self._on_failure = on_failure
+        self._sever = sever
         self._peers = PeerClient(config, handshake, tp_rank)
         self._lanes = Lanes(
             config.recv_workers,
@@ -190,6 +199,9 @@ class Receiver:
         self._outbox: dict[Lane, list[tuple[str, int, DoneItem]]] = {}  # DONEs not sent yet (host, port, item)
         self._requests = DRequests(pull_timeout_s=config.pull_timeout_s)
         self._errors: set[int] = set()
+        self._cut_sources: dict[
+            tuple[str, tuple[int, ...]], int
+        ] = {}  # P transport -> cut connections not yet seen fail
 
     @property
     def cache(self) -> LocalCache:
@@ -406,12 +418,12 @@ class Receiver:
         for item in planned:
             assert item.batch is not None
             if chunk and size + item.batch.descriptors.total_bytes > self._config.recv_batch_bytes:
-                self._read_chunk(lane, agent.te_session, chunk)
+                self._read_chunk(lane, agent, chunk)
                 chunk, size = [], 0
             chunk.append(item)
             size += item.batch.descriptors.total_bytes
         if chunk:
-            self._read_chunk(lane, agent.te_session, chunk)
+            self._read_chunk(lane, agent, chunk)
 
     def _plan_task(self, item: _Item, agent: AgentMetadata) -> TaskBatch:
         """The descriptors of one task, after checking P's rank is the one the task reads."""
@@ -432,7 +444,7 @@ class Receiver:
             state_only=shard == ShardKind.STATE_ONLY,
         )
 
-    def _read_chunk(self, lane: Lane, session: str, chunk: list[_Item]) -> None:
+    def _read_chunk(self, lane: Lane, agent: AgentMetadata, chunk: list[_Item]) -> None:
         """One lease check, one engine read, one lease check for ``chunk`` (one P rank); report each."""
         port = chunk[0].port
         host = rank_host(chunk[0].pull.meta, port)  # a P instance spanning nodes: this rank's node
@@ -449,7 +461,7 @@ class Receiver:
                     item.fail(NotHeld(f"P {host}:{port} holds no blocks for {item.pull.meta.remote_request_id!r}"))
                     self._finish(lane, item)
             if reading:
-                self._read_held(session, host, port, reading)
+                self._read_held(agent, host, port, reading)
         except Exception as exc:
             for item in reading:
                 if item.ok:
@@ -457,12 +469,16 @@ class Receiver:
         for item in reading:
             self._finish(lane, item)
 
-    def _read_held(self, session: str, host: str, port: int, reading: list[_Item]) -> None:
+    def _read_held(self, agent: AgentMetadata, host: str, port: int, reading: list[_Item]) -> None:
         """Read the blocks P confirmed it holds, then check P still held them throughout."""
         descriptors = Descriptors.concat([i.batch.descriptors for i in reading if i.batch is not None])
         deadline = min(i.pull.deadline for i in reading)
+        source = (host, tuple(agent.transport_ports))
+        with self._lock:
+            for item in reading:
+                item.pull.sources.add(source)
         try:
-            self._engine.read(session, descriptors, timeout_s=max(0.1, deadline - self._clock()))
+            self._read_after_cuts(agent.te_session, descriptors, deadline, source)
         except BaseException:
             with self._lock:  # the engine may still write into these blocks: quarantine them
                 for item in reading:
@@ -478,6 +494,51 @@ class Receiver:
             elif item.batch is not None:
                 with self._lock:
                     item.pull.pulled_layers.update(item.batch.layers)
+
+    def _read_after_cuts(
+        self, session: str, descriptors: Descriptors, deadline: float, source: tuple[str, tuple[int, ...]]
+    ) -> None:
+        """One engine read; after D cut its connections to ``source``, again while a try fails fast.
+
+        Mooncake keeps the connections D cut in its pool and drops each one only when a read fails
+        on it, so the first reads after a cut can fail although P is fine. Reading the same bytes
+        into the same blocks again is harmless; each failed try drops at least one dead connection,
+        so there are at most as many retries as connections cut.
+        """
+        while True:
+            try:
+                self._engine.read(session, descriptors, timeout_s=max(0.1, deadline - self._clock()))
+            except TransferTimeout:
+                raise
+            except TransferError:
+                with self._lock:
+                    left = self._cut_sources.get(source, 0)
+                    if left > 0:
+                        self._cut_sources[source] = left - 1
+                    else:
+                        self._cut_sources.pop(source, None)
+                if left <= 0 or deadline <= self._clock():
+                    raise
+                logger.warning("a read from P %s failed on a connection D cut; reading again", source[0])
+                continue
+            with self._lock:
+                self._cut_sources.pop(source, None)
+            return
+
+    def _cut(self, source: tuple[str, tuple[int, ...]], why: str) -> None:
+        """Cut this process's connections to one P's transport.
+
+        No pending receive of Mooncake's can write into D's blocks after this (it ends at once); its
+        next transfer reconnects.
+        """
+        host, ports = source
+        if not ports:
+            logger.warning("%s; P named no transport port, so a late write cannot be ruled out", why)
+            return
+        cut = self._sever(host, ports)
+        with self._lock:  # the next reads from it that fail are tried again, once per connection cut
+            self._cut_sources[source] = self._cut_sources.get(source, 0) + cut
+        logger.warning("%s; cut %d connection(s) to its transport %s:%s", why, cut, host, list(ports))
 
     def _finish(self, lane: Lane, item: _Item) -> None:
         """A task ended: record its failure, move the breaker, report the request, queue its DONE."""
@@ -641,7 +702,15 @@ class Receiver:
                     if not task.notified:
                         task.notified = True
                         notices.append((pull, task))
+            stuck = self._requests.stuck(now)
             finished = self._requests.take_finished(now)
+        for pull in stuck:  # a read outlived the deadline and the grace: end it, keep the blocks until it returns
+            for source in sorted(pull.sources):
+                self._cut(
+                    source,
+                    f"request {pull.request_id}: a read still runs {self._config.pull_timeout_s:.1f} s "
+                    "after its deadline",
+                )
         for pull in expired:
             self._lanes.get(self._key(pull.meta)).expired(pull)  # a probe that never ended: P did not answer
         for pull, task in notices:  # DONE (not ok): P frees the blocks now

@@ -286,6 +286,7 @@ class PullWorker:
             self._metadata = AgentMetadata(
                 engine_id=self._config.engine_id,
                 te_session=engine.session,
+                transport_ports=engine.transport_ports,
                 tp_rank=self._tp_rank,
                 pp_rank=self._pp_rank,
                 block_size=block_size,

@@ -1,0 +1,77 @@
+"""This process's TCP sockets (`core.tcp_sockets`), over real sockets on 127.0.0.1.
+
+D cuts its connections to a P's transport port so that a receive pending in Mooncake ends at once
+and writes nothing more into D's blocks: the cut must end a receive blocked in another thread,
+leave every other connection alone and never close a descriptor it does not own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from ascend_dist.kv_mooncake.core.tcp_sockets import connections_to, listening_ports, sever_connections
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux's procfs")
+
+
+@pytest.fixture
+def servers() -> Iterator[list[socket.socket]]:
+    made = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    yield made
+    for s in made:
+        s.close()
+
+
+def _port(s: socket.socket) -> int:
+    return int(s.getsockname()[1])
+
+
+def test_listening_ports_are_this_processes_listeners(servers: list[socket.socket]) -> None:
+    ports = listening_ports()
+    assert {_port(s) for s in servers} <= ports
+    closed = _port(servers[0])
+    servers[0].close()
+    assert closed not in listening_ports()
+
+
+@pytest.mark.timeout(20)
+def test_a_cut_ends_a_blocked_receive_and_spares_other_connections(servers: list[socket.socket]) -> None:
+    victim = socket.create_connection(("127.0.0.1", _port(servers[0])))
+    other = socket.create_connection(("127.0.0.1", _port(servers[1])))  # control: another port
+    accepted = [servers[0].accept()[0], servers[1].accept()[0]]
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(victim.recv(1 << 16)))  # blocks: nothing is sent
+    reader.start()
+    try:
+        assert connections_to("127.0.0.1", [_port(servers[0])]) == 1
+        assert sever_connections("127.0.0.1", [_port(servers[0])]) == 1
+        reader.join(5.0)
+        assert not reader.is_alive() and got == [b""]  # end of stream: the receive is over
+        assert victim.fileno() >= 0  # the owner's descriptor is still open (only the socket was shut down)
+        accepted[0].sendall(b"late bytes")  # what the peer sends afterwards is never received
+        with contextlib.suppress(ConnectionResetError):  # Linux answers bytes arriving after the cut with a reset
+            assert victim.recv(16) == b""
+        assert connections_to("127.0.0.1", [_port(servers[0])]) == 0
+        other.settimeout(5.0)
+        accepted[1].sendall(b"still here")
+        assert other.recv(16) == b"still here"
+        assert connections_to("127.0.0.1", [_port(servers[1])]) == 1
+    finally:
+        for s in (victim, other, *accepted):
+            s.close()
+
+
+def test_nothing_is_cut_without_ports_or_for_another_host(servers: list[socket.socket]) -> None:
+    conn = socket.create_connection(("127.0.0.1", _port(servers[0])))
+    try:
+        assert sever_connections("127.0.0.1", []) == 0
+        assert sever_connections("127.0.0.2", [_port(servers[0])]) == 0
+        assert connections_to("127.0.0.1", [_port(servers[0])]) == 1
+    finally:
+        conn.close()
