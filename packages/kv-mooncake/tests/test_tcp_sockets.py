@@ -1,4 +1,4 @@
-"""This process's TCP sockets (`core.tcp_sockets`), over real sockets on 127.0.0.1.
+"""This process's TCP sockets (`core.tcp_sockets`), over real sockets on 127.0.0.1, and its table of peers.
 
 D cuts its connections to a P's transport port so that a receive pending in Mooncake ends at once
 and writes nothing more into D's blocks: the cut must end a receive blocked in another thread,
@@ -11,13 +11,18 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 
-from ascend_dist.kv_mooncake.core.tcp_sockets import connections_to, listening_ports, sever_connections
+from ascend_dist.kv_mooncake.core.tcp_sockets import (
+    PeerConnections,
+    connections_to,
+    listening_ports,
+    sever_connections,
+)
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux's procfs")
+LINUX_ONLY = pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux's procfs")
 
 
 @pytest.fixture
@@ -32,6 +37,7 @@ def _port(s: socket.socket) -> int:
     return int(s.getsockname()[1])
 
 
+@LINUX_ONLY
 def test_listening_ports_are_this_processes_listeners(servers: list[socket.socket]) -> None:
     ports = listening_ports()
     assert {_port(s) for s in servers} <= ports
@@ -40,6 +46,7 @@ def test_listening_ports_are_this_processes_listeners(servers: list[socket.socke
     assert closed not in listening_ports()
 
 
+@LINUX_ONLY
 @pytest.mark.timeout(20)
 def test_a_cut_ends_a_blocked_receive_and_spares_other_connections(servers: list[socket.socket]) -> None:
     victim = socket.create_connection(("127.0.0.1", _port(servers[0])))
@@ -67,6 +74,7 @@ def test_a_cut_ends_a_blocked_receive_and_spares_other_connections(servers: list
             s.close()
 
 
+@LINUX_ONLY
 def test_nothing_is_cut_without_ports_or_for_another_host(servers: list[socket.socket]) -> None:
     conn = socket.create_connection(("127.0.0.1", _port(servers[0])))
     try:
@@ -75,3 +83,41 @@ def test_nothing_is_cut_without_ports_or_for_another_host(servers: list[socket.s
         assert connections_to("127.0.0.1", [_port(servers[0])]) == 1
     finally:
         conn.close()
+
+
+class _Cuts:
+    """Records each cut instead of cutting (the table's ``sever`` collaborator)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def __call__(self, host: str, ports: Iterable[int]) -> int:
+        self.calls.append((host, list(ports)))
+        return self.count
+
+
+def test_a_new_session_on_an_old_transport_port_cuts_the_old_ones_connections() -> None:
+    cuts = _Cuts(3)
+    table = PeerConnections(sever=cuts)
+    assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15001") == 0  # first sight: nothing to cut
+    assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15001") == 0  # the same P again
+    assert cuts.calls == []
+    assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15077") == 3  # P restarted on the same port
+    assert cuts.calls == [("10.0.0.2", [16001])]
+    assert table.adopt("10.0.0.3", [16001], "10.0.0.3:15001") == 0  # another host, same port number
+
+
+def test_failures_after_a_cut_are_retried_once_per_connection_cut() -> None:
+    table = PeerConnections(sever=_Cuts(2))
+    assert not table.take_retry("10.0.0.2", [16001])  # nothing cut: a failure is a failure
+    assert table.sever("10.0.0.2", [16001]) == 2
+    assert table.take_retry("10.0.0.2", [16001]) and table.take_retry("10.0.0.2", [16001])
+    assert not table.take_retry("10.0.0.2", [16001])
+    assert not table.take_retry("10.0.0.2", [])  # a P that named no port
+
+
+def test_a_cut_of_nothing_allows_no_retry() -> None:
+    table = PeerConnections(sever=_Cuts(0))
+    assert table.sever("10.0.0.2", [16001]) == 0
+    assert not table.take_retry("10.0.0.2", [16001])

@@ -13,7 +13,9 @@ import selectors
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from contextlib import closing
 from types import TracebackType
@@ -21,7 +23,10 @@ from typing import Any, Self
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, ProtocolError
 
-__all__ = ["DInstance", "PInstance", "PeerProcess", "free_port_range"]
+__all__ = ["STDERR_LINES_KEPT", "DInstance", "PInstance", "PeerProcess", "free_port_range"]
+
+STDERR_LINES_KEPT = 400
+"""How many of the child's latest log lines a `PeerProcess` keeps (for the error it raises)."""
 
 
 def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
@@ -73,6 +78,11 @@ class PeerProcess:
             text=True,
             env=env,
         )
+        # The child's log is read as it comes: a pipe nobody reads fills at 64 KiB and then blocks
+        # the child inside its next log call (a chaos run logs a line per failed request).
+        self._stderr_tail: deque[str] = deque(maxlen=STDERR_LINES_KEPT)
+        self._stderr_reader = threading.Thread(target=self._read_stderr, name="peer-stderr", daemon=True)
+        self._stderr_reader.start()
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -122,12 +132,23 @@ class PeerProcess:
         self.call(msg, timeout_s=60.0)
         return DInstance(self, name)
 
+    def _read_stderr(self) -> None:
+        """Keep the child's latest log lines (ends at the child's exit: end of the pipe)."""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr_tail.append(line)
+
+    def log_tail(self) -> str:
+        """The child's latest log lines (up to `STDERR_LINES_KEPT`)."""
+        return "".join(list(self._stderr_tail))
+
     def _stderr(self) -> str:
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             return "(still running)"
-        return self.proc.stderr.read()[-2000:] if self.proc.stderr is not None else ""
+        self._stderr_reader.join(timeout=5.0)
+        return self.log_tail()[-2000:]
 
     def kill(self) -> None:
         """SIGKILL the child (a P that dies)."""
@@ -145,6 +166,7 @@ class PeerProcess:
             self.proc.wait(timeout=timeout_s)
         finally:
             self._sel.close()
+            self._stderr_reader.join(timeout=timeout_s)  # the child is gone: its pipe has ended
             for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 if pipe is not None:
                     pipe.close()

@@ -22,10 +22,11 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["TcpSocket", "connections_to", "listening_ports", "sever_connections"]
+__all__ = ["PEER_CONNECTIONS", "PeerConnections", "TcpSocket", "connections_to", "listening_ports", "sever_connections"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,3 +152,67 @@ def sever_connections(host: str, ports: Iterable[int]) -> int:
     Returns how many were shut down. A socket closed meanwhile is skipped.
     """
     return sum(1 for row, fd in list(_to_peer(host, ports)) if _shutdown(fd, row.inode))
+
+
+class PeerConnections:
+    """What this process knows of its connections to peers' transport ports (one per process).
+
+    Mooncake pools its TCP connections per peer address and drops one only when a transfer fails
+    on it, so a connection that is dead (cut by D, or left from a P that died and whose port a new
+    P now uses) fails the next transfer at once. This table says when that is the likely cause of
+    a failure, so the reader may try again: once per connection cut and not yet seen failing.
+    """
+
+    def __init__(self, sever: Callable[[str, Iterable[int]], int] = sever_connections) -> None:
+        """An empty table; ``sever(host, ports)`` cuts this process's connections (returns how many)."""
+        self._sever = sever
+        self._lock = threading.Lock()
+        self._sessions: dict[tuple[str, int], str] = {}  # transport endpoint -> peer session last seen there
+        self._dead: dict[tuple[str, int], int] = {}  # transport endpoint -> cut connections not yet failed
+
+    def adopt(self, host: str, ports: Iterable[int], session: str) -> int:
+        """``session`` now serves ``host``'s ``ports``: cut what is left from an earlier one (returns how many)."""
+        stale: list[int] = []
+        with self._lock:
+            for port in ports:
+                before = self._sessions.get((host, port))
+                if before is not None and before != session:
+                    stale.append(port)
+                self._sessions[(host, port)] = session
+        if not stale:
+            return 0
+        cut = self.sever(host, stale)
+        logger.warning(
+            "a new peer session %s at %s:%s: cut %d connection(s) left from the old one", session, host, stale, cut
+        )
+        return cut
+
+    def sever(self, host: str, ports: Iterable[int]) -> int:
+        """Cut this process's connections to ``host`` on ``ports``; remember them as pooled but dead."""
+        ports = list(ports)
+        cut = self._sever(host, ports)
+        if cut and ports:
+            with self._lock:
+                key = (host, ports[0])  # one count per peer: its transport ports share one pool
+                self._dead[key] = self._dead.get(key, 0) + cut
+        return cut
+
+    def take_retry(self, host: str, ports: Iterable[int]) -> bool:
+        """A transfer to ``host`` failed at once: True (and one dead connection fewer) if a cut one explains it."""
+        ports = list(ports)
+        if not ports:
+            return False
+        with self._lock:
+            key = (host, ports[0])
+            left = self._dead.get(key, 0)
+            if left <= 0:
+                return False
+            if left == 1:
+                del self._dead[key]
+            else:
+                self._dead[key] = left - 1
+            return True
+
+
+PEER_CONNECTIONS = PeerConnections()
+"""This process's table (every receiver in the process shares Mooncake's one connection pool)."""

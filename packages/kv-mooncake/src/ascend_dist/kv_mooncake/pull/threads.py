@@ -35,8 +35,10 @@ once but the request reaches ``finished_recving`` (and vLLM may reuse the blocks
 its reads runs and ``quarantine_s`` has passed since the last failed read. A read still running
 one more ``pull_timeout_s`` past the deadline is ended by cutting D's connections to that P's
 transport (`core.tcp_sockets`); the request stays held until the read has returned. (Only then:
-Mooncake keeps the cut connections pooled, so the next reads to that P may fail once on them;
-cutting after every failed read would make each such failure cut again.) Each request's state (pulling, quarantined,
+Mooncake keeps the cut connections pooled, so the next reads to that P fail at once on them and
+are read again, `Receiver._read`; cutting after every failed read would make each such failure
+cut again.) A P whose new session shows up on a transport port of an old one has the old one's
+connections cut first (`PeerConnections.adopt`). Each request's state (pulling, quarantined,
 done, reported failed) is one record of `ascend_dist.kv_mooncake.pull.d_requests.DRequests`.
 """
 
@@ -59,7 +61,7 @@ from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
 from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode, select_sources
-from ascend_dist.kv_mooncake.core.tcp_sockets import sever_connections
+from ascend_dist.kv_mooncake.core.tcp_sockets import PEER_CONNECTIONS, PeerConnections
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
@@ -83,6 +85,9 @@ class ShardKind(enum.IntEnum):
 
 
 logger = logging.getLogger(__name__)
+
+FAST_FAILURE_S = 0.5
+"""A read that fails within this long, after D cut connections to that P, failed on one of them."""
 
 
 def done_sender(pcp_rank: int, shard: int) -> str:
@@ -159,7 +164,7 @@ class Receiver:
         secret: DeploymentSecret | None = None,
         wall_clock: Callable[[], float] = time.time,
         thread_cpus: frozenset[int] | None = None,
-        sever: Callable[[str, Sequence[int]], int] = sever_connections,
+        connections: PeerConnections = PEER_CONNECTIONS,
     ) -> None:
         """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats).
 
@@ -167,8 +172,8 @@ class Receiver:
         (checked before any contact with P) and D presents it in each ``Renew`` and ``Done``.
         ``thread_cpus``: the CPUs the pool's threads run on (`core.affinity.transfer_cpus`; they
         are started from vLLM's bound forward thread); None: where they start.
-        ``sever(host, ports)``: cuts this process's connections to a P's transport ports (returns
-        how many), so a failed or abandoned read can write nothing more into D's blocks.
+        ``connections``: this process's connections to P transports (`core.tcp_sockets`): cut to
+        end a read D gave up on, and what explains a read failing at once afterwards.
         """
         self._secret = secret
         self._wall_clock = wall_clock
@@ -185,7 +190,7 @@ class Receiver:
         self._reformat = reformat
         self._clock = clock
         self._on_failure = on_failure
-        self._sever = sever
+        self._connections = connections
         self._peers = PeerClient(config, handshake, tp_rank)
         self._lanes = Lanes(
             config.recv_workers,
@@ -199,9 +204,6 @@ class Receiver:
         self._outbox: dict[Lane, list[tuple[str, int, DoneItem]]] = {}  # DONEs not sent yet (host, port, item)
         self._requests = DRequests(pull_timeout_s=config.pull_timeout_s)
         self._errors: set[int] = set()
-        self._cut_sources: dict[
-            tuple[str, tuple[int, ...]], int
-        ] = {}  # P transport -> cut connections not yet seen fail
 
     @property
     def cache(self) -> LocalCache:
@@ -405,6 +407,9 @@ class Receiver:
                 item.fail(exc)
                 self._finish(lane, item)
             return
+        # A P restarted on its ports may get its old transport port: connections left from the dead
+        # one are still pooled and would fail the first reads.
+        self._connections.adopt(rank_host(meta, port), agent.transport_ports, agent.te_session)
         planned: list[_Item] = []
         for item in items:
             try:
@@ -478,7 +483,7 @@ class Receiver:
             for item in reading:
                 item.pull.sources.add(source)
         try:
-            self._read_after_cuts(agent.te_session, descriptors, deadline, source)
+            self._read(agent.te_session, descriptors, deadline, source)
         except BaseException:
             with self._lock:  # the engine may still write into these blocks: quarantine them
                 for item in reading:
@@ -495,35 +500,31 @@ class Receiver:
                 with self._lock:
                     item.pull.pulled_layers.update(item.batch.layers)
 
-    def _read_after_cuts(
+    def _read(
         self, session: str, descriptors: Descriptors, deadline: float, source: tuple[str, tuple[int, ...]]
     ) -> None:
-        """One engine read; after D cut its connections to ``source``, again while a try fails fast.
+        """One engine read, tried again while a try fails at once on a connection D knows is dead.
 
-        Mooncake keeps the connections D cut in its pool and drops each one only when a read fails
-        on it, so the first reads after a cut can fail although P is fine. Reading the same bytes
-        into the same blocks again is harmless; each failed try drops at least one dead connection,
-        so there are at most as many retries as connections cut.
+        Mooncake pools its TCP connections per peer and drops one only when a transfer fails on it,
+        so connections this process cut (`_cut`, or `PeerConnections.adopt` for a P's new session on
+        an old port) fail the next reads at once although P is fine. Reading the same bytes into the
+        same blocks again is harmless (the lease check after the read still decides whether they
+        count). Any other failure (a dead P too) is not retried.
         """
+        host, ports = source
         while True:
+            started = self._clock()
             try:
-                self._engine.read(session, descriptors, timeout_s=max(0.1, deadline - self._clock()))
+                self._engine.read(session, descriptors, timeout_s=max(0.1, deadline - started))
+                return
             except TransferTimeout:
                 raise
-            except TransferError:
-                with self._lock:
-                    left = self._cut_sources.get(source, 0)
-                    if left > 0:
-                        self._cut_sources[source] = left - 1
-                    else:
-                        self._cut_sources.pop(source, None)
-                if left <= 0 or deadline <= self._clock():
+            except TransferError as exc:
+                now = self._clock()
+                fast = now - started <= FAST_FAILURE_S and now < deadline
+                if not (fast and self._connections.take_retry(host, ports)):
                     raise
-                logger.warning("a read from P %s failed on a connection D cut; reading again", source[0])
-                continue
-            with self._lock:
-                self._cut_sources.pop(source, None)
-            return
+                logger.warning("a read from %s failed on a connection D cut (%s); reading again", session, exc)
 
     def _cut(self, source: tuple[str, tuple[int, ...]], why: str) -> None:
         """Cut this process's connections to one P's transport.
@@ -535,9 +536,7 @@ class Receiver:
         if not ports:
             logger.warning("%s; P named no transport port, so a late write cannot be ruled out", why)
             return
-        cut = self._sever(host, ports)
-        with self._lock:  # the next reads from it that fail are tried again, once per connection cut
-            self._cut_sources[source] = self._cut_sources.get(source, 0) + cut
+        cut = self._connections.sever(host, ports)
         logger.warning("%s; cut %d connection(s) to its transport %s:%s", why, cut, host, list(ports))
 
     def _finish(self, lane: Lane, item: _Item) -> None:
