@@ -4,8 +4,10 @@ The model (a tiny Qwen3-Next: three linear-attention layers with conv and recurr
 full-attention layer) runs in bfloat16, as vLLM's CPU build requires for its GDN state; P and D have
 the same TP size. Prefix caching is off (hybrid state caching is a separate mode).
 
-* Identity: every generated token of D equals the no-connector reference's, logprobs within ``ATOL``,
-  up to a near-tie the two kernel orders may break apart (see `_assert_same_where_kernels_agree`).
+* Identity: every generated token of D equals the no-connector reference's up to a near-tie the two
+  kernel orders may break apart; the first token's logprob within ``ATOL`` (D computes it from the
+  transferred KV and state and one step), each later one within ``LATER_ATOL`` and all of them
+  within ``MEAN_ATOL`` on average (see `_assert_same_where_kernels_agree`).
 * One control per state kind, each of which must move D's first token beyond ``ATOL`` on every
   prompt (more than the two kernel orders ever differ by, so no control passes by noise):
   - attention KV alone: P serves a model whose weights differ from D's only in the full-attention
@@ -37,9 +39,13 @@ ATTENTION = "model.layers.3.self_attn."  # the full-attention layer (TINY_QWEN3_
 LENGTHS = (70, 200, 333)
 TOKENS = 8
 # bfloat16: D runs the last prompt token through the recurrent kernel, the reference through the
-# chunked one. Measured: at most 0.046 over 24 tokens; each control changed the first token or moved
-# its logprob by 0.5.
+# chunked one, and the difference compounds over D's own decode steps. Measured: first tokens at
+# most 0.046 apart on two machines; later tokens at most 0.046 on one (Intel, 24 tokens) and once
+# 0.221 on an AMD EPYC with avx512_bf16 (the same token; the next ones 0.03 again), mean 0.03; each
+# control changed the first token or moved its logprob by 0.13-0.5.
 ATOL = 0.1
+LATER_ATOL = 0.3
+MEAN_ATOL = 0.06
 
 
 @pytest.fixture(scope="module")
@@ -96,23 +102,30 @@ def _assert_same_where_kernels_agree(got: Sequence[Completion], want: Sequence[C
     KV and state alone), and at least half of all tokens must have been compared.
     """
     _full(got, want)
-    compared, worst, parted = 0, 0.0, []
+    compared, worst, parted, total = 0, 0.0, [], 0.0
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         for j, (gt, wt) in enumerate(zip(g.token_ids, w.token_ids, strict=True)):
             gl, wl = g.logprobs[j], w.logprobs[j]
+            atol = ATOL if j == 0 else LATER_ATOL
             if gt != wt:
                 assert j > 0, f"prompt {i}: first token {gt} != reference {wt} (logprobs {gl:.4f}, {wl:.4f})"
-                assert abs(gl - wl) <= ATOL, (
+                assert abs(gl - wl) <= atol, (
                     f"prompt {i}: token {j} is {gt} (logprob {gl:.4f}), the reference's {wt} ({wl:.4f}): "
                     "they part where the two picks are not tied within the kernels' noise"
                 )
                 parted.append(f"prompt {i} at token {j}")
                 break
-            assert abs(gl - wl) <= ATOL, f"prompt {i} token {j}: logprob {gl:.4f} vs reference {wl:.4f}"
+            assert abs(gl - wl) <= atol, f"prompt {i} token {j}: logprob {gl:.4f} vs reference {wl:.4f}"
             compared += 1
             worst = max(worst, abs(gl - wl))
+            total += abs(gl - wl)
     assert compared * 2 >= TOKENS * len(want), f"only {compared} tokens compared: the check proves little"
-    return f"{compared}/{TOKENS * len(want)} tokens equal (worst |dlogprob| {worst:.4f}); parted: {parted or 'none'}"
+    mean = total / compared
+    assert mean <= MEAN_ATOL, f"mean |dlogprob| {mean:.4f} over {compared} tokens: more than the kernels' noise"
+    return (
+        f"{compared}/{TOKENS * len(want)} tokens equal (worst |dlogprob| {worst:.4f}, mean {mean:.4f}); "
+        f"parted: {parted or 'none'}"
+    )
 
 
 def _assert_first_token_moved(got: Sequence[Completion], want: Sequence[Completion]) -> str:
