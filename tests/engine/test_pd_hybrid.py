@@ -40,7 +40,7 @@ LENGTHS = (70, 200, 333)
 TOKENS = 8
 # bfloat16: D runs the last prompt token through the recurrent kernel, the reference through the
 # chunked one, and the difference compounds over D's own decode steps. Measured: first tokens at
-# most 0.046 apart on two machines; later tokens at most 0.046 on one (Intel, 24 tokens) and once
+# most 0.046 apart on two machines; later tokens at most 0.046 on one (24 tokens) and once
 # 0.221 on an AMD EPYC with avx512_bf16 (the same token; the next ones 0.03 again), mean 0.03; each
 # control changed the first token or moved its logprob by 0.13-0.5.
 ATOL = 0.1
