@@ -355,7 +355,7 @@ def test_a_link_cut_mid_transfer_fails_within_the_deadline_leaks_nothing_and_a_r
     reason="known hazard, narrowed, not closed: D now holds a request while a read into it runs and cuts its "
     "connections to P's transport when it gives the read up (tests/test_pd_quarantine.py), but pieces of a failed "
     "read that Mooncake still queues for a connection are sent once the link returns and can land after D handed "
-    "the request back (seen in 2 of 3 runs of this module on 2026-12-04; 1 of 1 alone passed)",
+    "the request back (it failed in 3 of 6 runs of this module on 2026-12-04)",
 )
 def test_no_write_lands_in_a_request_after_d_handed_it_back(net: Net) -> None:
     """The link stays down past D's give-up (2 x pull_timeout_s), then returns: the blocks of every
