@@ -68,11 +68,16 @@ def _poll_until(pair: Any, rid: str, deadline_s: float, *, stop_on_errors: bool 
 def test_timed_out_read_is_held_until_it_returns_and_the_quarantine_passes(make_pair: Callable[..., Any]) -> None:
     """A read hangs past the deadline and one more ``pull_timeout_s``: D keeps the request (its
     blocks) as long as the read runs, however long, and cuts its connections to P's transport
-    (Mooncake's pooled connections from an earlier pull), so a receive pending there ends. Before,
-    D handed the blocks back at that point with the read still running."""
+    (Mooncake's pooled connections from an earlier pull), so a receive pending there ends, and
+    holds the blocks ``cut_hold_s`` past the cut. Before, D handed the blocks back at that point
+    with the read still running."""
     engine = LateWriter(get_engine("127.0.0.1", "tcp"), hang=True, armed=False)
     pair = make_pair(
-        p_tp=1, d_tp=1, pull_timeout_s=1.0, d_extra={"quarantine_s": 0.4, "peer_retry_s": 0.2}, d_engine=engine
+        p_tp=1,
+        d_tp=1,
+        pull_timeout_s=1.0,
+        d_extra={"quarantine_s": 0.4, "peer_retry_s": 0.2, "cut_hold_s": 1.5},
+        d_engine=engine,
     )
     assert pair.transfer("warm", 40, seed=4) == set()
     receiver = pair.d.ranks[0].worker.receiver
@@ -99,6 +104,8 @@ def test_timed_out_read_is_held_until_it_returns_and_the_quarantine_passes(make_
     finished, errors = _poll_until(pair, "hung", 5.0)
     assert finished and errors == set()  # errors were reported once, earlier
     assert time.monotonic() - released >= 0.4 - 0.05  # held for the quarantine after the failed read
+    # and for cut_hold_s after the cut (at the deadline plus one more pull_timeout_s, 2 s in)
+    assert time.monotonic() - started >= 2 * 1.0 + 1.5 - 0.1
     assert receiver.quarantined == 0
     pair.d.finish_decode("hung")
     assert pair.wait_p_idle()["blocks_lent"] == 0  # DONE still sent after the failure

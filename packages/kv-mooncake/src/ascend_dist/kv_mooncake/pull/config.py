@@ -52,6 +52,10 @@ class PullConfig(ConnectorConfig):
         pull_timeout_s: How long D waits for a request's pulls before reporting its blocks failed.
         quarantine_s: After a failed read, how long D still holds the request's blocks (not
             reported finished) because the engine may write into them late (Mooncake #4247).
+        cut_hold_s: After D cut its connections to a P to end a read still running one
+            ``pull_timeout_s`` past the deadline (a link down), how long it still holds the
+            request's blocks: pieces Mooncake still queues for that P are sent when the link
+            returns, and must land while the blocks are held.
         rpc_timeout_s: Deadline of one side-channel attempt.
         rpc_retries: Attempts per side-channel request.
         recv_workers: Readers of D's lane to each P instance: each takes up to
@@ -70,6 +74,7 @@ class PullConfig(ConnectorConfig):
     lease_s: float = option(60.0, seconds())
     pull_timeout_s: float = option(60.0, seconds())
     quarantine_s: float = option(1.0, seconds(allow_zero=True))
+    cut_hold_s: float = option(30.0, seconds(allow_zero=True))
     rpc_timeout_s: float = option(1.0, seconds())
     rpc_retries: int = option(2, ints(1, 10))
     recv_workers: int = option(2, ints(1, 64))

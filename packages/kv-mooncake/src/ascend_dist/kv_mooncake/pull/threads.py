@@ -34,7 +34,9 @@ dead link lands when the link returns), so its request's blocks are reported as 
 once but the request reaches ``finished_recving`` (and vLLM may reuse the blocks) only when none of
 its reads runs and ``quarantine_s`` has passed since the last failed read. A read still running
 one more ``pull_timeout_s`` past the deadline is ended by cutting D's connections to that P's
-transport (`core.tcp_sockets`); the request stays held until the read has returned. (Only then:
+transport (`core.tcp_sockets`); the request stays held until the read has returned and
+``cut_hold_s`` has passed since the cut (Mooncake still sends pieces it queued for that P once the
+link returns). (Only then:
 Mooncake keeps the cut connections pooled, so the next reads to that P fail at once on them and
 are read again, `Receiver._read`; cutting after every failed read would make each such failure
 cut again.) A P whose new session shows up on a transport port of an old one has the old one's
@@ -702,6 +704,8 @@ class Receiver:
                         task.notified = True
                         notices.append((pull, task))
             stuck = self._requests.stuck(now)
+            for pull in stuck:  # pieces Mooncake still queues for that P may land when the link returns
+                self._requests.hold(pull, now + self._config.cut_hold_s)
             finished = self._requests.take_finished(now)
         for pull in stuck:  # a read outlived the deadline and the grace: end it, keep the blocks until it returns
             for source in sorted(pull.sources):
