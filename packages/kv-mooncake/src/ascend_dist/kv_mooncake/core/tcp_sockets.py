@@ -10,7 +10,8 @@ receive still targets D's blocks. Its Python binding has no call to close a peer
 before D hands such blocks back to vLLM it shuts down its own sockets to that P's transport port.
 ``shutdown(SHUT_RDWR)`` acts on the socket, not on the descriptor, so a duplicate of Mooncake's
 descriptor ends Mooncake's pending receive at once (end of stream): nothing more is read into D's
-memory from that connection, and Mooncake opens a new one for its next transfer.
+memory from that connection. Mooncake keeps the cut connection pooled until a transfer fails on it
+(`PeerConnections` counts them, so a reader knows such a failure and reads again).
 
 Only sockets this process owns are touched (``/proc/self/fd`` names their inodes), and only those
 whose peer is exactly the given address and port. Elsewhere than Linux nothing is found.
