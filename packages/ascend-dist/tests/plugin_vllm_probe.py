@@ -29,6 +29,18 @@ class Capture(logging.Handler):
 
 def main() -> None:
     capture = Capture()
+    if "--logging" in sys.argv:  # nothing configured for ascend_dist: what a vLLM process gives it
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging
+
+        load_general_plugins()
+        configure_logging(LoggingConfig())  # as vLLM's processes do, here after the plugins loaded
+        ours = logging.getLogger("ascend_dist.kv_mooncake.pull")
+        ours.warning("a read failed")
+        ours.info("a read took long")
+        ours.debug("a debug detail")
+        print(json.dumps({}))
+        return
     logging.getLogger("ascend_dist").addHandler(capture)
     logging.getLogger("ascend_dist").setLevel(logging.DEBUG)
     if "--preregister" in sys.argv:

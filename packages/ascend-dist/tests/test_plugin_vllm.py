@@ -70,3 +70,29 @@ def test_an_offload_name_another_plugin_replaced_first_is_kept_with_one_warning(
     assert "kv_connector:OffloadingConnector" not in seen["ours"]
     warnings = [m for m in seen["logs"] if "OffloadingConnector" in m and "already registered" in m]
     assert len(warnings) == 1
+
+
+def _logging_probe(**extra_env: str) -> list[str]:
+    env = {"VLLM_PLUGINS": "ascend_dist", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **extra_env}
+    out = subprocess.run(
+        [sys.executable, str(PROBE), "--logging"], capture_output=True, text=True, timeout=180, env=env, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return (out.stdout + out.stderr).splitlines()
+
+
+def test_our_log_records_go_out_through_vllms_handlers_in_its_format():
+    """Without the routing our warnings reached no handler in `vllm serve` (bare lines, INFO dropped)."""
+    lines = _logging_probe()
+    said = {text: [line for line in lines if line.endswith(text)] for text in ("a read failed", "a read took long")}
+    for text, found in said.items():
+        assert len(found) == 1, (text, lines[-20:])  # once: through vLLM's handler, not also Python's last resort
+        assert "pid=" in found[0] and "[" in found[0], found  # vLLM's format: process, pid, file:line
+    assert not any("a debug detail" in line for line in lines)  # vLLM's level (INFO) holds for ours
+
+
+def test_ascend_dist_log_level_debug_adds_our_debug_lines_alone():
+    lines = _logging_probe(ASCEND_DIST_LOG_LEVEL="DEBUG")
+    found = [line for line in lines if line.endswith("a debug detail")]
+    assert len(found) == 1 and "DEBUG" in found[0], lines[-20:]
+    assert not any(" DEBUG " in line for line in lines if "a debug detail" not in line)  # vLLM stays at INFO

@@ -13,6 +13,10 @@ them with its Ascend subclasses), so those two names, and only while vLLM's own 
 one registered, are pointed at ours (`VLLM_NAME_OVERRIDES`, one INFO line each); this is the only
 write to a vLLM registry outside its public API. vLLM's stock classes stay reachable with
 ``kv_connector_module_path``.
+
+Our modules log under ``ascend_dist``; in a vLLM process those records go out through vLLM's own
+handlers (its format, level and stream: `route_logs_through_vllm`), so an operator reads our
+warnings in the same stream, with the same process names, as vLLM's.
 """
 
 from __future__ import annotations
@@ -20,13 +24,22 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ascend_dist.plugin import startup_hooks
 
-__all__ = ["COMPONENTS", "FACTORIES", "VLLM_NAME_OVERRIDES", "Component", "register", "registered_names"]
+__all__ = [
+    "COMPONENTS",
+    "FACTORIES",
+    "VLLM_NAME_OVERRIDES",
+    "Component",
+    "register",
+    "registered_names",
+    "route_logs_through_vllm",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +208,40 @@ def _override_vllm_name(component: Component) -> None:
     )  # fmt: skip
 
 
+class _ToVllmHandlers(logging.Handler):
+    """Hands each record to the handlers the ``vllm`` logger has at that moment.
+
+    Looked up per record, not copied once: vLLM (re)configures its logging in each process, at
+    times that differ from when plugins load, and replaces its handlers when it does. Our logger's
+    level decides what is written, not theirs (``ASCEND_DIST_LOG_LEVEL=DEBUG`` under vLLM's INFO).
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            handler.handle(record)
+
+
+def route_logs_through_vllm() -> bool:
+    """Send ``ascend_dist``'s records through vLLM's handlers (its format and stream); True when done.
+
+    Without this they reach no handler in a vLLM process (vLLM configures only its own logger), and
+    Python prints bare warnings without time or process and drops everything below. Left alone when
+    someone configured ``ascend_dist`` already or ``VLLM_CONFIGURE_LOGGING=0`` (the operator's
+    own logging setup decides). The level is ``ASCEND_DIST_LOG_LEVEL`` (ours alone: ``DEBUG``
+    adds the connectors' per-read timeline), else ``VLLM_LOGGING_LEVEL``, else INFO.
+    """
+    ours = logging.getLogger("ascend_dist")
+    if ours.handlers or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        return False
+    ours.addHandler(_ToVllmHandlers())
+    if ours.level == logging.NOTSET:
+        named = os.environ.get("ASCEND_DIST_LOG_LEVEL") or os.environ.get("VLLM_LOGGING_LEVEL") or "INFO"
+        level = logging.getLevelName(named.upper())
+        ours.setLevel(level if isinstance(level, int) else logging.INFO)
+    ours.propagate = False  # as vLLM's own: a root handler someone adds later would print each twice
+    return True
+
+
 def register() -> None:
     """Register every installed component with vLLM; safe to call any number of times."""
     with _lock:
@@ -204,6 +251,7 @@ def register() -> None:
         if not _installed("vllm"):  # only vLLM calls this; without it there is nothing to register with
             logger.debug("vllm is not installed; nothing to register")
             return
+        route_logs_through_vllm()
         for component in COMPONENTS:
             if not _installed(component.module):
                 continue

@@ -38,10 +38,22 @@ from ascend_dist.cli.render import render_table
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.scenarios import Scenario, ScenarioContext, ScenarioReport
 
-__all__ = ["PdServe", "PdServeScenario", "control_differs", "identity_rows", "serve_scenarios", "start_pd"]
+__all__ = [
+    "ControlResult",
+    "Measured",
+    "PdServe",
+    "PdServeScenario",
+    "complete_measured",
+    "complete_moved",
+    "control_differs",
+    "identity_rows",
+    "serve_scenarios",
+    "start_pd",
+]
 
 LOGPROB_ATOL = 2e-3
 BYTES_METRIC = "vllm:mooncake_bytes_transferred_sum"
+FAILED_METRIC = "vllm:mooncake_num_failed_transfers_total"
 
 
 @dataclass(frozen=True)
@@ -90,11 +102,73 @@ def identity_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One completion through a proxy, with what D's ``/metrics`` says the request moved."""
+
+    completion: Completion
+    bytes_moved: float
+    failed_transfers: float
+
+
+def complete_measured(d: Server, proxy: Server, prompt: list[int], *, timeout_s: float = 30.0) -> Measured:
+    """Complete ``prompt`` through ``proxy`` (one request at a time) and read D's transfer counters around it.
+
+    vLLM records the stats after the step, so D's ``/metrics`` is polled until either counter moved
+    (or ``timeout_s``: then both deltas are what they were, possibly zero).
+    """
+    before = d.metrics()
+    moved0, failed0 = metric_total(before, BYTES_METRIC), metric_total(before, FAILED_METRIC)
+    got = complete(proxy, prompt)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = d.metrics()
+        moved, failed = metric_total(text, BYTES_METRIC) - moved0, metric_total(text, FAILED_METRIC) - failed0
+        if moved > 0 or failed > 0 or time.monotonic() > deadline:
+            return Measured(got, moved, failed)
+        time.sleep(0.5)
+
+
+def complete_moved(d: Server, proxy: Server, prompt: list[int], *, attempts: int = 3) -> tuple[Measured | None, int]:
+    """``prompt`` through ``proxy`` until D read its KV from P without a failure: (that answer, failed tries).
+
+    A request whose transfer failed was recomputed on D's own weights
+    (``kv_load_failure_policy="recompute"``): its answer says nothing about the bytes, so it is
+    sent again, at most ``attempts`` times in all. None when no try moved cleanly.
+    """
+    failed = 0
+    for _ in range(attempts):
+        measured = complete_measured(d, proxy, prompt)
+        if measured.failed_transfers == 0 and measured.bytes_moved > 0:
+            return measured, failed
+        failed += 1
+    return None, failed
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """How many prompts' answers differ from the reference, among answers whose KV came from P."""
+
+    differ: int
+    prompts: int
+    recomputed: int
+    """Requests whose transfer failed (D recomputed them, as configured) and were sent again."""
+
+
 def control_differs(
-    reference: Callable[[list[int]], Completion], proxy_other: Server, batch: Sequence[list[int]]
-) -> int:
-    """How many of D's answers through P on other weights differ from the reference (all must)."""
-    return sum(complete(proxy_other, p).token_ids != reference(p).token_ids for p in batch)
+    reference: Callable[[list[int]], Completion], proxy_other: Server, d: Server, batch: Sequence[list[int]]
+) -> ControlResult:
+    """How many of D's answers through P on other weights differ from the reference (all must).
+
+    Only an answer whose KV D read from P counts (`complete_moved`); a prompt without one counts
+    as not differing.
+    """
+    differ = recomputed = 0
+    for prompt in batch:
+        moved, failed = complete_moved(d, proxy_other, prompt)
+        recomputed += failed
+        differ += moved is not None and moved.completion.token_ids != reference(prompt).token_ids
+    return ControlResult(differ, len(batch), recomputed)
 
 
 def wait_transferred(d: Server, *, above: float = 0.0, timeout_s: float = 30.0) -> str:
@@ -187,9 +261,10 @@ class PdServeScenario:
         self.out(render_table(("prompt tokens", "D == plain engine", "max |dlogprob|"),
                               [(str(n), "yes" if s else "NO", f"{w:.1e}") for n, s, w in rows]))  # fmt: skip
         ctx.progress.step("control: the same prompts through P on other weights")
-        differ = control_differs(lambda p: complete(ref, p), pd.proxy_other, prompts(lengths, seed=2))
-        report.check("control: every D answer changes when P's weights differ", differ == len(lengths),
-                     f"{differ}/{len(lengths)} differ")  # fmt: skip
+        control = control_differs(lambda p: complete(ref, p), pd.proxy_other, pd.d, prompts(lengths, seed=2))
+        report.check("control: every D answer changes when P's weights differ", control.differ == len(lengths),
+                     f"{control.differ}/{len(lengths)} differ; {control.recomputed} transfer(s) failed and "
+                     "were recomputed (sent again)")  # fmt: skip
         ctx.progress.step(f"reading D's /metrics ({pd.d.url}/metrics)")
         try:
             text = wait_transferred(pd.d)

@@ -456,6 +456,13 @@ class Receiver:
         port = chunk[0].port
         host = rank_host(chunk[0].pull.meta, port)  # a P instance spanning nodes: this rank's node
         reading = chunk
+        if logger.isEnabledFor(logging.DEBUG):  # the per-request timeline an operator asks for
+            waited = [self._config.pull_timeout_s - (i.pull.deadline - self._clock()) for i in chunk]
+            logger.debug(
+                "reading %d task(s) from %s:%d: %s",
+                len(chunk), host, port,
+                ", ".join(f"{i.pull.request_id} (submitted {w:.3f} s ago)" for i, w in zip(chunk, waited, strict=True)),
+            )  # fmt: skip
         try:
             # Before reading, P must confirm it still holds each request's blocks: params replayed
             # after D consumed them, or aimed at a request P already freed, would read reused blocks.
@@ -484,8 +491,13 @@ class Receiver:
         with self._lock:
             for item in reading:
                 item.pull.sources.add(source)
+        started = self._clock()
         try:
             self._read(agent.te_session, descriptors, deadline, source)
+            logger.debug(
+                "read %d bytes in %d pieces from %s in %.1f ms",
+                descriptors.total_bytes, len(descriptors), agent.te_session, 1e3 * (self._clock() - started),
+            )  # fmt: skip
         except BaseException:
             with self._lock:  # the engine may still write into these blocks: quarantine them
                 for item in reading:
