@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -62,3 +65,29 @@ def test_bounded_rpc_returns_raises_unchanged_or_times_out() -> None:
         bounded_rpc("hung", lambda: release.wait(30), timeout_s=0.3)
     assert time.monotonic() - t0 < 2.0
     release.set()
+
+
+def test_a_process_exiting_waits_for_the_trainers_abandoned_side_to_end() -> None:
+    """The RPC failed at once, so the caller returned while the trainer's side still waited (a rendezvous
+    nobody joins). As a daemon thread it was cut off inside torch's store wait at interpreter exit and the
+    process aborted (the CI's ``vllm`` session, exit -6); now the exit waits for it to end by its deadline."""
+    script = textwrap.dedent("""
+        import time
+        from ascend_dist.weight_transfer.errors import EngineRpcFailed
+        from ascend_dist.weight_transfer.rpc_thread import LOCAL_GRACE_S, beside_rpc
+
+        def refuse():
+            raise ValueError("engine: refused")
+
+        def local():
+            time.sleep(LOCAL_GRACE_S + 1.5)  # outlives the grace: stands for the rendezvous' own deadline
+            print("trainer side ended", flush=True)
+
+        try:
+            beside_rpc("init", refuse, local, timeout_s=5, local_timeout_s=30)
+        except EngineRpcFailed:
+            print("caller returned", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["caller returned", "trainer side ended"], out.stdout

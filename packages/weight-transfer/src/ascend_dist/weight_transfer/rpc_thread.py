@@ -15,6 +15,10 @@ broadcasts. Both run on threads here and the caller waits for the first decisive
 - the trainer's side succeeds: the RPC must answer within ``timeout_s``, else `DeadlineExceeded`.
 
 A call stuck inside the client cannot be interrupted: its thread is a daemon and is named in the error.
+The trainer's side runs on a thread that is not a daemon: it bounds its own waits, so a process that
+exits while an abandoned one still waits (a rendezvous no engine will join: up to the group's
+``init_timeout_s``) waits for it at exit. As a daemon it was left inside torch's store wait while the
+interpreter tore down, and the process aborted (``terminate called without an active exception``).
 
 `bounded_rpc` is the same deadline for an RPC with nothing beside it (the ``npu_ipc`` control plane):
 its own error is raised unchanged, and a call that does not return in time is a `DeadlineExceeded`.
@@ -44,9 +48,11 @@ LOCAL_GRACE_S = 5.0
 
 
 class _Call(Generic[T]):
-    """``fn`` on a daemon thread; ``changed`` is notified when it ends."""
+    """``fn`` on a thread (a daemon unless it bounds its own waits); ``changed`` is notified when it ends."""
 
-    def __init__(self, name: str, fn: Callable[[], T], changed: threading.Condition, device: int | None) -> None:
+    def __init__(
+        self, name: str, fn: Callable[[], T], changed: threading.Condition, device: int | None, *, daemon: bool = True
+    ) -> None:
         self.result: T | None = None
         self.error: BaseException | None = None
         self.done = False
@@ -54,7 +60,7 @@ class _Call(Generic[T]):
         self._fn = fn
         self._changed = changed
         self._device = device
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=daemon)
         self.thread.start()
 
     def _run(self) -> None:
@@ -112,7 +118,7 @@ def beside_rpc(
     changed = threading.Condition()
     device = current_device_index()
     call = _Call(f"wt-rpc-{what}", rpc, changed, None)
-    mine = _Call(f"wt-local-{what}", local, changed, device)
+    mine = _Call(f"wt-local-{what}", local, changed, device, daemon=False)  # bounded by itself: joined at exit
     end = time.monotonic() + local_timeout_s
     with changed:
         while not mine.done and not (call.done and call.error is not None):
