@@ -494,10 +494,11 @@ class Receiver:
         started = self._clock()
         try:
             self._read(agent.te_session, descriptors, deadline, source)
-            logger.debug(
-                "read %d bytes in %d pieces from %s in %.1f ms",
-                descriptors.total_bytes, len(descriptors), agent.te_session, 1e3 * (self._clock() - started),
-            )  # fmt: skip
+            if logger.isEnabledFor(logging.DEBUG):  # total_bytes sums an array: not on every read
+                logger.debug(
+                    "read %d bytes in %d pieces from %s in %.1f ms",
+                    descriptors.total_bytes, len(descriptors), agent.te_session, 1e3 * (self._clock() - started),
+                )  # fmt: skip
         except BaseException:
             with self._lock:  # the engine may still write into these blocks: quarantine them
                 for item in reading:
