@@ -1,9 +1,11 @@
-"""Fixtures of the weight-transfer tests: free loopback ports and worker processes that are always reaped."""
+"""Fixtures of the weight-transfer tests: free loopback ports, worker processes that are always reaped, thread ranks."""
 
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -36,3 +38,31 @@ def spawn_workers() -> Iterator[Callable[[int, list[Spec]], list[WorkerProcess]]
     yield spawn
     for proc in started:
         proc.close()
+
+
+class ThreadReplica:
+    """`ReplicaExchange` for ranks that are threads of this process (vLLM's engines use its CPU groups)."""
+
+    def __init__(self, rank: int, world_size: int, barrier: threading.Barrier, shared: dict[str, Any]) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._barrier, self._shared = barrier, shared
+
+    @classmethod
+    def group(cls, world_size: int) -> list[ThreadReplica]:
+        barrier, shared = threading.Barrier(world_size), {}
+        return [cls(r, world_size, barrier, shared) for r in range(world_size)]
+
+    def broadcast_from_first(self, payload: bytes) -> bytes:
+        if self.rank == 0:
+            self._shared["payload"] = payload
+        self._barrier.wait(30)
+        got = self._shared["payload"]
+        self._barrier.wait(30)
+        return got
+
+    def all_true(self, flag: bool) -> bool:
+        self._shared.setdefault("flags", {})[self.rank] = flag
+        self._barrier.wait(30)
+        result = all(self._shared["flags"].values())
+        self._barrier.wait(30)
+        return result

@@ -7,9 +7,13 @@ client that calls the worker engines the way vLLM's worker does: parse, init, st
 from __future__ import annotations
 
 import inspect
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,7 +23,7 @@ import torch
 from ascend_dist.common.errors import ConfigError
 from ascend_dist.weight_transfer._demo.procs import synthetic_specs, synthetic_weights
 
-from .conftest import free_port
+from .conftest import ThreadReplica, free_port
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")  # outside the vllm session (plain `uv run pytest`), skip instead of failing
@@ -125,7 +129,10 @@ def test_engines_subclass_the_real_bases_with_the_factory_signature(registered: 
 
     for cls in (vllm_engine.HCCLWeightTransferEngine, vllm_engine.NPUIPCWeightTransferEngine):
         assert issubclass(cls, WeightTransferEngine)
-        assert list(inspect.signature(cls.__init__).parameters) == ["self", "config", "vllm_config", "device", "model"]
+        params = inspect.signature(cls.__init__).parameters.values()
+        positional = [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        assert positional == ["self", "config", "vllm_config", "device", "model"]  # how vLLM's factory calls it
+        assert all(p.default is not inspect.Parameter.empty for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
     for cls in (vllm_trainer.HCCLTrainerWeightTransferEngine, vllm_trainer.NPUIPCTrainerWeightTransferEngine):
         assert issubclass(cls, TrainerWeightTransferEngine)
     assert issubclass(vllm_trainer.HCCLTrainerInitInfo, TrainerInitInfo)
@@ -577,6 +584,85 @@ def test_npu_ipc_loader_failure_restores_the_engine(registered: list[str], layer
         trainer.shutdown()
         engine.shutdown()
         client.pool.shutdown()
+
+
+def _tp_config(tp: int) -> Any:
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.config.parallel import ParallelConfig
+
+    return VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp), device_config=DeviceConfig("cpu"))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_npu_ipc_loader_failure_on_one_tp_rank_restores_every_rank(registered: list[str], packed: bool) -> None:
+    """Issue 25 item 4 on npu_ipc with TP 2: the failing rank restored and refused to run while the other rank
+    kept the new weights (no vote between the ranks). Now they vote after loading and both restore."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ascend_dist.weight_transfer.errors import LoadRestored
+    from ascend_dist.weight_transfer.vllm_engine import NPUIPCWeightTransferEngine
+    from ascend_dist.weight_transfer.vllm_trainer import NPUIPCTrainerInitInfo
+
+    models = [ReloadableModel(seed=1), ReloadableModel(seed=1, broken=SPECS[len(SPECS) // 2][0])]
+    engines = [
+        NPUIPCWeightTransferEngine(WeightTransferConfig(backend="npu_ipc"), _tp_config(2), torch.device("cpu"), m,
+                                   replica=replica)
+        for m, replica in zip(models, ThreadReplica.group(2), strict=True)
+    ]  # fmt: skip
+    assert [e.worker.peers for e in engines] == [2, 2]
+    client = EngineClient(engines)
+    info = NPUIPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=3000)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(LoadableModel(seed=2)))
+    try:
+        assert [e.worker.vote.rank for e in engines if e.worker.vote is not None] == [0, 1]
+        before = [_digests(m) for m in models]
+        with pytest.raises(LoadRestored, match=r"rank 1: the model's loader failed.*scale shape not supported"):
+            trainer.send_weights()
+        assert [_digests(m) for m in models] == before  # without the vote rank 0 kept the new ones
+        for model in models:
+            assert not any(p.is_meta for p in model.parameters())
+            model()  # both serve the old weights: no guard tripped
+        models[1].mend(None)  # control: the next update lands on both ranks
+        good = LoadableModel(seed=3)
+        trainer.source = ModuleSource(good)
+        trainer.send_weights()
+        assert [_digests(m) for m in models] == [_digests(good)] * 2
+    finally:
+        trainer.shutdown()
+        for engine in engines:
+            engine.shutdown()
+        client.pool.shutdown()
+    assert all(e.worker.vote is None for e in engines)  # shutdown left the vote (rank 0 stopped its store)
+
+
+def test_npu_ipc_load_vote_finds_its_store_through_vllms_own_groups() -> None:
+    """TP 2 x PP 2 ranks as processes with vLLM's distributed environment (gloo): each engine, built as vLLM's
+    factory builds it, joins the vote at init; replica ranks follow vLLM's global order; one rank's failure
+    is every rank's outcome, and a clean load commits everywhere."""
+    script = Path(__file__).parent / "vllm_replica" / "rank.py"
+    port, tp, pp = free_port(), 2, 2
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(tp), str(pp), str(port)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for r in range(tp * pp)
+    ]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    failed = [
+        f"rank {r}:\n{err[-1500:]}" for r, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if p.returncode
+    ]
+    assert not failed, "\n".join(failed)  # every rank's tail: the first to fail is often not rank 0
+    seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert [s["vote_rank"] for s in seen] == [0, 1, 2, 3] and {s["world"] for s in seen} == {4}
+    assert all(s["first"] == {"commit": False, "failures": {"1": "loader: KeyError"}} for s in seen)
+    assert all(s["second"] is True and s["left"] for s in seen)
 
 
 def test_hccl_streamed_loader_failure_makes_every_engine_refuse_to_run_until_a_complete_update(

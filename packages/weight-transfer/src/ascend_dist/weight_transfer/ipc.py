@@ -282,6 +282,8 @@ def bucket_chunks(
     expect_end(source, manifest)
 
 
-def make_chunk(manifest: Manifest, index: int, count: int, handles: Sequence[dict[str, IpcHandle]]) -> IpcChunk:
-    """Build an `IpcChunk` message."""
-    return IpcChunk(manifest=manifest, chunk_index=index, num_chunks=count, handles=tuple(handles))
+def make_chunk(
+    manifest: Manifest, index: int, count: int, handles: Sequence[dict[str, IpcHandle]], update_id: str = ""
+) -> IpcChunk:
+    """Build an `IpcChunk` message (``update_id``: the same random hex id on every chunk of one update)."""
+    return IpcChunk(manifest=manifest, chunk_index=index, num_chunks=count, handles=tuple(handles), update_id=update_id)

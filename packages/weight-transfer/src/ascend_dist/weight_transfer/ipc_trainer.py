@@ -21,6 +21,7 @@ naming it. Nothing waits for a rank that has already given up.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -251,6 +252,7 @@ class IpcTrainer:
                 streamed=self.params.streamed,
             )  # fmt: skip
         self._call("start_weight_update", self.client.start_weight_update)
+        update_id = secrets.token_hex(16)  # names the workers' load vote; only the sender's reaches them
         sent = 0
         if manifest.packed:
             if manifest.streamed:
@@ -269,10 +271,10 @@ class IpcTrainer:
                 if item is None:
                     break
                 index, handle = item
-                self._deliver(make_chunk(manifest, index, count, self._merged([handle])))
+                self._deliver(make_chunk(manifest, index, count, self._merged([handle]), update_id))
                 sent += 1
             if count == 0:  # an update without bytes: one message so the workers still load nothing
-                self._deliver(make_chunk(manifest, 0, 1, self._merged([{}])))
+                self._deliver(make_chunk(manifest, 0, 1, self._merged([{}]), update_id))
                 sent += 1
         else:
             try:
@@ -280,7 +282,7 @@ class IpcTrainer:
             except Exception as exc:
                 self._merged([], exc)
                 raise  # not reached: _merged raises exc on this rank
-            self._deliver(make_chunk(manifest, 0, 1, self._merged(handles)))
+            self._deliver(make_chunk(manifest, 0, 1, self._merged(handles), update_id))
             del keep
             sent = 1
         # a source with tensors past the manifest fails only after its last chunk: settle that before finishing

@@ -13,10 +13,13 @@ another chip is refused with a typed error, and the staged bytes are dropped.
 
 Loader failures (issue 25 item 4): before a staged update is loaded the worker takes a host restore
 point of the model (`session.RestorableSink.snapshot`) and puts it back when the loader raises
-(`LoadRestored`). There is no vote between the ranks on this path (each worker is driven by its
-own RPC), so when ``peers`` > 1 the other ranks may have loaded the update: this rank restores its
-part and refuses to run (`guard`) until a complete update succeeds, raising `LoadFailed`. A
-streamed update that fails after a chunk was loaded (or a restore that fails) trips the guard too.
+(`LoadRestored`). Each rank of a replica is driven by its own RPC, so with ``peers`` > 1 the ranks
+agree through a `load_vote.LoadVote` after loading: every rank keeps the update, or every rank
+restores and raises `LoadRestored` naming the failing ranks (a rank that dropped the update earlier
+votes no at once). Without a vote (none given, or a trainer that sends no ``update_id``) the
+failing rank restores its part and refuses to run (`guard`) until a complete update succeeds,
+raising `LoadFailed`, since the others may hold the new weights. A streamed update that fails
+after a chunk was loaded (or a restore that fails) trips the guard too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ascend_dist.common.errors import ProtocolError
 from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored, ManifestMismatch
 from ascend_dist.weight_transfer.guard import WeightsGuard
 from ascend_dist.weight_transfer.ipc import device_uuid, pick_handle
+from ascend_dist.weight_transfer.load_vote import LoadVote, VoteOutcome
 from ascend_dist.weight_transfer.messages import (
     IpcChunk,
     IpcParams,
@@ -44,7 +48,7 @@ from ascend_dist.weight_transfer.packing import (
     staging_images,
     unpack_buffer,
 )
-from ascend_dist.weight_transfer.session import RestorableSink, Session, SessionState, WeightSink
+from ascend_dist.weight_transfer.session import RestorableSink, Session, SessionState, Snapshot, WeightSink
 
 if TYPE_CHECKING:
     import torch
@@ -91,6 +95,7 @@ class IpcWorker:
         validate: Callable[[Manifest], None] | None = None,
         peers: int = 1,
         guard: WeightsGuard | None = None,
+        vote: LoadVote | None = None,
     ) -> None:
         """Create the engine.
 
@@ -100,9 +105,11 @@ class IpcWorker:
             uuid: This worker's chip identity; default `device_uuid` of the runtime's device.
             validate: Optional check of each manifest against the model before anything is loaded.
             peers: Ranks that load the same update, each through its own RPC (vLLM: the replica's
-                TP x PP workers); above 1 a loader failure here cannot be undone everywhere.
+                TP x PP workers); above 1 a loader failure here cannot be undone everywhere
+                without ``vote``.
             guard: Tripped while the model may hold mixed weights (install it on the model); a
                 fresh one by default.
+            vote: The replica's load vote (one per rank, ``peers`` ranks); None: no vote.
         """
         import torch
 
@@ -114,6 +121,8 @@ class IpcWorker:
         self._validate = validate
         self.peers = peers
         self.guard = guard if guard is not None else WeightsGuard()
+        self.vote = vote
+        self._update_id = ""  # of the chunk being applied: names its load vote
         self.session = Session("npu_ipc weight transfer")
         self.params = IpcParams()
         self._staged: _Staged | None = None
@@ -142,6 +151,7 @@ class IpcWorker:
             ConfigError: No handle for this chip.
         """
         self.session.require("update")
+        self._update_id = ""  # set from the chunk once it parses
         try:
             raw = payload.get("chunk")
             if not isinstance(raw, dict):
@@ -149,6 +159,8 @@ class IpcWorker:
             self._apply(ipc_chunk_from_builtins(raw))
         except Exception as exc:
             self._staged = None  # drop half-received bytes; the model was not touched (or was restored)
+            if not self.params.streamed:  # peers reaching this update's load vote restore at once (no-op once voted)
+                self._withdraw(f"{type(exc).__name__}: {exc}")
             streaming, self._streaming = self._streaming, None
             self.session.move(SessionState.READY)
             if streaming is not None and streaming.next_chunk and not isinstance(exc, LoadFailed):
@@ -163,7 +175,17 @@ class IpcWorker:
                 self.guard.trip(f"{type(exc).__name__}: {exc}{cause}")
             raise
 
+    def _withdraw(self, reason: str) -> None:
+        vote = self.vote
+        if vote is None or not self._update_id:
+            return
+        try:
+            vote.withdraw(self._update_id, reason)
+        except Exception:  # the peers' vote then ends at its deadline instead: restore, not commit
+            logger.warning("npu_ipc: could not withdraw from load vote %s", self._update_id, exc_info=True)
+
     def _apply(self, chunk: IpcChunk) -> None:
+        self._update_id = chunk.update_id
         manifest = chunk.manifest
         if manifest.packed != self.params.packed:
             raise ManifestMismatch(f"packed: worker has {self.params.packed!r}, trainer sent {manifest.packed!r}")
@@ -299,6 +321,9 @@ class IpcWorker:
                 ranks may have loaded the update (``peers`` > 1); `update` then trips the guard.
         """
         snapshot = self.sink.snapshot() if isinstance(self.sink, RestorableSink) else None
+        if self.vote is not None and self._update_id:
+            self._load_voted(pairs, snapshot, self.vote)
+            return
         try:
             self.sink.load_weights(pairs)
             self.runtime.synchronize()
@@ -323,6 +348,50 @@ class IpcWorker:
                 ) from exc
             raise LoadRestored(f"{what}; this worker restored its previous weights") from exc
         self.guard.clear()  # a complete update loaded: one version again
+
+    def _load_voted(self, pairs: list[tuple[str, torch.Tensor]], snapshot: Snapshot | None, vote: LoadVote) -> None:
+        """Load, vote with the replica's other ranks, and keep the update only if every rank loaded it.
+
+        Raises:
+            LoadRestored: Some rank's loader failed (or it did not vote in time): every rank restores.
+            LoadFailed: This rank could not restore (or restoring is off): it holds mixed weights.
+        """
+        own: Exception | None = None
+        try:
+            self.sink.load_weights(pairs)
+            self.runtime.synchronize()
+        except Exception as raised:
+            own = (
+                raised.__cause__
+                if isinstance(raised, LoadFailed) and isinstance(raised.__cause__, Exception)
+                else raised
+            )
+        failure = None if own is None else f"the model's loader failed ({type(own).__name__}: {own})"
+        try:
+            outcome = vote.vote(self._update_id, failure)
+        except Exception as exc:  # the store is gone (rank 0 died): nobody can tell the others committed
+            outcome = VoteOutcome(
+                commit=False, failures={vote.rank: f"the load vote failed ({type(exc).__name__}: {exc})"}
+            )
+        if outcome.commit:
+            self.guard.clear()  # every rank loaded the complete update: one version again
+            return
+        what = f"the load was undone on every rank of the replica ({outcome.describe()})"
+        if snapshot is None:
+            raise LoadFailed(
+                f"{what}, but restoring is turned off on rank {vote.rank}: this rank holds "
+                f"{'mixed' if own is not None else 'the new'} weights"
+            ) from own
+        try:
+            snapshot.restore()
+            self.runtime.synchronize()
+        except Exception as restore_exc:
+            raise LoadFailed(
+                f"{what}, but restoring rank {vote.rank}'s previous weights failed "
+                f"({type(restore_exc).__name__}: {restore_exc}): the model holds mixed weights"
+            ) from (own or restore_exc)
+        logger.warning("npu_ipc: %s; rank %d restored its previous weights", what, vote.rank)
+        raise LoadRestored(f"{what}; rank {vote.rank} restored its previous weights") from own
 
     def finish(self) -> None:
         """Close the update; raises if a packed update is missing chunks.

@@ -121,6 +121,9 @@ class IpcChunk(msgspec.Struct, frozen=True, kw_only=True):
         num_chunks: Chunks in the update (1 when unpacked).
         handles: Packed: one entry, the shared buffer by device uuid. Unpacked: one entry per
             tensor in manifest order, each mapping device uuid to that tensor's handle.
+        update_id: The trainer's random id of this update, the same on all its chunks; the workers
+            of a replica name their load vote by it (`load_vote`). Empty from a trainer without it:
+            those workers then load without a vote.
     """
 
     version: int = PROTOCOL_VERSION
@@ -128,6 +131,7 @@ class IpcChunk(msgspec.Struct, frozen=True, kw_only=True):
     chunk_index: _NonNegative
     num_chunks: _Positive
     handles: tuple[dict[str, IpcHandle], ...]
+    update_id: Annotated[str, msgspec.Meta(max_length=64, pattern="^[0-9a-f]*$")] = ""
 
 
 _MSGPACK_ENCODER: Final = msgspec.msgpack.Encoder()

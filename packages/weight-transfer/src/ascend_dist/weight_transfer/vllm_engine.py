@@ -49,6 +49,7 @@ from ascend_dist.common.errors import ConfigError, ProtocolError
 from ascend_dist.weight_transfer.collective import gloo_collective, hccl_collective
 from ascend_dist.weight_transfer.errors import LoadFailed, ManifestMismatch
 from ascend_dist.weight_transfer.ipc_worker import IpcWorker
+from ascend_dist.weight_transfer.load_vote import ReplicaExchange, StoreLoadVote, replica_store
 from ascend_dist.weight_transfer.messages import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_DIRECT_THRESHOLD_BYTES,
@@ -59,6 +60,7 @@ from ascend_dist.weight_transfer.messages import (
 )
 from ascend_dist.weight_transfer.model_names import mismatches, unknown_names
 from ascend_dist.weight_transfer.restore import ModuleSnapshot
+from ascend_dist.weight_transfer.vllm_replica import VllmReplicaExchange
 from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
 
 if TYPE_CHECKING:
@@ -299,6 +301,7 @@ class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     validate_names: bool = True
     streamed: bool = False
     restore_on_load_failure: bool = True
+    vote_timeout_s: float = 300.0
 
 
 @dataclass
@@ -315,14 +318,26 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
     update_info_cls = NPUIPCWeightTransferUpdateInfo
 
     def __init__(
-        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+        *,
+        replica: ReplicaExchange | None = None,
     ) -> None:
-        """Create the engine on the runtime of vLLM's ``device`` (its chip id names that device)."""
+        """Create the engine on the runtime of vLLM's ``device`` (its chip id names that device).
+
+        ``replica``: how the replica's ranks agree on the load vote's store at init; default (vLLM's
+        factory passes none) vLLM's own groups of this worker, `VllmReplicaExchange`.
+        """
         super().__init__(config, vllm_config, device, model)
         self._sink = _ModelSink(self, layerwise=True)
         self._validate_names = True
         self._refused_finish: str | None = None  # why the last finish failed while vLLM's session stays open
-        # every worker of this replica (TP x PP) loads each update through its own RPC, with no vote between them
+        self._replica = replica
+        # every worker of this replica (TP x PP x PCP) loads each update through its own RPC; they
+        # agree on keeping it through the load vote built at init
         self.worker = IpcWorker(
             self._sink, get_runtime(device), validate=self._validate, peers=self.parallel_config.world_size
         )
@@ -343,6 +358,7 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
         self._sink.layerwise = init_info.layerwise_reload
         self._sink.restore = init_info.restore_on_load_failure
         self._validate_names = init_info.validate_names
+        self._join_load_vote(init_info.vote_timeout_s)
         self.worker.init(
             msgspec.convert(
                 {
@@ -354,6 +370,20 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
                 IpcParams,
             )
         )
+
+    def _join_load_vote(self, timeout_s: float) -> None:
+        """With several ranks in the replica, join (rank 0: host) the store of their load vote."""
+        if timeout_s <= 0:
+            raise ConfigError("vote_timeout_s", timeout_s, "a positive number of seconds")
+        if self.worker.vote is not None:
+            self.worker.vote.close()
+            self.worker.vote = None
+        if self.worker.peers == 1:
+            return
+        replica = self._replica if self._replica is not None else VllmReplicaExchange()
+        store = replica_store(replica)
+        if store is not None:
+            self.worker.vote = StoreLoadVote(store, replica.rank, replica.world_size, timeout_s=timeout_s)
 
     def start_weight_update(self) -> None:
         """Open an update."""
@@ -390,5 +420,8 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
             ) from exc
 
     def shutdown(self) -> None:
-        """Forget opened mappings."""
+        """Forget opened mappings; leave the load vote (rank 0: stop its store)."""
+        if self.worker.vote is not None:
+            self.worker.vote.close()
+            self.worker.vote = None
         self.worker.shutdown()
