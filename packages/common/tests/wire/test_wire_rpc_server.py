@@ -1,4 +1,4 @@
-"""RpcServer: binding rules, lifecycle (threads joined), and endpoint construction."""
+"""RpcServer: binding rules, lifecycle (threads joined), endpoint construction, requests answered inline."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import zmq
 
-from ascend_dist.common.errors import ConfigError, DeadlineExceeded, InvalidTransition
+from ascend_dist.common.errors import ConfigError, DeadlineExceeded, InvalidTransition, ProtocolError
+from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer, tcp_endpoint
 from ascend_dist.common.zmq_server import KIND_REQUEST, frame_limit, pack_header
 
@@ -178,3 +179,59 @@ def test_ipv6_loopback_round_trip(ctx: zmq.Context[Any]) -> None:
     with server, RpcClient(ctx, timeout_s=2.0, retries=1) as rpc:
         assert server.endpoint == f"tcp://[::1]:{server.port}"
         assert rpc.request(tcp_endpoint("::1", server.port), b"v6") == b"v6"
+
+
+def _thread_echo(payload: bytes) -> bytes:
+    """Answers with the payload and the name of the thread that ran the handler."""
+    if payload == b"fail":
+        raise ValueError("handler refused")
+    return payload + b"@" + threading.current_thread().name.encode()
+
+
+@pytest.mark.parametrize("secret", [None, DeploymentSecret(b"s" * 32)])
+def test_inline_requests_are_answered_on_the_socket_thread(ctx: zmq.Context[Any], secret: Any) -> None:
+    def inline(payload: bytes) -> bool:
+        if payload == b"odd":
+            raise ValueError("cannot tell")  # the predicate failing: the handler thread answers
+        return payload.startswith(b"fast") or payload == b"fail"
+
+    with (
+        RpcServer("127.0.0.1", 0, _thread_echo, ctx=ctx, poll_interval_s=0.02, secret=secret, inline=inline) as srv,
+        RpcClient(ctx, timeout_s=2.0, retries=1, secret=secret) as rpc,
+    ):
+        assert rpc.request(srv.endpoint, b"fast").startswith(b"fast@rpc-server:")  # the MAC'ed reply verified
+        assert rpc.request(srv.endpoint, b"slow").startswith(b"slow@rpc-handler:")
+        assert rpc.request(srv.endpoint, b"odd").startswith(b"odd@rpc-handler:")
+        with pytest.raises(ProtocolError, match="ValueError: handler refused"):
+            rpc.request(srv.endpoint, b"fail")  # an inline handler's error is an error frame, the server lives
+        assert rpc.request(srv.endpoint, b"fast again").startswith(b"fast again@rpc-server:")
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_an_inline_request_is_not_queued_behind_a_slow_one(ctx: zmq.Context[Any], inline: bool) -> None:
+    """The point of `inline`: a lease renewal answered while the handler thread is busy.
+
+    The control, without `inline`: it waits behind the slow request and times out."""
+    entered, release = threading.Event(), threading.Event()
+
+    def handler(payload: bytes) -> bytes:
+        if payload == b"slow":
+            entered.set()
+            release.wait(5.0)
+        return payload
+
+    server = RpcServer("127.0.0.1", 0, handler, ctx=ctx, poll_interval_s=0.02,
+                       inline=(lambda p: p == b"renew") if inline else None)  # fmt: skip
+    with server, RpcClient(ctx, timeout_s=0.5, retries=1) as rpc:
+        slow = threading.Thread(target=lambda: rpc.request(server.endpoint, b"slow", timeout_s=5.0))
+        slow.start()
+        try:
+            assert entered.wait(2.0)
+            if inline:
+                assert rpc.request(server.endpoint, b"renew") == b"renew"
+            else:
+                with pytest.raises(DeadlineExceeded):
+                    rpc.request(server.endpoint, b"renew")
+        finally:
+            release.set()
+            slow.join(10.0)

@@ -202,6 +202,7 @@ class RpcServer:
         queue_bytes: int | None = None,
         log_interval_s: float = 10.0,
         secret: DeploymentSecret | FromEnv | None = FROM_ENV,
+        inline: Callable[[bytes], bool] | None = None,
     ) -> None:
         """Validate the arguments and bind the ROUTER socket.
 
@@ -219,6 +220,11 @@ class RpcServer:
             log_interval_s: Each kind of dropped frame or handler error is logged once per this.
             secret: The deployment secret every request must be MAC'ed with; `FROM_ENV` (the
                 default) loads it from the environment, None serves unauthenticated (warned once).
+            inline: Says, from a request's payload, whether the handler may answer it on the
+                socket thread at once instead of queueing it for the handler thread: two thread
+                hand-offs fewer per request, each of which waits for the GIL while another thread
+                runs Python. Only for requests whose handling is short and never blocks (a lock
+                held for microseconds, a small reply): while it runs no other request is read.
 
         Raises:
             ConfigError: An argument is invalid, the port is in use, the host is not a local
@@ -237,6 +243,7 @@ class RpcServer:
         self._auth: FrameAuth | None = resolve_frame_auth(secret, f"{name} server")
         self._refused_auth = 0
         self._handler = handler
+        self._inline = inline
         self._max_bytes = max_bytes
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self._name = name
@@ -412,8 +419,39 @@ class RpcServer:
             except zmq.Again:
                 return
             request = self._admit(sock, frames)
-            if request is not None and not self._queue.put(request, len(request[2])):
+            if request is None:
+                continue
+            if self._inline is not None and self._answer_inline(sock, request):
+                continue
+            if not self._queue.put(request, len(request[2])):
                 self._drop("queue-full", "dropped a %d-byte request: receive queue full", len(request[2]))
+
+    def _answer_inline(self, sock: zmq.Socket[Any], request: tuple[bytes, int, bytes, bytes]) -> bool:
+        """Answer ``request`` here when `inline` says so (socket thread: it owns the ROUTER)."""
+        identity, request_id, payload, nonce = request
+        try:
+            here = self._inline is not None and self._inline(payload)
+        except Exception:  # a predicate that cannot tell: let the handler thread answer (and report)
+            here = False
+        if not here:
+            return False
+        reply = self._call(payload)
+        if reply is not None:
+            try:
+                sock.send_multipart(self._reply_frames(identity, request_id, nonce, reply), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._drop("send", "could not send a reply: %s", exc)
+        return True
+
+    def _reply_frames(
+        self, identity: bytes, request_id: int, nonce: bytes, reply: tuple[int, bytes | bytearray | memoryview]
+    ) -> list[Any]:
+        kind, body = reply
+        header = pack_header(kind, request_id)
+        frames: list[Any] = [identity, b"", header, body]
+        if self._auth is not None:
+            frames.append(self._auth.seal_reply(nonce, header, body))
+        return frames
 
     def _forward_replies(self, sock: zmq.Socket[Any], replies: zmq.Socket[Any]) -> None:
         while True:
@@ -488,13 +526,8 @@ class RpcServer:
                 reply = self._call(payload)
                 if reply is None:
                     continue
-                kind, body = reply
-                header = pack_header(kind, request_id)
-                frames = [identity, b"", header, body]
-                if self._auth is not None:
-                    frames.append(self._auth.seal_reply(nonce, header, body))
                 try:
-                    out.send_multipart(frames)
+                    out.send_multipart(self._reply_frames(identity, request_id, nonce, reply))
                 except zmq.ZMQError as exc:
                     if not self._stop_event.is_set():  # at stop the socket thread is gone: expected
                         self._drop("send", "could not pass a reply to the socket thread: %s", exc)

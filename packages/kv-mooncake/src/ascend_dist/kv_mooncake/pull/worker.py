@@ -305,6 +305,7 @@ class PullWorker:
                 self._handle,
                 max_bytes=self._config.max_message_bytes,
                 name=f"kv-pull-p{self._pp_rank}.{self._tp_rank}",
+                inline=self._answers_inline,
             )
             self._server.start()
         else:
@@ -325,6 +326,11 @@ class PullWorker:
                 wall_clock=self._wall_clock,
                 thread_cpus=self._transfer_cpus,
             )
+
+    def _answers_inline(self, payload: bytes) -> bool:
+        """Renew and DONEs are answered on the server's socket thread (a lock and a MAC per id, no I/O):
+        they sit on D's read path, where each hand-off to another thread waits for the GIL."""
+        return isinstance(self._requests.decode(payload), Renew | Dones | Done)
 
     def _handle(self, payload: bytes) -> bytes:
         """P's side-channel handler (server thread): decode, act, reply."""
