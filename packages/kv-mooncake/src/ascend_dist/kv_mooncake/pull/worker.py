@@ -328,8 +328,11 @@ class PullWorker:
             )
 
     def _answers_inline(self, payload: bytes) -> bool:
-        """Renew and DONEs are answered on the server's socket thread (a lock and a MAC per id, no I/O):
-        they sit on D's read path, where each hand-off to another thread waits for the GIL."""
+        """Whether the server's socket thread answers ``payload`` at once: Renew and DONEs.
+
+        They take a lock and a MAC per id, no I/O, and sit on D's read path, where each hand-off to
+        another thread waits for the GIL. Anything else (GetMeta) is queued for the handler thread.
+        """
         return isinstance(self._requests.decode(payload), Renew | Dones | Done)
 
     def _handle(self, payload: bytes) -> bytes:
