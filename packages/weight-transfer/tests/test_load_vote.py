@@ -22,7 +22,7 @@ import torch
 from ascend_dist.common.device import CpuSimRuntime
 from ascend_dist.common.errors import ProtocolError
 from ascend_dist.weight_transfer._demo.procs import param_digests, synthetic_specs, synthetic_weights
-from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored
+from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored, WeightsInconsistent
 from ascend_dist.weight_transfer.ipc_trainer import IpcTrainer
 from ascend_dist.weight_transfer.ipc_worker import IpcWorker
 from ascend_dist.weight_transfer.load_vote import StoreLoadVote, VoteOutcome, replica_store
@@ -281,3 +281,31 @@ def test_without_a_vote_the_other_rank_keeps_the_new_weights(stores: list[Any]) 
     _trainer(client).send(synthetic_weights(SPECS, 2))
     assert isinstance(client.first_errors()[1], LoadFailed)
     assert sinks[0].digests() == _want(2) and sinks[1].digests() == _want(1)
+
+
+class BrokenVote:
+    """A `LoadVote` whose store went away after this rank loaded (the others' outcome is unknown)."""
+
+    rank, world_size = 0, 2
+
+    def vote(self, update_id: str, failure: str | None) -> VoteOutcome:
+        raise ConnectionResetError("the store's connection was reset")
+
+    def withdraw(self, update_id: str, reason: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_vote_that_fails_restores_this_rank_and_refuses_to_run() -> None:
+    """Restoring alone is not enough: the other ranks may have committed, so this rank must not serve."""
+    sink = FlatSink(1)
+    worker = IpcWorker(sink, CpuSimRuntime(), uuid="h-cpu0", peers=2, vote=BrokenVote())
+    worker.guard.install(sink.module)
+    worker.init(IpcParams(packed=True, buffer_size_bytes=BUFFER))
+    with pytest.raises(LoadFailed, match="outcome is unknown; on rank 0 it restored its previous weights"):
+        _trainer(FanOutClient([worker])).send(synthetic_weights(SPECS, 2))
+    assert sink.digests() == _want(1)
+    with pytest.raises(WeightsInconsistent, match="load vote failed"):
+        sink.module()

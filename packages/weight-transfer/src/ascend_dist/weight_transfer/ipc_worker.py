@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ascend_dist.common.device.ipc import IpcHandle
 from ascend_dist.common.errors import ProtocolError
 from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored, ManifestMismatch
 from ascend_dist.weight_transfer.guard import WeightsGuard
 from ascend_dist.weight_transfer.ipc import device_uuid, pick_handle
-from ascend_dist.weight_transfer.load_vote import LoadVote, VoteOutcome
+from ascend_dist.weight_transfer.load_vote import LoadVote
 from ascend_dist.weight_transfer.messages import (
     IpcChunk,
     IpcParams,
@@ -369,10 +369,8 @@ class IpcWorker:
         failure = None if own is None else f"the model's loader failed ({type(own).__name__}: {own})"
         try:
             outcome = vote.vote(self._update_id, failure)
-        except Exception as exc:  # the store is gone (rank 0 died): nobody can tell the others committed
-            outcome = VoteOutcome(
-                commit=False, failures={vote.rank: f"the load vote failed ({type(exc).__name__}: {exc})"}
-            )
+        except Exception as exc:  # the store is gone: the others may have committed or restored
+            self._restore_unvoted(snapshot, vote.rank, exc)
         if outcome.commit:
             self.guard.clear()  # every rank loaded the complete update: one version again
             return
@@ -392,6 +390,25 @@ class IpcWorker:
             ) from (own or restore_exc)
         logger.warning("npu_ipc: %s; rank %d restored its previous weights", what, vote.rank)
         raise LoadRestored(f"{what}; rank {vote.rank} restored its previous weights") from own
+
+    def _restore_unvoted(self, snapshot: Snapshot | None, rank: int, exc: Exception) -> NoReturn:
+        """The vote itself failed: restore this rank, and refuse to run (the other ranks' outcome is unknown).
+
+        Raises:
+            LoadFailed: Always (`update` trips the guard): this rank may differ from the others.
+        """
+        state = "restoring is turned off: it holds the new weights"
+        if snapshot is not None:
+            try:
+                snapshot.restore()
+                self.runtime.synchronize()
+                state = "it restored its previous weights"
+            except Exception as restore_exc:
+                state = f"restoring failed ({type(restore_exc).__name__}: {restore_exc}): it holds mixed weights"
+        raise LoadFailed(
+            f"the load vote failed ({type(exc).__name__}: {exc}), so the other ranks' outcome is unknown; "
+            f"on rank {rank} {state}; send a complete update again"
+        ) from exc
 
     def finish(self) -> None:
         """Close the update; raises if a packed update is missing chunks.
