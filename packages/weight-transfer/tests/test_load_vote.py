@@ -11,29 +11,26 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import torch
 
 from ascend_dist.common.device import CpuSimRuntime
 from ascend_dist.common.errors import ProtocolError
-from ascend_dist.weight_transfer._demo.procs import param_digests, synthetic_specs, synthetic_weights
+from ascend_dist.weight_transfer._demo.procs import synthetic_weights
 from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored, WeightsInconsistent
 from ascend_dist.weight_transfer.ipc_trainer import IpcTrainer
 from ascend_dist.weight_transfer.ipc_worker import IpcWorker
 from ascend_dist.weight_transfer.load_vote import StoreLoadVote, VoteOutcome, replica_store
 from ascend_dist.weight_transfer.messages import IpcParams
-from ascend_dist.weight_transfer.session import ModuleSink, Snapshot
 
 from .conftest import ThreadReplica
+from .flat_model import BUFFER, SPECS, FailingSink, Model, digests, want
 
 T = TypeVar("T")
-SPECS = synthetic_specs(10, 32 * 1024, dtypes=("float32", "bfloat16"))
-BUFFER = 8192
 
 
 def _on_every_rank(world_size: int, fn: Callable[[int], T]) -> list[T]:
@@ -130,47 +127,6 @@ def test_ranks_on_other_loopbacks_vote_nowhere() -> None:
 # --- the vote inside IpcWorker: two ranks of one replica loading the same update ---
 
 
-class Model(torch.nn.Module):
-    """Flat ``p<i>`` parameters and a forward that reads them all (the guard refuses it when tripped)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        for i, (_, tensor) in enumerate(synthetic_weights(SPECS, seed)):
-            self.register_parameter(f"p{i}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
-
-    def forward(self) -> torch.Tensor:
-        return torch.stack([p.float().sum() for p in self.parameters()]).sum()
-
-
-class FlatSink(ModuleSink):
-    """`ModuleSink` over flat ``p<i>`` parameters; its loader raises after ``fail_after`` tensors when set."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__(Model(seed))
-        self.names = {name: f"p{i}" for i, (name, _, _) in enumerate(SPECS)}
-        self.fail_after: int | None = None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        for i, (name, tensor) in enumerate(weights):
-            if self.fail_after is not None and i == self.fail_after:
-                raise KeyError(f"no parameter for {name!r}")
-            loaded |= super().load_weights([(self.names[name], tensor)])
-        return loaded
-
-    def snapshot(self) -> Snapshot | None:
-        return super().snapshot()
-
-    def digests(self) -> dict[str, str]:
-        return param_digests(sorted(self.module.named_parameters()))
-
-
-def _want(seed: int) -> dict[str, str]:
-    return dict(
-        sorted(param_digests([(f"p{i}", t) for i, (_, t) in enumerate(synthetic_weights(SPECS, seed))]).items())
-    )
-
-
 @pytest.fixture
 def runtime() -> Iterator[CpuSimRuntime]:
     rt = CpuSimRuntime()
@@ -178,8 +134,8 @@ def runtime() -> Iterator[CpuSimRuntime]:
     rt.close()
 
 
-def _replica(stores: list[Any], count: int, timeout_s: float) -> tuple[list[IpcWorker], list[FlatSink]]:
-    sinks = [FlatSink(1) for _ in range(count)]
+def _replica(stores: list[Any], count: int, timeout_s: float) -> tuple[list[IpcWorker], list[FailingSink]]:
+    sinks = [FailingSink(Model(1)) for _ in range(count)]
     workers = []
     for rank, sink in enumerate(sinks):
         vote = StoreLoadVote(stores[rank], rank, count, timeout_s=timeout_s)
@@ -244,12 +200,12 @@ def test_a_loader_failing_on_one_rank_restores_every_rank_of_the_replica(stores:
     with pytest.raises(LoadRestored, match=rf"rank {failing_rank}: the model's loader failed \(KeyError"):
         trainer.send(synthetic_weights(SPECS, 2))
     assert [type(e) for _, e in client.errors] == [LoadRestored, LoadRestored]  # every rank says so
-    assert [s.digests() for s in sinks] == [_want(1), _want(1)]  # both on the previous weights
+    assert [digests(s.module) for s in sinks] == [want(1), want(1)]  # both on the previous weights
     for sink in sinks:
         sink.module()  # and both run: no guard tripped
     sinks[failing_rank].fail_after = None  # control: the same replica takes the next update everywhere
     trainer.send(synthetic_weights(SPECS, 3))
-    assert [s.digests() for s in sinks] == [_want(3), _want(3)]
+    assert [digests(s.module) for s in sinks] == [want(3), want(3)]
 
 
 def test_a_rank_that_dropped_the_update_makes_the_loading_rank_restore_at_once(stores: list[Any]) -> None:
@@ -268,7 +224,7 @@ def test_a_rank_that_dropped_the_update_makes_the_loading_rank_restore_at_once(s
     by_rank = client.first_errors()
     assert isinstance(by_rank[1], ProtocolError)
     assert isinstance(by_rank[0], LoadRestored) and "dropped the update" in str(by_rank[0])
-    assert [s.digests() for s in sinks] == [_want(1), _want(1)]
+    assert [digests(s.module) for s in sinks] == [want(1), want(1)]
 
 
 def test_without_a_vote_the_other_rank_keeps_the_new_weights(stores: list[Any]) -> None:
@@ -280,7 +236,7 @@ def test_without_a_vote_the_other_rank_keeps_the_new_weights(stores: list[Any]) 
     sinks[1].fail_after = 2
     _trainer(client).send(synthetic_weights(SPECS, 2))
     assert isinstance(client.first_errors()[1], LoadFailed)
-    assert sinks[0].digests() == _want(2) and sinks[1].digests() == _want(1)
+    assert digests(sinks[0].module) == want(2) and digests(sinks[1].module) == want(1)
 
 
 class BrokenVote:
@@ -300,12 +256,12 @@ class BrokenVote:
 
 def test_a_vote_that_fails_restores_this_rank_and_refuses_to_run() -> None:
     """Restoring alone is not enough: the other ranks may have committed, so this rank must not serve."""
-    sink = FlatSink(1)
+    sink = FailingSink(Model(1))
     worker = IpcWorker(sink, CpuSimRuntime(), uuid="h-cpu0", peers=2, vote=BrokenVote())
     worker.guard.install(sink.module)
     worker.init(IpcParams(packed=True, buffer_size_bytes=BUFFER))
     with pytest.raises(LoadFailed, match="outcome is unknown; on rank 0 it restored its previous weights"):
         _trainer(FanOutClient([worker])).send(synthetic_weights(SPECS, 2))
-    assert sink.digests() == _want(1)
+    assert digests(sink.module) == want(1)
     with pytest.raises(WeightsInconsistent, match="load vote failed"):
         sink.module()

@@ -22,63 +22,19 @@ import pytest
 import torch
 
 from ascend_dist.common.device import CpuSimRuntime
-from ascend_dist.weight_transfer._demo.procs import param_digests, synthetic_specs, synthetic_weights
+from ascend_dist.weight_transfer._demo.procs import synthetic_weights
 from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored, WeightsInconsistent
 from ascend_dist.weight_transfer.guard import WeightsGuard
 from ascend_dist.weight_transfer.ipc_trainer import IpcTrainer
 from ascend_dist.weight_transfer.ipc_worker import IpcWorker
 from ascend_dist.weight_transfer.messages import IpcParams
-from ascend_dist.weight_transfer.session import ModuleSink, Snapshot
 from ascend_dist.weight_transfer.trainer import BroadcastTrainer, manifest_of
 from ascend_dist.weight_transfer.worker import BroadcastWorker
 
 from .conftest import free_port
+from .flat_model import BUFFER, SPECS, FailingSink, Model, digests, want
 
-SPECS = synthetic_specs(12, 40 * 1024, dtypes=("float32", "bfloat16"))
-BUFFER = 8192  # the largest tensor is under 8 KiB, the model ~40 KiB: several chunks / buckets
 TIMEOUT_S = 20.0
-
-
-class Model(torch.nn.Module):
-    """One parameter per spec (flat names ``p<i>``) and a forward that reads them all."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        for i, (_, tensor) in enumerate(synthetic_weights(SPECS, seed)):
-            self.register_parameter(f"p{i}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
-
-    def forward(self) -> torch.Tensor:
-        return torch.stack([p.float().sum() for p in self.parameters()]).sum()
-
-
-class FailingSink(ModuleSink):
-    """`ModuleSink` over `Model`; its loader raises after ``fail_after`` tensors of one call, when set."""
-
-    def __init__(self, module: Model, *, restore: bool = True) -> None:
-        super().__init__(module)
-        self.names = {name: f"p{i}" for i, (name, _, _) in enumerate(SPECS)}
-        self.fail_after: int | None = None
-        self.restore = restore
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        for i, (name, tensor) in enumerate(weights):
-            if self.fail_after is not None and i == self.fail_after:
-                raise KeyError(f"no parameter for {name!r}")  # after ``fail_after`` tensors were written
-            loaded |= super().load_weights([(self.names[name], tensor)])
-        return loaded
-
-    def snapshot(self) -> Snapshot | None:
-        return super().snapshot() if self.restore else None
-
-
-def _digests(module: torch.nn.Module) -> dict[str, str]:
-    return param_digests(sorted(module.named_parameters()))
-
-
-def _want(seed: int) -> dict[str, str]:
-    digests = param_digests([(f"p{i}", t) for i, (_, t) in enumerate(synthetic_weights(SPECS, seed))])
-    return dict(sorted(digests.items()))
 
 
 class DirectClient:
@@ -123,16 +79,16 @@ def _ipc(
 @pytest.mark.parametrize("packed", [True, False])
 def test_ipc_loader_failure_restores_the_previous_weights(runtime: CpuSimRuntime, packed: bool) -> None:
     trainer, _, sink = _ipc(runtime, packed=packed)
-    before = _digests(sink.module)
+    before = digests(sink.module)
     sink.fail_after = len(SPECS) // 2  # half the tensors written, then the loader raises
     with pytest.raises(LoadRestored, match="restored") as caught:
         trainer.send(synthetic_weights(SPECS, 2))
     assert isinstance(caught.value.__cause__, KeyError)  # the loader's own error
-    assert _digests(sink.module) == before  # today: half new, half old
+    assert digests(sink.module) == before  # today: half new, half old
     sink.module()  # one rank, restored: it serves its previous weights
     sink.fail_after = None  # control: the next update lands
     trainer.send(synthetic_weights(SPECS, 3))
-    assert _digests(sink.module) == _want(3)
+    assert digests(sink.module) == want(3)
 
 
 def test_ipc_loader_failure_without_a_restore_point_refuses_to_run(runtime: CpuSimRuntime) -> None:
@@ -145,18 +101,18 @@ def test_ipc_loader_failure_without_a_restore_point_refuses_to_run(runtime: CpuS
         sink.module()
     sink.fail_after = None
     trainer.send(synthetic_weights(SPECS, 3))
-    assert _digests(sink.module) == _want(3)
+    assert digests(sink.module) == want(3)
     sink.module()  # a complete update: it runs again
 
 
 def test_ipc_loader_failure_on_one_of_several_ranks_restores_it_and_refuses_to_run(runtime: CpuSimRuntime) -> None:
     trainer, _, sink = _ipc(runtime, peers=2)
-    before = _digests(sink.module)
+    before = digests(sink.module)
     sink.fail_after = 4
     with pytest.raises(LoadFailed, match="other ranks") as caught:
         trainer.send(synthetic_weights(SPECS, 2))
     assert not isinstance(caught.value, LoadRestored)  # the engine as a whole is not back on one version
-    assert _digests(sink.module) == before  # this rank restored its own part
+    assert digests(sink.module) == before  # this rank restored its own part
     with pytest.raises(WeightsInconsistent, match="other ranks"):
         sink.module()
     sink.fail_after = None
@@ -179,12 +135,12 @@ def test_streamed_ipc_trainer_dying_midway_refuses_to_run_until_a_complete_updat
         trainer.send(dies_midway(), manifest)
     with pytest.raises(LoadFailed, match="mixed weights"):
         worker.finish()
-    now = _digests(sink.module)
-    assert any(now[n] == v for n, v in _want(2).items()) and now != _want(2)  # mixed indeed: the control
+    now = digests(sink.module)
+    assert any(now[n] == v for n, v in want(2).items()) and now != want(2)  # mixed indeed: the control
     with pytest.raises(WeightsInconsistent, match=r"finish after \d+ of \d+ streamed chunks"):
         sink.module()  # today: it runs on mixed weights
     trainer.send(synthetic_weights(SPECS, 3))
-    assert _digests(sink.module) == _want(3)
+    assert digests(sink.module) == want(3)
     sink.module()
 
 
@@ -250,7 +206,7 @@ def test_streamed_broadcast_loader_failure_refuses_to_run_on_every_rank_until_a_
         sent, errors = update(3)
         assert sent is None and errors == [None, None], (sent, errors)
         for s in sinks:
-            assert _digests(s.module) == _want(3)
+            assert digests(s.module) == want(3)
             s.module()
     finally:
         trainer.shutdown()
