@@ -324,19 +324,13 @@ class IpcWorker:
         if self.vote is not None and self._update_id:
             self._load_voted(pairs, snapshot, self.vote)
             return
-        try:
-            self.sink.load_weights(pairs)
-            self.runtime.synchronize()
-        except Exception as raised:
-            # the vLLM sink already wraps its loader's error in a LoadFailed: name (and chain) the loader's own
-            exc = raised.__cause__ if isinstance(raised, LoadFailed) and raised.__cause__ is not None else raised
+        exc = self._load(pairs)
+        if exc is not None:
             what = f"the model's loader failed ({type(exc).__name__}: {exc})"
             if snapshot is None:
                 raise LoadFailed(f"{what} and restoring is turned off: the model holds mixed weights") from exc
-            try:
-                snapshot.restore()
-                self.runtime.synchronize()
-            except Exception as restore_exc:
+            restore_exc = self._restore(snapshot)
+            if restore_exc is not None:
                 raise LoadFailed(
                     f"{what} and restoring the previous weights failed ({type(restore_exc).__name__}: {restore_exc}): "
                     "the model holds mixed weights"
@@ -349,6 +343,26 @@ class IpcWorker:
             raise LoadRestored(f"{what}; this worker restored its previous weights") from exc
         self.guard.clear()  # a complete update loaded: one version again
 
+    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> Exception | None:
+        """Load ``pairs`` and wait for the device; the loader's own error, or None."""
+        try:
+            self.sink.load_weights(pairs)
+            self.runtime.synchronize()
+        except Exception as raised:
+            # the vLLM sink already wraps its loader's error in a LoadFailed: name (and chain) the loader's own
+            cause = raised.__cause__
+            return cause if isinstance(raised, LoadFailed) and isinstance(cause, Exception) else raised
+        return None
+
+    def _restore(self, snapshot: Snapshot) -> Exception | None:
+        """Put the restore point back and wait for the device; the error if that failed, or None."""
+        try:
+            snapshot.restore()
+            self.runtime.synchronize()
+        except Exception as exc:
+            return exc
+        return None
+
     def _load_voted(self, pairs: list[tuple[str, torch.Tensor]], snapshot: Snapshot | None, vote: LoadVote) -> None:
         """Load, vote with the replica's other ranks, and keep the update only if every rank loaded it.
 
@@ -356,16 +370,7 @@ class IpcWorker:
             LoadRestored: Some rank's loader failed (or it did not vote in time): every rank restores.
             LoadFailed: This rank could not restore (or restoring is off): it holds mixed weights.
         """
-        own: Exception | None = None
-        try:
-            self.sink.load_weights(pairs)
-            self.runtime.synchronize()
-        except Exception as raised:
-            own = (
-                raised.__cause__
-                if isinstance(raised, LoadFailed) and isinstance(raised.__cause__, Exception)
-                else raised
-            )
+        own = self._load(pairs)
         failure = None if own is None else f"the model's loader failed ({type(own).__name__}: {own})"
         try:
             outcome = vote.vote(self._update_id, failure)
@@ -380,10 +385,8 @@ class IpcWorker:
                 f"{what}, but restoring is turned off on rank {vote.rank}: this rank holds "
                 f"{'mixed' if own is not None else 'the new'} weights"
             ) from own
-        try:
-            snapshot.restore()
-            self.runtime.synchronize()
-        except Exception as restore_exc:
+        restore_exc = self._restore(snapshot)
+        if restore_exc is not None:
             raise LoadFailed(
                 f"{what}, but restoring rank {vote.rank}'s previous weights failed "
                 f"({type(restore_exc).__name__}: {restore_exc}): the model holds mixed weights"
@@ -399,12 +402,12 @@ class IpcWorker:
         """
         state = "restoring is turned off: it holds the new weights"
         if snapshot is not None:
-            try:
-                snapshot.restore()
-                self.runtime.synchronize()
-                state = "it restored its previous weights"
-            except Exception as restore_exc:
-                state = f"restoring failed ({type(restore_exc).__name__}: {restore_exc}): it holds mixed weights"
+            restore_exc = self._restore(snapshot)
+            state = (
+                "it restored its previous weights"
+                if restore_exc is None
+                else f"restoring failed ({type(restore_exc).__name__}: {restore_exc}): it holds mixed weights"
+            )
         raise LoadFailed(
             f"the load vote failed ({type(exc).__name__}: {exc}), so the other ranks' outcome is unknown; "
             f"on rank {rank} {state}; send a complete update again"
