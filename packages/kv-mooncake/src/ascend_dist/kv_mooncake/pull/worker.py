@@ -2,7 +2,8 @@
 
 Runs in: every worker process (one per TP x PP rank). On P it serves `GetMeta`, `Renew` (answered
 per request id) and `Dones` (and a single `Done`) on ``kv_port + device_index`` (bound to the
-configured host only) and tracks lent blocks with leases (`SendTracker`); on D it runs the
+configured host only; requests up to 64 KiB, every one of these in practice, are answered on the
+server's socket thread) and tracks lent blocks with leases (`SendTracker`); on D it runs the
 `Receiver`. The engine is injected (any
 `Reader`), by default the process-wide Mooncake engine.
 
@@ -23,7 +24,7 @@ from ascend_dist.common.log import IntervalLog
 from ascend_dist.common.regions import RegisterRegions, collect_storage_merged_register_regions
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Codec, Handshake
-from ascend_dist.common.zmq_server import RpcServer
+from ascend_dist.common.zmq_server import SMALL_REQUEST_BYTES, RpcServer
 from ascend_dist.kv_mooncake.core.affinity import running_on, transfer_cpus
 from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_grant, wall_ms
 from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
@@ -327,13 +328,15 @@ class PullWorker:
                 thread_cpus=self._transfer_cpus,
             )
 
-    def _answers_inline(self, payload: bytes) -> bool:
-        """Whether the server's socket thread answers ``payload`` at once: Renew and DONEs.
+    @staticmethod
+    def _answers_inline(payload: bytes) -> bool:
+        """Whether the server's socket thread answers ``payload`` at once: every small request.
 
-        They take a lock and a MAC per id, no I/O, and sit on D's read path, where each hand-off to
-        another thread waits for the GIL. Anything else (GetMeta) is queued for the handler thread.
+        Each message takes a lock, a MAC per id and an encode, no I/O; renewals and DONEs sit on D's
+        read path, where each hand-off to another thread waits for the GIL. Large frames still go
+        through the server's bounded queue (no decode here: the handler decodes once).
         """
-        return isinstance(self._requests.decode(payload), Renew | Dones | Done)
+        return len(payload) <= SMALL_REQUEST_BYTES
 
     def _handle(self, payload: bytes) -> bytes:
         """P's side-channel handler (server thread): decode, act, reply."""
