@@ -151,3 +151,50 @@ def test_module_snapshot_restores_values_and_the_parameter_objects(tied: bool) -
     assert param_digests(sorted(after.items())) == before
     assert all(after[n] is params[n] for n in params)  # the same objects: kernels and graphs keep their pointers
     assert snapshot.nbytes == sum(p.nbytes for p in module.parameters())  # a tied tensor is copied once
+
+
+def test_snapshots_from_one_sink_reuse_one_host_buffer_and_restore_their_own_values() -> None:
+    module = _module(1)
+    with torch.no_grad():  # odd byte counts between dtypes, a transposed (non-contiguous) one and a 0-dim one
+        module.register_parameter("odd", torch.nn.Parameter(torch.arange(3, dtype=torch.bfloat16), requires_grad=False))
+        module.register_parameter("t", torch.nn.Parameter(torch.randn(5, 3).t(), requires_grad=False))
+        module.register_buffer("scalar", torch.tensor(2.5, dtype=torch.float64))
+    sink = ModuleSink(module)
+
+    def state() -> dict[str, str]:
+        return param_digests(sorted([*module.named_parameters(), *module.named_buffers()]))
+
+    first = sink.snapshot()
+    first_bytes = sink._restore_pool.get("restore", sink._restore_pool.nbytes, torch.device("cpu")).data_ptr()
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.add_(1)
+    changed = state()
+    second = sink.snapshot()  # the same host bytes, now holding the changed values
+    assert sink._restore_pool.get("restore", sink._restore_pool.nbytes, torch.device("cpu")).data_ptr() == first_bytes
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.zero_()
+    second.restore()
+    assert state() == changed  # not the zeros, not the values of the first snapshot
+    assert first is not second
+
+
+def test_a_restore_point_that_cannot_be_taken_does_not_stop_the_update_and_a_failed_load_names_it() -> None:
+    class NoHostMemory(FlatSink):
+        def snapshot(self) -> Snapshot | None:
+            raise MemoryError("cannot allocate the host copy")
+
+    sinks = [NoHostMemory(_module(1)), NoHostMemory(_module(1))]
+    trainer, workers, pool = _group(sinks)
+    try:
+        sent, errors = _update(trainer, workers, pool, seed=2)  # nothing fails to load: the update lands
+        assert sent is None and errors == [None, None], (sent, errors)
+        want = dict(sorted(param_digests([(f"p{i}", t) for i, (_, t) in enumerate(synthetic_weights(SPECS, 2))]).items()))
+        assert all(_digests(s) == want for s in sinks)
+        sinks[1].fail_after = 3
+        sent, errors = _update(trainer, workers, pool, seed=3)
+        assert isinstance(sent, LoadFailed) and "ranks [1, 2]" in str(sent), sent
+        assert all(isinstance(e, LoadFailed) and "taking it failed" in str(e) for e in errors), errors
+    finally:
+        _close(trainer, workers, pool)

@@ -14,7 +14,8 @@ Collective order of one update (every rank, in this order):
 5. commit vote: the same vector again; a worker votes 0 once every byte is in its staging tensors.
    Only when all votes are 0 does any worker load the staged tensors into the model;
 6. load vote (staged updates): a worker votes 1 if the model's loader raised (a fault the checks
-   before step 3 cannot see), after taking a host restore point of its model (`restore`);
+   before step 3 cannot see); its host restore point of the model (`restore`) was copied during
+   step 4, while the bytes were on the wire (it reads only the model, which step 4 never writes);
 7. only when a rank voted 1 in step 6: every worker restores its restore point and votes 1 in a
    restore vote if it could not. All restored: every rank raises `LoadRestored` (previous weights
    on every rank, the group usable); otherwise `LoadFailed` naming the ranks with mixed weights.
@@ -363,8 +364,13 @@ def _recv_unpacked(comm: Collective, manifest: Manifest, phases: Phases, flat: t
     return views
 
 
-def _recv_packed(comm: Collective, manifest: Manifest, phases: Phases, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Receive the stream straight into the staging stream ``flat``, ``num_buffers`` receives in flight."""
+def _recv_packed(
+    comm: Collective, manifest: Manifest, phases: Phases, flat: torch.Tensor, meanwhile: Callable[[], None]
+) -> list[torch.Tensor]:
+    """Receive the stream straight into the staging stream ``flat``, ``num_buffers`` receives in flight.
+
+    ``meanwhile`` runs once the first receives are posted, while the bytes are on the wire.
+    """
     plan = plan_stream(manifest)
     depth = manifest.num_buffers
     posted: dict[int, Pending] = {}
@@ -375,6 +381,7 @@ def _recv_packed(comm: Collective, manifest: Manifest, phases: Phases, flat: tor
 
     for k in range(min(depth, plan.num_buffers)):
         post(k)
+    meanwhile()
     t0 = time.perf_counter()
     for k in range(plan.num_buffers):
         posted.pop(k).wait()
@@ -522,6 +529,17 @@ def _settle_load(comm: Collective, update_id: int, load_error: BaseException | N
     ) from load_error
 
 
+@dataclass(frozen=True)
+class _MissingSnapshot:
+    """The restore point that could not be taken, and why."""
+
+    reason: str
+
+    def restore(self) -> None:
+        """Raises: RuntimeError: Always: there is nothing to restore from."""
+        raise RuntimeError(f"no restore point: taking it failed ({self.reason})")
+
+
 def _restore(snapshot: Snapshot | None) -> str | None:
     """Put the restore point back; the reason it could not be, or None."""
     if snapshot is None:
@@ -598,15 +616,28 @@ def receive_update(
         return update_id, phases
     total = sum(spec_nbytes(spec) for spec in remote.tensors)
     flat = (pool if pool is not None else BufferPool(device_allocator)).get("staging", total, comm.device)
-    staging = (_recv_packed if remote.packed else _recv_unpacked)(comm, remote, phases, flat)
+    snapshots: list[Snapshot | None] = []
+
+    def take_snapshot() -> None:
+        t0 = time.perf_counter()
+        try:
+            snapshots.append(sink.snapshot() if isinstance(sink, RestorableSink) else None)
+        except Exception as exc:  # e.g. no host memory: the update goes on; a failed load then reports it
+            logger.exception("update %d: taking the restore point failed", update_id)
+            snapshots.append(_MissingSnapshot(_first_line(exc)))
+        phases.extra["snapshot_s"] = time.perf_counter() - t0  # the restore point's host copy, apart from the load
+
+    if remote.packed:  # the restore point is copied while the bytes are on the wire (it reads only the model)
+        staging = _recv_packed(comm, remote, phases, flat, take_snapshot)
+    else:
+        staging = _recv_unpacked(comm, remote, phases, flat)
+        take_snapshot()
     t0 = time.perf_counter()
     votes = _vote(comm, 0)
     phases.transfer_s += time.perf_counter() - t0
     if any(votes):
         raise UpdateAborted(f"update {update_id}: ranks {[r for r, v in enumerate(votes) if v]} failed; not committed")
-    t0 = time.perf_counter()
-    snapshot = sink.snapshot() if isinstance(sink, RestorableSink) else None
-    phases.extra["snapshot_s"] = time.perf_counter() - t0  # the restore point's host copy, apart from the load
+    snapshot = snapshots[0]
     t0 = time.perf_counter()
     load_error: BaseException | None = None
     try:

@@ -109,7 +109,10 @@ class ModuleSink:
 
     def __init__(self, module: torch.nn.Module) -> None:
         """Sink into ``module``'s named parameters and buffers."""
+        from ascend_dist.weight_transfer.pool import BufferPool
+
         self.module = module
+        self._restore_pool = BufferPool()  # the host restore point's bytes, kept between updates
         self._targets: dict[str, torch.Tensor] = dict(module.named_parameters())
         self._targets.update(dict(module.named_buffers()))
 
@@ -129,10 +132,10 @@ class ModuleSink:
                 )
 
     def snapshot(self) -> Snapshot | None:
-        """A host copy of the module, restored when a load fails on any rank."""
+        """A host copy of the module, restored when a load fails on any rank (valid until the next one)."""
         from ascend_dist.weight_transfer.restore import ModuleSnapshot
 
-        return ModuleSnapshot(self.module)
+        return ModuleSnapshot(self.module, self._restore_pool)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy each tensor into the parameter of that name; returns the names loaded."""

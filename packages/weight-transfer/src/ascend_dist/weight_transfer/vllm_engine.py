@@ -59,6 +59,7 @@ from ascend_dist.weight_transfer.messages import (
     Manifest,
 )
 from ascend_dist.weight_transfer.model_names import mismatches, unknown_names
+from ascend_dist.weight_transfer.pool import BufferPool
 from ascend_dist.weight_transfer.restore import ModuleSnapshot
 from ascend_dist.weight_transfer.vllm_replica import VllmReplicaExchange
 from ascend_dist.weight_transfer.worker import BroadcastWorker, worker_group_rank
@@ -81,9 +82,9 @@ logger = logging.getLogger(__name__)
 class _ReloadSnapshot:
     """A `ModuleSnapshot` of the model that also clears what a failed layer-wise reload left behind."""
 
-    def __init__(self, model: torch.nn.Module, layerwise: bool) -> None:
+    def __init__(self, model: torch.nn.Module, layerwise: bool, pool: BufferPool) -> None:
         self._model, self._layerwise = model, layerwise
-        self._snapshot = ModuleSnapshot(model)
+        self._snapshot = ModuleSnapshot(model, pool)
 
     def restore(self) -> None:
         """Swap meta placeholders back for the original tensors, copy the old values in, reset vLLM's reload state."""
@@ -112,10 +113,15 @@ class _ModelSink:
         self._engine = engine
         self.layerwise = layerwise
         self.restore = True
+        self._restore_pool = BufferPool()  # the host copy's bytes, kept between updates (see `restore`)
 
     def snapshot(self) -> _ReloadSnapshot | None:
         """A host copy of the model before a staged update loads (None with ``restore_on_load_failure`` off)."""
-        return _ReloadSnapshot(self._engine.model, self.layerwise) if self.restore else None
+        return _ReloadSnapshot(self._engine.model, self.layerwise, self._restore_pool) if self.restore else None
+
+    def release(self) -> None:
+        """Free the host copy's bytes (engine shutdown)."""
+        self._restore_pool.clear()
 
     def validate(self, manifest: Manifest) -> None:
         """Refuse (before the commit vote) names the current model cannot load, and shapes / dtypes it cannot take.
@@ -286,8 +292,11 @@ class HCCLWeightTransferEngine(WeightTransferEngine[HCCLWeightTransferInitInfo, 
         self.worker.finish()
 
     def shutdown(self) -> None:
-        """Destroy the communicator and leave the group."""
-        self.worker.shutdown()
+        """Destroy the communicator and leave the group; free the host restore point."""
+        try:
+            self.worker.shutdown()
+        finally:
+            self._sink.release()
 
 
 @dataclass
@@ -420,8 +429,11 @@ class NPUIPCWeightTransferEngine(WeightTransferEngine[NPUIPCWeightTransferInitIn
             ) from exc
 
     def shutdown(self) -> None:
-        """Forget opened mappings; leave the load vote (rank 0: stop its store)."""
+        """Forget opened mappings; leave the load vote (rank 0: stop its store); free the host restore point."""
         if self.worker.vote is not None:
             self.worker.vote.close()
             self.worker.vote = None
-        self.worker.shutdown()
+        try:
+            self.worker.shutdown()
+        finally:
+            self._sink.release()
