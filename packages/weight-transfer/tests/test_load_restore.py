@@ -190,7 +190,9 @@ def test_a_restore_point_that_cannot_be_taken_does_not_stop_the_update_and_a_fai
     try:
         sent, errors = _update(trainer, workers, pool, seed=2)  # nothing fails to load: the update lands
         assert sent is None and errors == [None, None], (sent, errors)
-        want = dict(sorted(param_digests([(f"p{i}", t) for i, (_, t) in enumerate(synthetic_weights(SPECS, 2))]).items()))
+        want = dict(
+            sorted(param_digests([(f"p{i}", t) for i, (_, t) in enumerate(synthetic_weights(SPECS, 2))]).items())
+        )
         assert all(_digests(s) == want for s in sinks)
         sinks[1].fail_after = 3
         sent, errors = _update(trainer, workers, pool, seed=3)

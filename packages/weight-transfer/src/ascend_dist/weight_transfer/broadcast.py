@@ -614,6 +614,14 @@ def receive_update(
         _finish_streamed(comm, update_id, load_error)
         phases.extra["final_vote_s"] = time.perf_counter() - t0
         return update_id, phases
+    _recv_staged(comm, update_id, remote, phases, sink, pool=pool)
+    return update_id, phases
+
+
+def _recv_staged(
+    comm: Collective, update_id: int, remote: Manifest, phases: Phases, sink: WeightSink, *, pool: BufferPool | None
+) -> None:
+    """Steps 4-7 of a staged update on a worker: receive into staging, commit vote, load, load vote."""
     total = sum(spec_nbytes(spec) for spec in remote.tensors)
     flat = (pool if pool is not None else BufferPool(device_allocator)).get("staging", total, comm.device)
     snapshots: list[Snapshot | None] = []
@@ -646,4 +654,3 @@ def receive_update(
         load_error = exc
     phases.load_s = time.perf_counter() - t0
     _settle_load(comm, update_id, load_error, snapshot)
-    return update_id, phases

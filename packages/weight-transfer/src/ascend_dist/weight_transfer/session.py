@@ -107,11 +107,17 @@ class ModuleSink:
     name or a shape/dtype mismatch is refused while the module still holds its previous weights.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        """Sink into ``module``'s named parameters and buffers."""
+    def __init__(self, module: torch.nn.Module, *, restore: bool = True) -> None:
+        """Sink into ``module``'s named parameters and buffers.
+
+        Args:
+            module: The model.
+            restore: Take a host restore point before each staged update loads (see `snapshot`).
+        """
         from ascend_dist.weight_transfer.pool import BufferPool
 
         self.module = module
+        self.restore = restore
         self._restore_pool = BufferPool()  # the host restore point's bytes, kept between updates
         self._targets: dict[str, torch.Tensor] = dict(module.named_parameters())
         self._targets.update(dict(module.named_buffers()))
@@ -132,10 +138,13 @@ class ModuleSink:
                 )
 
     def snapshot(self) -> Snapshot | None:
-        """A host copy of the module, restored when a load fails on any rank (valid until the next one)."""
+        """A host copy of the module, restored when a load fails on any rank (valid until the next one).
+
+        None when ``restore`` is off: a failed load then leaves mixed weights (`LoadFailed`).
+        """
         from ascend_dist.weight_transfer.restore import ModuleSnapshot
 
-        return ModuleSnapshot(self.module, self._restore_pool)
+        return ModuleSnapshot(self.module, self._restore_pool) if self.restore else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy each tensor into the parameter of that name; returns the names loaded."""

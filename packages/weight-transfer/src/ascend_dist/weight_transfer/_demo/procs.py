@@ -237,7 +237,7 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
             direct_threshold_bytes=cmd.get("direct_threshold_bytes", DEFAULT_DIRECT_THRESHOLD_BYTES),
             streamed=cmd.get("streamed", False),
         )  # fmt: skip
-        state["engine"] = engine
+        state["engine"], state["sink"] = engine, sink
         return {"rank": rank, "collective": type(engine.collective).__name__}
     if op in ("digest", "memory"):
         return _inspect(state, cmd)
@@ -248,7 +248,9 @@ def _dispatch(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
 
         return raw_receive(state["engine"].collective, state["model"], cmd)
     engine = state["engine"]
-    if op == "start":
+    if op == "restore_point":  # the bench's packed update with and without the host restore point
+        state["sink"].restore = bool(cmd["on"])
+    elif op == "start":
         engine.start()
     elif op == "update":
         phases = engine.update(cmd["names"], cmd["dtype_names"], cmd["shapes"])

@@ -118,6 +118,8 @@ def _update(trainer: BroadcastTrainer, workers: list[WorkerProcess], specs: list
         "pack": phases.pack_s, "trainer wire wait": phases.transfer_s,
         "unpack": max(r["unpack_s"] for r in replies), "load": max(r["load_s"] for r in replies),
     }  # fmt: skip
+    if not trainer.streamed:  # the host restore point, copied while the bytes are on the wire (inside the wire wait)
+        split["worker restore point"] = max(r.get("extra", {}).get("snapshot_s", 0.0) for r in replies)
     if trainer.streamed:  # where each side waits (`broadcast` fills these for streamed updates)
         extra = [r.get("extra", {}) for r in replies]
         split |= {
@@ -209,22 +211,32 @@ class WeightsScenario:
                 mode: functools.partial(raw_send, comm, workers, mode, weights, TIMEOUT_S) for mode in MODES
             }
             splits: list[dict[str, float]] = []
+            bare_splits: list[dict[str, float]] = []
 
-            def packed() -> float:
+            def packed(restore: bool, into: list[dict[str, float]]) -> float:
+                for w in workers:  # the default takes the host restore point; off shows what it costs
+                    w.send("restore_point", on=restore)
+                _all_ok(workers)
                 seconds, split = _update(trainer, workers, specs, weights)
-                splits.append(split)
+                into.append(split)
                 return seconds
 
-            runs["packed"] = packed
+            runs["packed"] = functools.partial(packed, True, splits)
+            runs["packed_no_restore"] = functools.partial(packed, False, bare_splits)
             ctx.progress.step(f"{len(specs)} tensors, {nbytes / (1 << 20):.0f} MiB: warm-up, then {rounds} rounds "
-                              f"of packed / {' / '.join(MODES)}")  # fmt: skip
+                              f"of packed / packed without restore point / {' / '.join(MODES)}")  # fmt: skip
             times = _rounds(runs, rounds)
-            splits = splits[1:]  # drop the warm-up
+            splits, bare_splits = splits[1:], bare_splits[1:]  # drop the warm-up
             want = param_digests(weights)
             report.check("packed update bit-exact on both workers",
                          all(w.call("digest", TIMEOUT_S)["digests"] == want for w in workers))  # fmt: skip
             split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
             report.check("time split, median (s)", True, ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+            bare = {
+                k: statistics.median(s[k] for s in bare_splits) for k in bare_splits[0] if k != "worker restore point"
+            }
+            report.check("time split, restore point off, median (s)", True,
+                         ", ".join(f"{k} {v:.3f}" for k, v in bare.items()))  # fmt: skip
             _leave(workers)
             trainer.shutdown()
             self._bench_streamed(ctx, report, workers, specs, weights, rounds=rounds)
@@ -247,6 +259,10 @@ class WeightsScenario:
                         "one flat buffer: pack, 1 broadcast, load", target_ratio=0.85),
             Measurement("packed broadcast throughput", gb / med["packed"], "GB/s", gb / med["flat_wire"],
                         "wire ceiling: no pack, no load"),
+            Measurement("packed, restore point off: vs one broadcast per tensor", med["packed_no_restore"], "s",
+                        med["per_tensor"], "one broadcast per tensor", higher_is_better=False),
+            Measurement("packed, restore point off: throughput", gb / med["packed_no_restore"], "GB/s",
+                        gb / med["flat"], "one flat buffer: pack, 1 broadcast, load"),
         ]  # fmt: skip
 
     def _bench_streamed(self, ctx: ScenarioContext, report: ScenarioReport, workers: list[WorkerProcess],
