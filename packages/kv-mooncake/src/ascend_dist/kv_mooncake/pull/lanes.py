@@ -3,7 +3,7 @@
 Runs in: D worker processes (the `Receiver` and its pool threads; thread-safe). One shared pool
 let a hung P hold every receive thread, so pulls from healthy Ps queued behind it. A `Lane` per P
 instance (engine id, host, base port) has its own queue of pull tasks, drained in batches by its
-reader (``recv_workers`` readers, default one: each takes up to ``max_batch`` queued tasks at once
+readers (``recv_workers``, default two: each takes up to ``max_batch`` queued tasks at once
 and hands them to the receiver, which reads them in one engine call per P rank), and one thread for
 DONEs (sent apart from the reads, batched per P rank), so a slow or dead P delays only its own
 requests and one lane has one thread waiting on Mooncake, not one per request.
