@@ -7,6 +7,7 @@ import os
 import selectors
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,12 @@ class JsonPeer:
 
     def __init__(self, script: str, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        # stderr goes to a file, not a pipe: nobody reads a pipe while the child runs, and a child that
+        # logs more than the pipe holds (Mooncake logs there) would block on its next write
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / script), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
         )  # fmt: skip
         self._selector = selectors.DefaultSelector()
         assert self.proc.stdout is not None
@@ -44,9 +48,11 @@ class JsonPeer:
         self.proc.stdin.flush()
 
     def stderr_tail(self) -> str:
-        if self.proc.poll() is None or self.proc.stderr is None:
-            return "(still running)"
-        return self.proc.stderr.read()[-2000:]
+        """The last 2,000 characters the child wrote to stderr so far (running or not)."""
+        self._stderr.seek(0, os.SEEK_END)
+        size = self._stderr.tell()
+        self._stderr.seek(max(0, size - 8000))
+        return self._stderr.read().decode(errors="replace")[-2000:]
 
     def close(self, timeout: float = 10.0) -> int | None:
         """Ask the child to quit, then make sure it is gone."""
@@ -59,7 +65,8 @@ class JsonPeer:
             self.proc.wait(timeout=timeout)
         finally:
             self._selector.close()
-            for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            for pipe in (self.proc.stdin, self.proc.stdout):
                 if pipe is not None:
                     pipe.close()
+            self._stderr.close()
         return self.proc.returncode
