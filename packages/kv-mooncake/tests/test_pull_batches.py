@@ -21,8 +21,9 @@ from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine, get_engine
 from ascend_dist.kv_mooncake.core.messages import Ack
+from ascend_dist.kv_mooncake.pull.d_plan import ShardKind
 from ascend_dist.kv_mooncake.pull.messages import DoneItem, Dones, reply_codec, request_codec
-from ascend_dist.kv_mooncake.pull.threads import ShardKind, done_sender
+from ascend_dist.kv_mooncake.pull.threads import done_sender
 
 SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32}
 

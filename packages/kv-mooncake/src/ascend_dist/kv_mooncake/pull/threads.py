@@ -1,7 +1,7 @@
 """D's receiving side: per-peer lanes reading each step's requests in batches from the P ranks they need.
 
-Runs in: D worker processes. `Receiver.submit_step` plans one task per P rank (and PP stage) of
-each request and queues a step's tasks on the lane of their P instance together
+Runs in: D worker processes. `Receiver.submit_step` plans (`pull.d_plan.PullPlanner`) one task per
+P rank (and PP stage) of each request and queues a step's tasks on the lane of their P instance together
 (`ascend_dist.kv_mooncake.pull.lanes`: its own queue and readers, so a hung P delays only its own
 requests, and a breaker, so after a P stops answering its later requests fail at once until it
 answers again). A reader takes up to ``recv_batch_requests`` queued tasks (`Receiver._run_batch`)
@@ -46,7 +46,6 @@ done, reported failed) is one record of `ascend_dist.kv_mooncake.pull.d_requests
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -60,30 +59,19 @@ from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_capability, wall_ms
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader
-from ascend_dist.kv_mooncake.core.mappings import context_parallel_parameters_check
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
-from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode, select_sources
+from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode
 from ascend_dist.kv_mooncake.core.tcp_sockets import PEER_CONNECTIONS, PeerConnections
 from ascend_dist.kv_mooncake.pull.config import PullConfig
-from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_sources, plan_cp_pull
+from ascend_dist.kv_mooncake.pull.d_plan import PullPlanner, ShardKind
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
 from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
 from ascend_dist.kv_mooncake.pull.messages import DoneItem
 from ascend_dist.kv_mooncake.pull.peers import PeerClient
-from ascend_dist.kv_mooncake.pull.sources import pull_source_ranks, state_source_ranks
 from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant, rank_host
-from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, TaskBatch, check_peer_rank, group_pairs, task_batch
+from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, TaskBatch, group_pairs
 
-__all__ = ["LocalCache", "Receiver", "ShardKind", "done_sender"]
-
-
-class ShardKind(enum.IntEnum):
-    """A pull task's ``shard`` when it is not a CP shard index (those are >= 0)."""
-
-    WHOLE = -1
-    """No context parallelism: the task reads every group D wants from one P rank (and PP stage)."""
-    STATE_ONLY = -2
-    """Context parallelism: the task reads only the state groups (replicated: from P's PCP rank 0)."""
+__all__ = ["LocalCache", "Receiver", "done_sender"]
 
 
 logger = logging.getLogger(__name__)
@@ -181,12 +169,8 @@ class Receiver:
         self._wall_clock = wall_clock
         self._config = config
         self._pcp_rank = pcp_rank
-        self._use_mla = use_mla
-        if config.uses_cp:  # refuse a bad CP layout at registration, not per request
-            p_info, d_info = cp_layouts(config, use_mla)
-            context_parallel_parameters_check(p_info, d_info, cache.heads)
-            cp_sources(tp_rank, p_info, d_info, cache.heads)
-        self._tp_rank = tp_rank
+        # refuses a bad CP layout here, at registration, not per request
+        self._planner = PullPlanner(config, tp_rank, cache, pcp_rank=pcp_rank, use_mla=use_mla)
         self._cache = cache
         self._engine = engine
         self._reformat = reformat
@@ -254,7 +238,7 @@ class Receiver:
                     if meta.do_virtual:
                         self._requests.finish_now(DRequest(meta, deadline=self._clock()))
                         continue
-                record = self._plan_cp(meta) if self._config.uses_cp else self._plan(meta)
+                record = self._planner.plan(meta, self._clock())
                 lane = self._launch(record)
                 if lane is not None:
                     queued.setdefault(lane, []).extend((record, task) for task in record.tasks)
@@ -306,68 +290,6 @@ class Receiver:
                     self._post_done(lane, record, task, False)
         return lane if admitted else None
 
-    def _plan(self, meta: ReqMeta) -> DRequest:
-        """Plan without context parallelism: one task per P rank (and PP stage) read."""
-        p_tp, p_pp = meta.remote_ptp_size, self._config.prefill.pp_size
-        slices = select_sources(
-            self._tp_rank, p_tp, self._config.decode.tp_size, self._cache.heads, meta.remote_request_id
-        )
-        ranks = pull_source_ranks(
-            self._tp_rank,
-            p_tp,
-            self._config.decode.tp_size,
-            self._cache.heads,
-            meta.remote_request_id,
-            attention=bool(self._cache.attention_groups),
-            state=self._cache.has_state,
-        )
-        tasks = [PullTask(stage * p_tp + p, ShardKind.WHOLE) for stage in range(p_pp) for p in ranks]
-        now = self._clock()
-        return DRequest(meta, now + self._config.pull_timeout_s, pending=len(tasks), slices=slices, tasks=tasks)
-
-    def _plan_cp(self, meta: ReqMeta) -> DRequest:
-        """Plan with context parallelism: one task per (P CP rank, P rank) of each shard."""
-        p_info, d_info = cp_layouts(self._config, self._use_mla)
-        bs = self._cache.block_size
-        external = max(0, meta.prompt_len - meta.num_computed_tokens) if any(meta.local_block_ids) else 0
-        # Every group shares the prompt and block size, so its shards have the same CP ranks and P
-        # ranks in the same order; only the block ids differ.
-        group_shards = [
-            []  # a state group is not interleaved over CP ranks: its own tasks read it (below)
-            if g in self._cache.state_groups
-            else plan_cp_pull(
-                p=p_info,
-                d=d_info,
-                heads=self._cache.heads,
-                d_tp_rank=self._tp_rank,
-                d_pcp_rank=self._pcp_rank,
-                remote_block_ids=remote,
-                local_block_ids=local,
-                prompt_len=meta.prompt_len,
-                num_external_tokens=external,
-                p_block_size=meta.remote_block_size or bs,
-                d_block_size=bs,
-            )
-            for g, (local, remote) in enumerate(zip(meta.local_block_ids, meta.remote_block_ids, strict=True))
-        ]
-        attn = self._cache.attention_groups
-        shards = group_shards[attn[0]] if attn else []
-        tasks: list[tuple[int, int]] = [(i, w) for i, s in enumerate(shards) for w in s.p_world_ranks]
-        if self._cache.has_state:  # the state is replicated over P's CP ranks: read it from P's PCP rank 0
-            p_tp, d_tp = self._config.prefill.tp_size, self._config.decode.tp_size
-            tasks += [(ShardKind.STATE_ONLY, w) for w in state_source_ranks(self._tp_rank, p_tp, d_tp)]
-        now = self._clock()
-        slices = list(shards[0].slices) if shards else []
-        return DRequest(
-            meta,
-            now + self._config.pull_timeout_s,
-            pending=len(tasks),
-            slices=slices,
-            shards=shards,
-            group_shards=group_shards,
-            tasks=[PullTask(world, shard) for shard, world in tasks],
-        )
-
     def _run_batch(self, lane: Lane, queued: list[tuple[DRequest, PullTask]]) -> None:
         """Read a batch of queued tasks of one P instance, then report each task.
 
@@ -415,7 +337,7 @@ class Receiver:
         planned: list[_Item] = []
         for item in items:
             try:
-                item.batch = self._plan_task(item, agent)
+                item.batch = self._planner.task_descriptors(item.pull, item.task, item.port, agent)
                 planned.append(item)
             except Exception as exc:
                 item.fail(exc)
@@ -431,25 +353,6 @@ class Receiver:
             size += item.batch.descriptors.total_bytes
         if chunk:
             self._read_chunk(lane, agent, chunk)
-
-    def _plan_task(self, item: _Item, agent: AgentMetadata) -> TaskBatch:
-        """The descriptors of one task, after checking P's rank is the one the task reads."""
-        meta, shard = item.pull.meta, item.task.shard
-        p_rank = item.task.global_rank % meta.remote_ptp_size
-        # A WHOLE task's global rank spans P's PP stages; CP shard and state-only tasks read stage 0.
-        stage = (item.port - meta.remote_port) // meta.remote_ptp_size if shard == ShardKind.WHOLE else 0
-        check_peer_rank(agent, port=item.port, pp_rank=stage, tp_rank=p_rank)
-        return task_batch(
-            self._cache,
-            agent,
-            meta,
-            p_rank=p_rank,
-            d_rank=self._tp_rank,
-            d_tp=self._config.decode.tp_size,
-            slices=item.pull.slices,
-            shards=None if shard < 0 else [gs[shard] if gs else None for gs in item.pull.group_shards],  # < 0: kind
-            state_only=shard == ShardKind.STATE_ONLY,
-        )
 
     def _read_chunk(self, lane: Lane, agent: AgentMetadata, chunk: list[_Item]) -> None:
         """One lease check, one engine read, one lease check for ``chunk`` (one P rank); report each."""
