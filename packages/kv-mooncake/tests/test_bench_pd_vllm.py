@@ -101,12 +101,15 @@ def test_quick_bench_verifies_both_connectors_and_reports_ratios_and_profile() -
         assert len(waves) == 1 + QUICK.waves  # the warm-up and every timed wave, each verified
         assert all(c.ok and f"{QUICK.requests} requests" in c.detail for c in waves), waves
     assert any(c.name.startswith(f"raw engine {QUICK.name}") and c.ok for c in report.checks)
-    gbps, latency, ceiling = report.measurements
+    gbps, latency, ceiling, peer_ceiling = report.measurements
     for m in (gbps, latency):
         assert m.baseline_name.startswith(PEER) and m.value > 0 and m.baseline > 0
     assert gbps.unit == "GB/s" and gbps.ratio == pytest.approx(gbps.value / gbps.baseline)
     assert latency.unit == "ms" and not latency.higher_is_better
-    assert ceiling.baseline_name.startswith("raw batch_transfer_sync_read") and ceiling.baseline > 0
+    for m, contender in ((ceiling, gbps.value), (peer_ceiling, gbps.baseline)):  # both beside the same ceiling
+        assert m.baseline_name.startswith("raw batch_transfer_sync_read") and m.baseline > 0
+        assert m.value == pytest.approx(contender)
+    assert peer_ceiling.baseline == ceiling.baseline and peer_ceiling.name.startswith(f"{QUICK.name} ")
     ratios = [s for s in steps if s.startswith(f"{QUICK.name}: ours / vLLM's")]
     assert len(ratios) == 1 and "GB/s" in ratios[0] and "latency p50" in ratios[0], steps
     profile = [s for s in steps if s.startswith(f"{QUICK.name}: ours per request")]
