@@ -1,7 +1,8 @@
-"""A flat model and a sink whose loader can fail half-way, shared by the npu_ipc failure tests.
+"""A flat model and a sink whose loader can fail half-way, shared by the weight-update failure tests.
 
-`FailingSink` is a fake of our own `WeightSink` Protocol (a `ModuleSink` over `Model`'s ``p<i>``
-parameters) whose loader raises after ``fail_after`` tensors of one call, having written those.
+Used by the npu_ipc failure tests and the broadcast load-restore tests. `FailingSink` is a fake of
+our own `WeightSink` Protocol (a `ModuleSink` over `Model`'s ``p<i>`` parameters) whose loader
+raises after ``fail_after`` tensors of one call, having written those.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from ascend_dist.weight_transfer._demo.procs import param_digests, synthetic_specs, synthetic_weights
-from ascend_dist.weight_transfer.session import ModuleSink, Snapshot
+from ascend_dist.weight_transfer.session import ModuleSink
 
 SPECS = synthetic_specs(12, 40 * 1024, dtypes=("float32", "bfloat16"))
 BUFFER = 8192  # the largest tensor is under 8 KiB, the model ~40 KiB: several chunks / buckets
@@ -32,11 +33,10 @@ class Model(torch.nn.Module):
 class FailingSink(ModuleSink):
     """`ModuleSink` over `Model`; its loader raises after ``fail_after`` tensors of one call, when set."""
 
-    def __init__(self, module: Model, *, restore: bool = True) -> None:
-        super().__init__(module)
+    def __init__(self, module: Model, *, fail_after: int | None = None, restore: bool = True) -> None:
+        super().__init__(module, restore=restore)  # restore off: no restore point (`ModuleSink.snapshot`)
         self.names = {name: f"p{i}" for i, (name, _, _) in enumerate(SPECS)}
-        self.fail_after: int | None = None
-        self.restore = restore
+        self.fail_after = fail_after
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
@@ -45,9 +45,6 @@ class FailingSink(ModuleSink):
                 raise KeyError(f"no parameter for {name!r}")  # after ``fail_after`` tensors were written
             loaded |= super().load_weights([(self.names[name], tensor)])
         return loaded
-
-    def snapshot(self) -> Snapshot | None:
-        return super().snapshot() if self.restore else None
 
 
 def digests(module: torch.nn.Module) -> dict[str, str]:

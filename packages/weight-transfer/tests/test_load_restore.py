@@ -1,63 +1,31 @@
 """A loader that fails after the commit vote: every rank learns it, and every rank restores its previous weights.
 
 Issue 25 item 4. The trainer and 2 workers run as threads of this process over one real gloo group;
-one worker's sink is a fake of our own `WeightSink` Protocol whose loader raises half-way through an
-update (as vLLM's ``load_weights`` does on a name or shape its loader refuses), after it wrote some
-parameters.
+one worker's sink is a fake of our own `WeightSink` Protocol (`flat_model.FailingSink`) whose loader
+raises half-way through an update (as vLLM's ``load_weights`` does on a name or shape its loader
+refuses), after it wrote some parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 
-from ascend_dist.weight_transfer._demo.procs import param_digests, synthetic_specs, synthetic_weights
+from ascend_dist.weight_transfer._demo.procs import param_digests, synthetic_weights
 from ascend_dist.weight_transfer.errors import LoadFailed, LoadRestored, UpdateAborted
 from ascend_dist.weight_transfer.session import ModuleSink, Snapshot
 from ascend_dist.weight_transfer.trainer import BroadcastTrainer
 from ascend_dist.weight_transfer.worker import BroadcastWorker
 
 from .conftest import free_port
+from .flat_model import SPECS, FailingSink, Model, digests, want
 
-SPECS = synthetic_specs(16, 48 * 1024, dtypes=("float32", "bfloat16", "float16"))
 TIMEOUT_S = 20.0
 
 
-def _module(seed: int) -> torch.nn.Module:
-    module = torch.nn.Module()
-    for i, (_, tensor) in enumerate(synthetic_weights(SPECS, seed)):
-        module.register_parameter(f"p{i}", torch.nn.Parameter(tensor.clone(), requires_grad=False))
-    return module
-
-
-class FlatSink(ModuleSink):
-    """`ModuleSink` over `_module`'s flat names; ``fail_after`` makes its loader raise after that many tensors."""
-
-    def __init__(self, module: torch.nn.Module, *, fail_after: int | None = None, restore: bool = True) -> None:
-        super().__init__(module)
-        self.names = {name: f"p{i}" for i, (name, _, _) in enumerate(SPECS)}
-        self.fail_after, self.restore = fail_after, restore
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        for i, (name, tensor) in enumerate(weights):
-            if self.fail_after is not None and i == self.fail_after:
-                raise KeyError(f"no parameter for {name!r}")  # after ``fail_after`` tensors were written
-            loaded |= super().load_weights([(self.names[name], tensor)])
-        return loaded
-
-    def snapshot(self) -> Snapshot | None:  # the restore point, or None with restoring off
-        return super().snapshot() if self.restore else None
-
-
-def _digests(sink: FlatSink) -> dict[str, str]:
-    return param_digests(sorted(sink.module.named_parameters()))
-
-
-def _group(sinks: list[FlatSink]) -> tuple[BroadcastTrainer, list[BroadcastWorker], ThreadPoolExecutor]:
+def _group(sinks: list[FailingSink]) -> tuple[BroadcastTrainer, list[BroadcastWorker], ThreadPoolExecutor]:
     port = free_port()
     pool = ThreadPoolExecutor(max_workers=len(sinks) + 1)
     workers = [BroadcastWorker(sink) for sink in sinks]
@@ -102,28 +70,27 @@ def _close(trainer: BroadcastTrainer, workers: list[BroadcastWorker], pool: Thre
 
 
 def test_a_loader_failure_after_the_vote_restores_every_rank_and_every_rank_reports_it() -> None:
-    sinks = [FlatSink(_module(1)), FlatSink(_module(1), fail_after=len(SPECS) // 2)]
+    sinks = [FailingSink(Model(1)), FailingSink(Model(1), fail_after=len(SPECS) // 2)]
     trainer, workers, pool = _group(sinks)
     try:
-        before = [_digests(s) for s in sinks]
+        before = [digests(s.module) for s in sinks]
         sent, errors = _update(trainer, workers, pool, seed=2)
         # the trainer and both workers report it; today the trainer and worker 1 reported success
         assert isinstance(sent, LoadRestored) and "ranks [2]" in str(sent), sent
         assert all(isinstance(e, LoadRestored) for e in errors), errors
         assert isinstance(errors[1].__cause__, KeyError)  # the loader's own error, on the rank it happened
         assert isinstance(sent, UpdateAborted)  # "the model keeps its previous weights"
-        assert [_digests(s) for s in sinks] == before  # worker 1 loaded everything and rolled back; worker 2 half
+        assert [digests(s.module) for s in sinks] == before  # worker 1 loaded everything and rolled back; worker 2 half
         sinks[1].fail_after = None  # control: the same group takes the next update on every rank
         sent, errors = _update(trainer, workers, pool, seed=3)
         assert sent is None and errors == [None, None], (sent, errors)
-        want = param_digests([(f"p{i}", t) for i, (_, t) in enumerate(synthetic_weights(SPECS, 3))])
-        assert all(_digests(s) == dict(sorted(want.items())) for s in sinks)
+        assert all(digests(s.module) == want(3) for s in sinks)
     finally:
         _close(trainer, workers, pool)
 
 
 def test_without_a_restore_point_every_rank_reports_mixed_weights() -> None:
-    sinks = [FlatSink(_module(1), restore=False), FlatSink(_module(1), fail_after=3, restore=False)]
+    sinks = [FailingSink(Model(1), restore=False), FailingSink(Model(1), fail_after=3, restore=False)]
     trainer, workers, pool = _group(sinks)
     try:
         sent, errors = _update(trainer, workers, pool, seed=2)
@@ -136,7 +103,7 @@ def test_without_a_restore_point_every_rank_reports_mixed_weights() -> None:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_module_snapshot_restores_values_and_the_parameter_objects(tied: bool) -> None:
-    module = _module(1)
+    module = Model(1)
     if tied:
         module.register_parameter("tied", module.p0)  # one Parameter under two names (embedding / lm_head)
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -154,7 +121,7 @@ def test_module_snapshot_restores_values_and_the_parameter_objects(tied: bool) -
 
 
 def test_snapshots_from_one_sink_reuse_one_host_buffer_and_restore_their_own_values() -> None:
-    module = _module(1)
+    module = Model(1)
     with torch.no_grad():  # odd byte counts between dtypes, a transposed (non-contiguous) one and a 0-dim one
         module.register_parameter("odd", torch.nn.Parameter(torch.arange(3, dtype=torch.bfloat16), requires_grad=False))
         module.register_parameter("t", torch.nn.Parameter(torch.randn(5, 3).t(), requires_grad=False))
@@ -181,19 +148,16 @@ def test_snapshots_from_one_sink_reuse_one_host_buffer_and_restore_their_own_val
 
 
 def test_a_restore_point_that_cannot_be_taken_does_not_stop_the_update_and_a_failed_load_names_it() -> None:
-    class NoHostMemory(FlatSink):
+    class NoHostMemory(FailingSink):
         def snapshot(self) -> Snapshot | None:
             raise MemoryError("cannot allocate the host copy")
 
-    sinks = [NoHostMemory(_module(1)), NoHostMemory(_module(1))]
+    sinks = [NoHostMemory(Model(1)), NoHostMemory(Model(1))]
     trainer, workers, pool = _group(sinks)
     try:
         sent, errors = _update(trainer, workers, pool, seed=2)  # nothing fails to load: the update lands
         assert sent is None and errors == [None, None], (sent, errors)
-        want = dict(
-            sorted(param_digests([(f"p{i}", t) for i, (_, t) in enumerate(synthetic_weights(SPECS, 2))]).items())
-        )
-        assert all(_digests(s) == want for s in sinks)
+        assert all(digests(s.module) == want(2) for s in sinks)
         sinks[1].fail_after = 3
         sent, errors = _update(trainer, workers, pool, seed=3)
         assert isinstance(sent, LoadFailed) and "ranks [1, 2]" in str(sent), sent
