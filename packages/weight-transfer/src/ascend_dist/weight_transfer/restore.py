@@ -77,7 +77,7 @@ class ModuleSnapshot:
             module._non_persistent_buffers_set.update(non_persistent)
         with torch.no_grad():
             for tensor, saved in self._copies:
-                if tensor.is_contiguous():
-                    copy_bytes(tensor.detach().reshape(-1).view(torch.uint8), saved)
+                if tensor.is_contiguous():  # as_bytes is then a view of the tensor itself
+                    copy_bytes(as_bytes(tensor), saved)
                 else:  # the saved bytes are its row-major image
                     tensor.data.copy_(saved.view(tensor.dtype).view(tensor.shape))

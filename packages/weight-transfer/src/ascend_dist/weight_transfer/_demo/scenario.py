@@ -120,7 +120,7 @@ def _update(trainer: BroadcastTrainer, workers: list[WorkerProcess], specs: list
     }  # fmt: skip
     if not trainer.streamed:  # the host restore point, copied while the bytes are on the wire (inside the wire wait)
         split["worker restore point"] = max(r.get("extra", {}).get("snapshot_s", 0.0) for r in replies)
-    if trainer.streamed:  # where each side waits (`broadcast` fills these for streamed updates)
+    else:  # where each side waits (`broadcast` fills these for streamed updates)
         extra = [r.get("extra", {}) for r in replies]
         split |= {
             "trainer setup": phases.extra.get("setup_s", 0.0),
