@@ -21,7 +21,7 @@ from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.core.capability import Capability, Grant
 from ascend_dist.kv_mooncake.core.engine import get_engine
 from ascend_dist.kv_mooncake.core.messages import Ack, Done
-from ascend_dist.kv_mooncake.pull.messages import DoneItem, Dones, Held, Renew, reply_codec, request_codec
+from ascend_dist.kv_mooncake.pull.messages import DoneItem, Dones, Renew, reply_codec, request_codec
 
 SECRET_HEX = "5e" * 32
 
@@ -119,15 +119,15 @@ def test_p_renews_and_frees_only_what_it_signed(signed_pair: Any) -> None:
         return replies.decode(client.request(endpoint, requests.encode(msg)))
 
     with RpcClient(timeout_s=2.0, retries=1) as client:
-        assert ask(Renew(request_ids=["held"])) == Held(held=[False])  # no capability
+        assert ask(Renew(request_ids=["held"])).held == [False]  # no capability
         widened = _grant(held, block_ids=other["remote_block_ids"])  # the other request's blocks, held's tag
-        assert ask(Renew(request_ids=["held"], grants=[widened])) == Held(held=[False])
-        assert ask(Renew(request_ids=["other"], grants=[_grant(held)])) == Held(held=[False])  # another id's grant
-        assert ask(Renew(request_ids=["held"], grants=[_grant(held)])) == Held(held=[True])  # control: signed
+        assert ask(Renew(request_ids=["held"], grants=[widened])).held == [False]
+        assert ask(Renew(request_ids=["other"], grants=[_grant(held)])).held == [False]  # another id's grant
+        assert ask(Renew(request_ids=["held"], grants=[_grant(held)])).held == [True]  # control: signed
         # One batch: each id is checked against its own grant, the signed one alone is held.
         batch = Renew(request_ids=["held", "other", "held"], grants=[_grant(held), _grant(held), widened])
-        assert ask(batch) == Held(held=[True, False, False])
-        assert ask(Renew(request_ids=["held", "other"], grants=[_grant(held)])) == Held(held=[False, False])
+        assert ask(batch).held == [True, False, False]
+        assert ask(Renew(request_ids=["held", "other"], grants=[_grant(held)])).held == [False, False]
 
         lent = pair.p.poll()["blocks_lent"]
         assert lent == 6

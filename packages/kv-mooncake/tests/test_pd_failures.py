@@ -115,7 +115,8 @@ def test_bad_and_oversized_messages_are_dropped_and_the_server_keeps_serving(mak
         unknown = client.request(endpoint, requests.encode(Done(request_id="never-seen", d_rank=0, ok=True)))
         pair.p.prefill("leased", 40, 5)  # P now holds its blocks under a lease; D may renew it
         renew = Renew(request_ids=["leased"])
-        assert replies.decode(client.request(endpoint, requests.encode(renew))) == Held(held=[True])
+        reply = replies.decode(client.request(endpoint, requests.encode(renew)))
+        assert isinstance(reply, Held) and reply.held == [True] and 29.0 < reply.lease_s[0] <= 30.0
         done = Done(request_id="leased", d_rank=0, ok=True)
         # A DONE's answer is the same whether P knew the id: DONEs do not reveal which ids P holds.
         assert client.request(endpoint, requests.encode(done)) == unknown

@@ -9,6 +9,7 @@ the lane (one reader here: ``recv_workers`` 1) and the reader takes them as one 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -103,24 +104,32 @@ def test_a_failed_batch_fails_only_its_own_requests(make_pair: Callable[..., Any
         p2.drop()
 
 
+def _send_done(pair: Any, rid: str, reader: str) -> None:
+    """A DONE for P's ``rid`` from D rank 0's WHOLE task slot, naming ``reader``."""
+    requests, replies = request_codec(1 << 20), reply_codec(1 << 20)
+    item = DoneItem(request_id=rid, ok=True, sender=done_sender(0, ShardKind.WHOLE), reader=reader)
+    with RpcClient(timeout_s=2.0, retries=1) as client:
+        done = requests.encode(Dones(d_rank=0, items=[item]))
+        assert replies.decode(client.request(tcp_endpoint("127.0.0.1", pair.kv_port), done)) == Ack()
+
+
 @pytest.mark.timeout(60)
 def test_the_after_read_check_failing_for_one_request_fails_only_that_request(
     make_pair: Callable[..., Any],
 ) -> None:
-    """Two requests read in one call; P frees one of them during the read (its DONE arrives from
-    elsewhere), so the lease check after the read says "not held" for it alone."""
+    """Two requests read in one call that ends past half the 1 s lease, so D asks P again after it; P
+    freed one of them during the read (its pull's own DONE, sent from elsewhere), so the check says
+    "not held" for it alone."""
     engine = GatedReads(get_engine("127.0.0.1", "tcp"))
-    pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1})
+    pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1}, lease_s=1.0)
+    receiver = pair.d.ranks[0].worker.receiver
     freed: list[str] = []
 
     def free_a(n: int) -> None:
         if n != 1:
             return
-        requests, replies = request_codec(1 << 20), reply_codec(1 << 20)
-        item = DoneItem(request_id="a", ok=True, sender=done_sender(0, ShardKind.WHOLE))
-        with RpcClient(timeout_s=2.0, retries=1) as client:
-            done = requests.encode(Dones(d_rank=0, items=[item]))
-            assert replies.decode(client.request(tcp_endpoint("127.0.0.1", pair.kv_port), done)) == Ack()
+        time.sleep(0.6)  # past LEASE_TRUST (0.5) of the 1 s lease: the check after the read runs
+        _send_done(pair, "a", receiver.reader_of("a"))
         freed.extend(pair.p.poll()["freed"])
 
     engine.before = free_a
@@ -132,3 +141,48 @@ def test_the_after_read_check_failing_for_one_request_fails_only_that_request(
     assert pair.d.verify("b", 6) > 0 and pair.d.verify("warm", 1) > 0
     state = pair.wait_p_idle()
     assert (state["blocks_lent"], state["expired"]) == (0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_done_from_another_reader_frees_nothing_a_pull_still_reads(make_pair: Callable[..., Any]) -> None:
+    """A DONE for a request D is reading, from any other reader (a replayed pull's, or one naming no
+    reader), is not counted: the read ends well inside the lease, is not checked again, and its
+    bytes are P's."""
+    engine = GatedReads(get_engine("127.0.0.1", "tcp"))
+    pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1})
+    freed: list[str] = []
+
+    def foreign_done(n: int) -> None:
+        if n == 1:
+            _send_done(pair, "a", "")
+            _send_done(pair, "a", "another reader's token")
+            freed.extend(pair.p.poll()["freed"])
+
+    engine.before = foreign_done
+    _queue_behind_a_gated_read(pair, engine, {"a": 5, "b": 6})
+    engine.gate.set()
+    assert pair.d.wait_recv({"warm", "a", "b"}, timeout_s=15.0) == set()
+    assert len(engine.calls) == 2 and "a" not in freed  # one read of both; neither foreign DONE freed a
+    assert pair.d.verify("a", 5) > 0 and pair.d.verify("b", 6) > 0
+    state = pair.wait_p_idle()
+    assert (state["blocks_lent"], state["expired"], state["refused_readers"]) == (0, 0, 2)
+
+
+@pytest.mark.timeout(60)
+def test_params_replayed_to_a_second_d_request_are_refused_before_it_reads(make_pair: Callable[..., Any]) -> None:
+    """A client hands D the same P params for two requests: the first pull's reader holds P's blocks,
+    the copy is told "not held" before reading (load errors, vLLM recomputes it) and its DONE frees
+    nothing, so the first still reads P's bytes."""
+    engine = GatedReads(get_engine("127.0.0.1", "tcp"))
+    pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1})
+    params = pair.p.prefill("a", 40, 5)
+    pair.d.decode("warm", 40, pair.p.prefill("warm", 40, 1))
+    assert engine.entered.wait(10.0)
+    pair.d.decode("a", 40, params)
+    pair.d.decode("copy", 40, params)
+    engine.gate.set()
+    errors = pair.d.wait_recv({"warm", "a", "copy"}, timeout_s=15.0)
+    assert errors == set(pair.d.blocks["copy"][0])  # the copy fails alone
+    assert pair.d.verify("a", 5) > 0 and pair.d.verify("warm", 1) > 0
+    state = pair.wait_p_idle()
+    assert (state["blocks_lent"], state["expired"]) == (0, 0) and state["refused_readers"] >= 1

@@ -270,3 +270,44 @@ def test_lease_defaults_to_upstreams_abort_timeout_variable() -> None:
     for bad in ("soon", "0", "-1", "nan"):
         with pytest.raises(ConfigError, match=ABORT_TIMEOUT_ENV):
             PullConfig.from_kv_transfer_config(**base, environ={ABORT_TIMEOUT_ENV: bad})
+
+
+def test_tracker_serves_one_reader_per_slot() -> None:
+    """Each (D rank, task) slot is bound to the first reader naming it: another reader (the same params
+    replayed to a second D request) is refused, its renewal extends nothing and its DONE frees nothing."""
+    clock = Clock()
+    t = SendTracker(5.0, clock=clock)
+    t.add_processing("a")
+    t.add_delayed("a", 2)
+    assert t.renew("a", (0, "s"), "r1")
+    clock.now = 4.0
+    assert not t.renew("a", (0, "s"), "r2") and t.refused_readers == 1
+    assert t.held_for("a") == 1.0  # the refused renewal did not extend r1's lease
+    assert t.renew("a", (1, "s"), "r2")  # another D rank's slot: its own reader
+    assert not t.done("a", (0, "s"), "r2") and t.refused_readers == 2
+    assert t.done("a", (1, "s"), "r2") and t.take_finished() == set()  # one of two slots done
+    assert t.done("a", (0, "s"), "r1") and t.take_finished() == {"a"} and len(t) == 0
+
+
+def test_tracker_promises_the_rest_of_a_lent_requests_lease() -> None:
+    """`held_for` is what P promises D in `Held.lease_s`: nothing before the lease begins."""
+    clock = Clock()
+    t = SendTracker(5.0, clock=clock)
+    assert t.held_for("never-seen") == 0.0
+    t.add_processing("a")
+    assert t.renew("a") and t.held_for("a") == 0.0  # in P's batch: its lease has not begun
+    t.add_delayed("a", 1)
+    clock.now = 2.0
+    assert t.held_for("a") == 3.0
+    assert t.renew("a") and t.held_for("a") == 5.0
+    clock.now = 7.5
+    assert t.take_finished() == {"a"} and t.held_for("a") == 0.0
+
+
+def test_tracker_forgets_readers_of_a_request_freed_on_arrival() -> None:
+    """Every DONE came before the delayed-free notice: the request finishes at once, its readers too."""
+    t = SendTracker(5.0, clock=Clock())
+    t.add_processing("a")
+    assert t.done("a", (0, "s"), "r1")
+    t.add_delayed("a", 1)
+    assert t.take_finished() == {"a"} and len(t) == 0

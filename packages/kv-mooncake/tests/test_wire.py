@@ -132,3 +132,22 @@ def test_layer_done_fields_are_bounded_before_anything_is_allocated(fields: dict
     assert isinstance(codec.decode(msgspec.msgpack.encode(msg)), push.LayerDone)  # control
     with pytest.raises(ProtocolError):
         codec.decode(msgspec.msgpack.encode({**msg, **fields}))
+
+
+def test_pull_lease_fields_round_trip_older_frames_decode_and_hostile_leases_are_refused() -> None:
+    """Readers and promised leases (no version bump: an older peer's frames decode with the defaults,
+    which mean "no reader named" and "no promise", so D checks again after every read)."""
+    requests, replies = pull.request_codec(1 << 20), pull.reply_codec(1 << 20)
+    renew = pull.Renew(request_ids=["a", "b"], d_rank=1, senders=["pcp0/-1"] * 2, readers=["r1", "r2"])
+    assert requests.decode(requests.encode(renew)) == renew
+    held = pull.Held(held=[True, False], lease_s=[59.5, 0.0])
+    assert replies.decode(replies.encode(held)) == held
+    older = requests.decode(msgspec.msgpack.encode({"kind": "renew", "request_ids": ["a"]}))
+    assert isinstance(older, pull.Renew) and (older.d_rank, older.senders, older.readers) == (0, [], [])
+    older_held = replies.decode(msgspec.msgpack.encode({"kind": "pull_held", "held": [True]}))
+    assert isinstance(older_held, pull.Held) and older_held.lease_s == []
+    for lease in (-1.0, float("nan"), float("inf"), 1e9):
+        with pytest.raises(ProtocolError):
+            replies.decode(msgspec.msgpack.encode({"kind": "pull_held", "held": [True], "lease_s": [lease]}))
+    with pytest.raises(ProtocolError):
+        requests.decode(msgspec.msgpack.encode({"kind": "renew", "request_ids": ["a"], "readers": ["x" * 10_000]}))

@@ -16,7 +16,7 @@ line each:
   channel, vLLM's handshake metadata); ``{"cmd": "set_addresses", "name", "addresses"}`` ->
   ``{"rank_hosts": [...]}`` (hands every worker's address to P's scheduler, as vLLM does)
 * ``{"cmd": "poll", "name"}`` -> ``{"freed": [...], "tracked": n, "blocks_lent": n, "expired": n,
-  "late_dones": n}``
+  "late_dones": n, "refused_readers": n}``
 * D instances (``role: "consumer"``, e.g. a D in another network namespace):
 
   * ``{"cmd": "decode", "name", "rid", "prompt_len", "params", "computed"?}`` -> ``{"count": n,
@@ -70,6 +70,7 @@ def _poll(inst: SyntheticInstance) -> dict[str, Any]:
         "blocks_lent": lent,
         "expired": expired,
         "late_dones": sum(r.worker.tracker.late_dones for r in inst.ranks),
+        "refused_readers": sum(r.worker.tracker.refused_readers for r in inst.ranks),
         "auth_cost": list(AUTH_COST.snapshot()),  # P's signing and MACs so far (ns, operations)
     }
 

@@ -4,7 +4,8 @@ Runs in: the ``ascend-dist bench pd-vllm`` process. `Probe.attach` wraps collabo
 worker's ``Receiver`` (its lanes' queue and batch runner, its side-channel client, its engine and
 its per-task report) in timing proxies that forward every call unchanged, so the connector runs its
 own code. D reads in batches (one per P lane reader: every queued task, one ``Renew`` for the
-batch's requests before the read and one after, one engine call), so a batch's lease checks and
+batch's requests before the read, one engine call, one more ``Renew`` only after a read past half
+the lease), so a batch's lease checks and
 engine time count for every request in it. Per request (P's request id, summed over its tasks):
 queue wait (queued -> its batch starts), metadata fetch, lease checks, engine time, planning and
 bookkeeping (the rest of the batch's time until the request was reported), and ``Done`` (sent by
@@ -26,7 +27,7 @@ __all__ = ["PHASES", "Probe", "RequestTimes"]
 PHASES = (
     "queue wait",
     "metadata",
-    "lease check (Renew x2 per batch)",
+    "lease check (Renew per batch)",
     "planning + bookkeeping",
     "engine read (per batch)",
     "Done (DONE thread, after the report)",
@@ -51,7 +52,7 @@ class RequestTimes:
         return {
             "queue wait": max(0.0, self.started_at - self.queued_at),
             "metadata": self.metadata,
-            "lease check (Renew x2 per batch)": self.renew,
+            "lease check (Renew per batch)": self.renew,
             "planning + bookkeeping": max(0.0, busy - self.metadata - self.renew - self.engine),
             "engine read (per batch)": self.engine,
             "Done (DONE thread, after the report)": self.done,
@@ -170,8 +171,8 @@ class _Peers:
         finally:
             self._probe.add(self._probe.batch_rids(), "metadata", time.perf_counter() - start)
 
-    def renew(self, host: str, port: int, requests: list[tuple[str, Any]]) -> list[bool]:
-        rids = [rid for rid, _ in requests]
+    def renew(self, host: str, port: int, requests: list[Any]) -> list[float | None]:
+        rids = [ask.request_id for ask in requests]
         self._probe.set_chunk(rids)
         start = time.perf_counter()
         try:

@@ -165,6 +165,8 @@ class Done(Request, frozen=True, kw_only=True, tag="pull_done"):
             once, so a copy the RPC client resent never frees blocks another D task still reads.
         grant: With a deployment secret, the capability P signed for ``request_id``
             (`core.capability`): P counts no DONE it did not sign for, so nobody else frees them.
+        reader: The token of the D pull that sent it (`pull.messages.Renew.readers`): P counts a
+            DONE only from the reader its ``(d_rank, sender)`` is bound to ("" is a reader too).
     """
 
     request_id: WireText
@@ -172,6 +174,7 @@ class Done(Request, frozen=True, kw_only=True, tag="pull_done"):
     d_rank: Rank
     sender: WireText = ""
     grant: Grant | None = None
+    reader: WireText = ""
 
 
 class Ack(Message, frozen=True, kw_only=True, tag="ack"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
@@ -80,6 +81,8 @@ class DRequest:
     """``(P host, its transport ports)`` of every read started for the request (what to cut if one hangs)."""
     severed: bool = False
     """Its connections were cut once because a read outlived the deadline and the grace."""
+    reader: str = field(default_factory=lambda: secrets.token_hex(16))
+    """The token this pull names itself with in each `Renew` and DONE (P serves one reader per slot)."""
     machine: StateMachine[DState] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

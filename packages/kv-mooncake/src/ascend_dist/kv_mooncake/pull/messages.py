@@ -7,12 +7,20 @@ exchange over `ascend_dist.common.zmq_server` per message:
 | request (D -> P) | reply (P -> D) |
 |---|---|
 | `GetMeta` (D's `Handshake`) | `MetaReply` (P's handshake + `AgentMetadata`) or `Refused` |
-| `Renew` (extend the leases of up to `MAX_BATCH` requests' blocks) | `Held` (one flag per request id) |
+| `Renew` (extend the leases of up to `MAX_BATCH` requests' blocks) | `Held` (per request id: a flag, a lease) |
 | `Dones` (D finished with up to `MAX_BATCH` requests, each ok or not) | `Ack` |
 | `Done` (one request; kept for tools and tests) | `Ack` |
 
-D's receive path batches per P rank: one `Renew` for every request of a read batch before the read,
-one after it, and one `Dones` for the requests it finished (`pull.threads`).
+D's receive path batches per P rank: one `Renew` for every request of a read batch before the read
+(a second one after it only when the read outlasted half the lease P promised) and one `Dones` for
+the requests it finished (`pull.threads`).
+
+Readers: each D pull names itself with a random token (``Renew.readers``, ``DoneItem.reader``). P
+binds each request's ``(d_rank, sender)`` slot to the first reader that names it and then renews
+for, and counts DONEs from, that reader only: a second D request presenting the same params (a
+client replaying them) is told "not held" before it reads, and its DONE cannot free blocks the
+first one still reads. That, with the lease P promises in `Held.lease_s`, is what lets D skip the
+check after a read that ended well inside the lease.
 
 With a deployment secret, P signs the params it hands out (`core.capability`: request id, engine
 id, block ids, prompt digest, expiry; ``remote_capability`` and ``remote_capability_expires``) and
@@ -60,17 +68,31 @@ class Renew(_Request, frozen=True, kw_only=True, tag="renew"):
 
     ``grants``: with a deployment secret, the capability P signed for each request id (same
     order); P answers "not held" for any that does not verify (for all of them when the two lists
-    differ in length).
+    differ in length). ``senders`` and ``readers`` (same order, or empty: ``""`` each) name the D
+    task (beside ``d_rank``, as its DONE will) and the D pull's token: P answers "not held" to a
+    reader other than the one that slot is bound to.
     """
 
     request_ids: Annotated[list[WireText], msgspec.Meta(max_length=MAX_BATCH)]
     grants: Annotated[list[Grant], msgspec.Meta(max_length=MAX_BATCH)] = msgspec.field(default_factory=list)
+    d_rank: Rank = 0
+    senders: Annotated[list[WireText], msgspec.Meta(max_length=MAX_BATCH)] = msgspec.field(default_factory=list)
+    readers: Annotated[list[WireText], msgspec.Meta(max_length=MAX_BATCH)] = msgspec.field(default_factory=list)
+
+
+LeaseSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
 
 
 class Held(Message, frozen=True, kw_only=True, tag="pull_held"):
-    """P's answer to `Renew`: ``held[i]`` is whether P still holds ``request_ids[i]``'s blocks."""
+    """P's answer to `Renew`: ``held[i]`` is whether P still holds ``request_ids[i]``'s blocks.
+
+    ``lease_s[i]`` (or empty: no promise) is how long from its answer P keeps those blocks at the
+    least: the renewed lease of a lent request, 0 for one still in P's batch (its lease has not
+    begun) or not held.
+    """
 
     held: Annotated[list[bool], msgspec.Meta(max_length=MAX_BATCH)]
+    lease_s: Annotated[list[LeaseSeconds], msgspec.Meta(max_length=MAX_BATCH)] = msgspec.field(default_factory=list)
 
 
 class DoneItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,10 +102,14 @@ class DoneItem(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
     sender: WireText = ""
     grant: Grant | None = None
+    reader: WireText = ""
 
 
 class Dones(_Request, frozen=True, kw_only=True, tag="pull_dones"):
-    """D rank ``d_rank`` finished with these requests; P counts each ``(request, d_rank, sender)`` once."""
+    """D rank ``d_rank`` finished with these requests.
+
+    P counts each ``(request, d_rank, sender)`` once, and only from the reader that slot is bound to.
+    """
 
     d_rank: Rank
     items: Annotated[list[DoneItem], msgspec.Meta(max_length=MAX_BATCH)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
 from ascend_dist.common.wire import Codec, Handshake
@@ -32,9 +33,18 @@ from ascend_dist.kv_mooncake.pull.messages import (
     request_codec,
 )
 
-__all__ = ["PeerClient"]
+__all__ = ["LeaseAsk", "PeerClient"]
 
 logger = logging.getLogger(__name__)
+
+
+class LeaseAsk(NamedTuple):
+    """One request of a `Renew`: P's request id and grant, the D task's DONE sender, the pull's token."""
+
+    request_id: str
+    grant: Grant | None
+    sender: str
+    reader: str
 
 
 class PeerClient:
@@ -88,26 +98,36 @@ class PeerClient:
             self._cache[(engine_id, host, port)] = reply.metadata
         return reply.metadata
 
-    def renew(self, host: str, port: int, requests: Sequence[tuple[str, Grant | None]]) -> list[bool]:
-        """Extend the leases of ``requests`` (P's request id, P's grant) on one P worker.
+    def renew(self, host: str, port: int, requests: Sequence[LeaseAsk]) -> list[float | None]:
+        """Extend the leases of ``requests`` on one P worker, as their readers.
 
-        Returns, per request, whether P still holds its blocks: one `Renew` per `MAX_BATCH`
-        requests. A grant is P's signed capability (a P with a secret renews nothing without it).
+        Returns, per request, None when P no longer holds its blocks (for this reader), else the
+        seconds P promised to keep them from its answer (0: no promise, e.g. not lent yet). One
+        `Renew` per `MAX_BATCH` requests. A grant is P's signed capability (a P with a secret renews
+        nothing without it).
 
         Raises:
             ProtocolError: An unexpected reply or one with another count (and like `metadata` on
                 a dead or slow P).
         """
-        held: list[bool] = []
+        out: list[float | None] = []
         for start in range(0, len(requests), MAX_BATCH):
             part = requests[start : start + MAX_BATCH]
-            grants = [g for _, g in part if g is not None]
-            ids = [rid for rid, _ in part]
-            reply = self._rpc(host, port, Renew(request_ids=ids, grants=grants if len(grants) == len(ids) else []))
-            if not isinstance(reply, Held) or len(reply.held) != len(ids):
+            grants = [a.grant for a in part if a.grant is not None]
+            ids = [a.request_id for a in part]
+            renew = Renew(
+                request_ids=ids,
+                grants=grants if len(grants) == len(ids) else [],
+                d_rank=self._d_rank,
+                senders=[a.sender for a in part],
+                readers=[a.reader for a in part],
+            )
+            reply = self._rpc(host, port, renew)
+            if not isinstance(reply, Held) or len(reply.held) != len(ids) or len(reply.lease_s) not in (0, len(ids)):
                 raise ProtocolError(f"expected {len(ids)} held flags from {host}:{port}, got {type(reply).__name__}")
-            held += reply.held
-        return held
+            promised = reply.lease_s or [0.0] * len(ids)
+            out += [lease if held else None for held, lease in zip(reply.held, promised, strict=True)]
+        return out
 
     def send_dones(self, host: str, port: int, items: Sequence[DoneItem]) -> None:
         """Tell a P worker D is done with these requests; never raises (P's lease frees them if lost).

@@ -9,8 +9,12 @@ and per P rank fetches (and caches) the P worker's metadata after a compatibilit
 (`ascend_dist.kv_mooncake.pull.peers`), builds each task's descriptors for every KV group
 (attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P once whether it still
 holds the blocks of every request in the batch (one `Renew`, renewing their leases), reads them all
-in one engine call (per ``recv_batch_bytes``), and asks again (a read that outlasted a lease, whose
-blocks P may have reused meanwhile, fails that request alone). Each request is then reported and
+in one engine call (per ``recv_batch_bytes``), and, only when the read ended past half the lease P
+promised in that answer, asks again (a read that outlasted a lease, whose blocks P may have reused
+meanwhile, fails that request alone). A read that ended sooner was inside the lease: P's lease
+began after D asked, and only the pull's own reader can free the blocks early (each pull names
+itself with a random token, `DRequest.reader`; P serves one reader per slot, so params replayed to
+a second D request are refused and its DONE frees nothing). Each request is then reported and
 its DONE queued: the lane's DONE thread sends the queued DONEs as one `Dones` list per P rank, even
 after a failure, so P frees its blocks off D's critical path. A failed read fails (and
 quarantines) the requests of that batch only. A failed task records the logical block ids it was
@@ -56,7 +60,7 @@ from typing import Protocol
 from ascend_dist.common.errors import DeadlineExceeded, LeaseExpired, TransferError, TransferTimeout
 from ascend_dist.common.secret import DeploymentSecret
 from ascend_dist.common.wire import Handshake
-from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, Grant, check_capability, wall_ms
+from ascend_dist.kv_mooncake.core.capability import PULL_PURPOSE, CapabilityRefused, check_capability, wall_ms
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
@@ -67,7 +71,7 @@ from ascend_dist.kv_mooncake.pull.d_plan import PullPlanner, ShardKind
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
 from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
 from ascend_dist.kv_mooncake.pull.messages import DoneItem
-from ascend_dist.kv_mooncake.pull.peers import PeerClient
+from ascend_dist.kv_mooncake.pull.peers import LeaseAsk, PeerClient
 from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant, rank_host
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, TaskBatch, group_pairs
 
@@ -78,6 +82,10 @@ logger = logging.getLogger(__name__)
 
 FAST_FAILURE_S = 0.5
 """A read that fails within this long, after D cut connections to that P, failed on one of them."""
+
+LEASE_TRUST = 0.5
+"""A read that ends within this share of the lease P promised (timed from before D asked) needs no
+check after it: the rest is room for two hosts' clocks running at different rates."""
 
 
 def done_sender(pcp_rank: int, shard: int) -> str:
@@ -120,11 +128,6 @@ class _Item:
             self.error = exc
         self.ok = False
         self.unsigned = self.unsigned or isinstance(exc, CapabilityRefused)
-
-
-def _leases(items: Sequence[_Item]) -> list[tuple[str, Grant | None]]:
-    """What a `Renew` asks for ``items``: P's request id and P's grant of each."""
-    return [(i.pull.meta.remote_request_id, pull_grant(i.pull.meta)) for i in items]
 
 
 class Reformat(Protocol):
@@ -201,6 +204,12 @@ class Receiver:
         """Requests still pulling."""
         with self._lock:
             return self._requests.count(DState.PULLING)
+
+    def reader_of(self, request_id: str) -> str | None:
+        """The token D's pull of ``request_id`` names itself with to P (None when not pulling)."""
+        with self._lock:
+            pull = self._requests.pulling(request_id)
+            return None if pull is None else pull.reader
 
     @property
     def quarantined(self) -> int:
@@ -293,10 +302,11 @@ class Receiver:
     def _run_batch(self, lane: Lane, queued: list[tuple[DRequest, PullTask]]) -> None:
         """Read a batch of queued tasks of one P instance, then report each task.
 
-        Per P rank: one lease check, one engine call (per ``recv_batch_bytes``), one lease check
-        after it. A failure fails only the tasks it concerns (a batch's read: that batch). A task of
-        a request that timed out (or was replaced) meanwhile skips its read but still counts down
-        and makes sure P gets a DONE, so neither side holds the request any longer.
+        Per P rank: one lease check, one engine call (per ``recv_batch_bytes``), and a second
+        lease check only after a read that ended past `LEASE_TRUST` of the promised lease. A
+        failure fails only the tasks it concerns (a batch's read: that batch). A task of a request
+        that timed out (or was replaced) meanwhile skips its read but still counts down and makes
+        sure P gets a DONE, so neither side holds the request any longer.
         """
         by_port: dict[int, list[_Item]] = {}
         for pull, task in queued:
@@ -355,7 +365,10 @@ class Receiver:
             self._read_chunk(lane, agent, chunk)
 
     def _read_chunk(self, lane: Lane, agent: AgentMetadata, chunk: list[_Item]) -> None:
-        """One lease check, one engine read, one lease check for ``chunk`` (one P rank); report each."""
+        """One lease check and one engine read for ``chunk`` (one P rank), then report each.
+
+        A read that ended past `LEASE_TRUST` of the promised lease is checked again after it.
+        """
         port = chunk[0].port
         host = rank_host(chunk[0].pull.meta, port)  # a P instance spanning nodes: this rank's node
         reading = chunk
@@ -369,16 +382,18 @@ class Receiver:
         try:
             # Before reading, P must confirm it still holds each request's blocks: params replayed
             # after D consumed them, or aimed at a request P already freed, would read reused blocks.
-            held = self._peers.renew(host, port, _leases(chunk))
-            reading = []
-            for item, ok in zip(chunk, held, strict=True):
-                if ok:
+            asked = self._clock()
+            held = self._peers.renew(host, port, self._leases(chunk))
+            reading, promised = [], []
+            for item, lease in zip(chunk, held, strict=True):
+                if lease is not None:
                     reading.append(item)
+                    promised.append(lease)
                 else:
                     item.fail(NotHeld(f"P {host}:{port} holds no blocks for {item.pull.meta.remote_request_id!r}"))
                     self._finish(lane, item)
             if reading:
-                self._read_held(agent, host, port, reading)
+                self._read_held(agent, host, port, reading, asked + LEASE_TRUST * min(promised))
         except Exception as exc:
             for item in reading:
                 if item.ok:
@@ -386,8 +401,22 @@ class Receiver:
         for item in reading:
             self._finish(lane, item)
 
-    def _read_held(self, agent: AgentMetadata, host: str, port: int, reading: list[_Item]) -> None:
-        """Read the blocks P confirmed it holds, then check P still held them throughout."""
+    def _leases(self, items: Sequence[_Item]) -> list[LeaseAsk]:
+        """What a `Renew` asks for ``items``: P's request id and grant, the task's DONE sender, the pull's token."""
+        return [
+            LeaseAsk(
+                i.pull.meta.remote_request_id,
+                pull_grant(i.pull.meta),
+                done_sender(self._pcp_rank, i.task.shard),
+                i.pull.reader,
+            )
+            for i in items
+        ]
+
+    def _read_held(
+        self, agent: AgentMetadata, host: str, port: int, reading: list[_Item], trusted_until: float
+    ) -> None:
+        """Read the blocks P confirmed it holds; past ``trusted_until``, check P still held them throughout."""
         descriptors = Descriptors.concat([i.batch.descriptors for i in reading if i.batch is not None])
         deadline = min(i.pull.deadline for i in reading)
         source = (host, tuple(agent.transport_ports))
@@ -407,12 +436,16 @@ class Receiver:
                 for item in reading:
                     self._requests.hold(item.pull, self._clock() + self._config.quarantine_s)
             raise
-        # The read may have outlasted P's lease: if P let the blocks go meanwhile they may hold
-        # another request's bytes by now, so a read counts only if P still holds them after it.
-        # (P's entry for an id never comes back once freed, so "held" now means held throughout.)
-        held = self._peers.renew(host, port, _leases(reading))
-        for item, ok in zip(reading, held, strict=True):
-            if not ok:
+        # A read that ended past the trusted share of the lease may have outlasted it: if P let the
+        # blocks go meanwhile they may hold another request's bytes by now, so it counts only if P
+        # still holds them after it. (P's entry for an id never comes back once freed, so "held"
+        # now means held throughout.)
+        if self._clock() < trusted_until:
+            held: list[float | None] = [0.0] * len(reading)
+        else:
+            held = self._peers.renew(host, port, self._leases(reading))
+        for item, lease in zip(reading, held, strict=True):
+            if lease is None:
                 item.fail(NotHeld(f"P {host}:{port} released {item.pull.meta.remote_request_id!r} during the read"))
             elif item.batch is not None:
                 with self._lock:
@@ -499,6 +532,7 @@ class Receiver:
             ok=ok,
             sender=done_sender(self._pcp_rank, task.shard),
             grant=pull_grant(meta),
+            reader=pull.reader,
         )
         port = meta.remote_port + task.global_rank
         with self._lock:

@@ -5,7 +5,10 @@ Each request has one state in an explicit table. A request D pulls from this ran
 many DONEs as D tasks pull from it (computed per request, never cached per engine); if they do
 not come before its lease ends, its blocks are force-freed. D extends a lease with `Renew`. DONEs
 count once per sender (D rank and task): the RPC client resends a DONE whose reply timed out, and
-counting the copy would free blocks another D rank still reads. DONEs for unknown or already-freed
+counting the copy would free blocks another D rank still reads. Each such sender slot is bound to
+the first reader (a D pull's token) that renews it or sends its DONE: a `renew` or DONE naming
+another reader (the same params replayed to a second D request) is refused, so the blocks stay
+lent until the bound reader is done or the lease ends. DONEs for unknown or already-freed
 requests are harmless. A request that ends on P without lending its blocks (stopped, aborted) is
 dropped; one still in P's batch after ``processing_s`` (its end never reached this worker) is
 dropped too, so `renew` never answers "held" forever.
@@ -63,14 +66,16 @@ class SendTracker:
         self._states: StateTable[SendState] = StateTable(SEND_TRANSITIONS, name="send")
         self._expected: dict[str, int] = {}
         self._senders: dict[str, set[Hashable]] = {}  # DONE senders seen (AWAITING_DONE and early ones)
+        self._readers: dict[str, dict[Hashable, str]] = {}  # sender slot -> the reader bound to it
         self._deadline: dict[str, float] = {}
         self._processing_until: dict[str, float] = {}
         self._expired = 0
         self._late_dones = 0
+        self._refused_readers = 0
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._states) + len(self._senders) + len(self._processing_until)
+            return len(self._states) + len(self._senders) + len(self._processing_until) + len(self._readers)
 
     @property
     def expired_count(self) -> int:
@@ -81,6 +86,11 @@ class SendTracker:
     def late_dones(self) -> int:
         """DONEs for requests already freed or never seen since start (too low a fan-in shows here)."""
         return self._late_dones
+
+    @property
+    def refused_readers(self) -> int:
+        """Renewals and DONEs refused since start because another reader holds the slot (replayed params)."""
+        return self._refused_readers
 
     def add_processing(self, request_id: str) -> None:
         """A request entered (or is again in) a batch on this rank; its processing deadline restarts."""
@@ -102,6 +112,7 @@ class SendTracker:
     def _forget_processing(self, request_id: str) -> None:
         self._states.pop(request_id)
         self._senders.pop(request_id, None)
+        self._readers.pop(request_id, None)
         self._processing_until.pop(request_id, None)
 
     def add_delayed(self, request_id: str, expected_dones: int) -> None:
@@ -121,26 +132,51 @@ class SendTracker:
             self._deadline[request_id] = self._clock() + self._lease_s
             self._states.advance(request_id, SendState.AWAITING_DONE)
 
-    def renew(self, request_id: str) -> bool:
-        """Whether this rank still holds the request's blocks (extending a waiting request's lease).
+    def renew(self, request_id: str, sender: Hashable = "", reader: str = "") -> bool:
+        """Whether this rank still holds the request's blocks for ``reader`` (extending the lease).
 
         A request still in P's batch is held too: D may reach P before P's worker has seen the
-        delayed-free notice. A finished, expired or never-seen request is not, so D must not read it.
+        delayed-free notice. A finished, expired or never-seen request is not, so D must not read it;
+        nor is one whose ``sender`` slot is bound to another reader (nothing is extended then).
         """
         with self._lock:
             state = self._states.get(request_id)
+            if state not in (SendState.PROCESSING, SendState.AWAITING_DONE) or not self._bind(
+                request_id, sender, reader
+            ):
+                return False
             if state is SendState.AWAITING_DONE:
                 self._deadline[request_id] = self._clock() + self._lease_s
-            return state in (SendState.PROCESSING, SendState.AWAITING_DONE)
+            return True
 
-    def done(self, request_id: str, sender: Hashable = "") -> bool:
-        """Count one DONE from ``sender`` (once per sender); return whether the request was known.
+    def held_for(self, request_id: str) -> float:
+        """Seconds from now this rank keeps the request's blocks at the least (its lease's rest).
+
+        0 for a request not lent yet (its lease has not begun: its end on P decides) or not held.
+        """
+        with self._lock:
+            deadline = self._deadline.get(request_id)
+            return 0.0 if deadline is None else max(0.0, deadline - self._clock())
+
+    def _bind(self, request_id: str, sender: Hashable, reader: str) -> bool:
+        """Bind ``sender``'s slot of a known request to ``reader`` unless bound; whether it is ``reader``'s."""
+        bound = self._readers.setdefault(request_id, {}).setdefault(sender, reader)
+        if bound != reader:
+            self._refused_readers += 1
+            logger.debug("request %s: slot %s is bound to another reader than %.8s", request_id, sender, reader)
+        return bound == reader
+
+    def done(self, request_id: str, sender: Hashable = "", reader: str = "") -> bool:
+        """Count one DONE from ``sender`` (once per sender); return whether it counted or was known.
 
         ``sender`` names the D task that sent it (D rank, CP rank and shard): a resent copy of its
-        DONE (an RPC retry after a lost reply) is the same sender and is not counted again.
+        DONE (an RPC retry after a lost reply) is the same sender and is not counted again. A DONE
+        from a reader other than the one ``sender``'s slot is bound to is not counted (False).
         """
         with self._lock:
             state = self._states.get(request_id)
+            if state in (SendState.PROCESSING, SendState.AWAITING_DONE) and not self._bind(request_id, sender, reader):
+                return False
             if state is SendState.AWAITING_DONE:
                 senders = self._senders.setdefault(request_id, set())
                 senders.add(sender)
@@ -158,6 +194,7 @@ class SendTracker:
     def _finish(self, request_id: str) -> None:
         self._expected.pop(request_id, None)
         self._senders.pop(request_id, None)
+        self._readers.pop(request_id, None)
         self._deadline.pop(request_id, None)
         self._states.advance(request_id, SendState.FINISHED)
 
@@ -183,4 +220,5 @@ class SendTracker:
             out = {str(k) for k in self._states.in_state(SendState.FINISHED)}
             for rid in out:
                 self._states.pop(rid)
+                self._readers.pop(rid, None)  # finished straight from add_delayed: never via _finish
             return out

@@ -346,17 +346,20 @@ class PullWorker:
             refused = admit(self._handshake, self._config.engine_id, msg)
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._metadata))
         if isinstance(msg, Renew):
-            return self._replies.encode(Held(held=self._renew(msg)))
+            held = self._renew(msg)
+            # The promise is read after every renewal: each is a lower bound from this answer on.
+            lease = [self._tracker.held_for(rid) if ok else 0.0 for rid, ok in zip(msg.request_ids, held, strict=True)]
+            return self._replies.encode(Held(held=held, lease_s=lease))
         # One count per D task (rank, CP rank and shard): a retried copy names the same sender. The
         # answer is the same whether P knew the id, or signed it: not an oracle.
         if isinstance(msg, Dones):
             for item in msg.items:
                 if self._secret is None or self._signed(item.request_id, item.grant, expiry=False):
-                    self._tracker.done(item.request_id, (msg.d_rank, item.sender))
+                    self._tracker.done(item.request_id, (msg.d_rank, item.sender), item.reader)
             return self._replies.encode(Ack())
         assert isinstance(msg, Done)
         if self._secret is None or self._signed(msg.request_id, msg.grant, expiry=False):
-            self._tracker.done(msg.request_id, (msg.d_rank, msg.sender))
+            self._tracker.done(msg.request_id, (msg.d_rank, msg.sender), msg.reader)
         return self._replies.encode(Ack())
 
     def _renew(self, msg: Renew) -> list[bool]:
@@ -365,12 +368,16 @@ class PullWorker:
         With a secret each id needs its own grant (same order): an id whose grant does not verify
         is answered "not held" and its lease is left alone; lists of different lengths hold nothing.
         """
-        if self._secret is not None and len(msg.grants) != len(msg.request_ids):
-            return [False] * len(msg.request_ids)
+        n = len(msg.request_ids)
+        if self._secret is not None and len(msg.grants) != n:
+            return [False] * n
+        if any(len(names) not in (0, n) for names in (msg.senders, msg.readers)):
+            return [False] * n
         held = []
         for i, rid in enumerate(msg.request_ids):
             signed = self._secret is None or self._signed(rid, msg.grants[i], expiry=True)
-            held.append(signed and self._tracker.renew(rid))
+            slot = (msg.d_rank, msg.senders[i] if msg.senders else "")
+            held.append(signed and self._tracker.renew(rid, slot, msg.readers[i] if msg.readers else ""))
         return held
 
     def _signed(self, request_id: str, grant: Grant | None, *, expiry: bool) -> bool:
