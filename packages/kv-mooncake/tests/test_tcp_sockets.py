@@ -19,6 +19,7 @@ from ascend_dist.kv_mooncake.core.tcp_sockets import (
     PeerConnections,
     connections_to,
     listening_ports,
+    sever_closed_connections,
     sever_connections,
 )
 
@@ -99,8 +100,8 @@ class _Cuts:
 
 def test_a_new_session_on_an_old_transport_port_cuts_the_old_ones_connections() -> None:
     cuts = _Cuts(3)
-    table = PeerConnections(sever=cuts)
-    assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15001") == 0  # first sight: nothing to cut
+    table = PeerConnections(sever=cuts, sever_closed=_Cuts(0))
+    assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15001") == 0  # first sight: nothing the peer closed
     assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15001") == 0  # the same P again
     assert cuts.calls == []
     assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15077") == 3  # P restarted on the same port
@@ -109,7 +110,7 @@ def test_a_new_session_on_an_old_transport_port_cuts_the_old_ones_connections() 
 
 
 def test_failures_after_a_cut_are_retried_once_per_connection_cut() -> None:
-    table = PeerConnections(sever=_Cuts(2))
+    table = PeerConnections(sever=_Cuts(2), sever_closed=_Cuts(0))
     assert not table.take_retry("10.0.0.2", [16001])  # nothing cut: a failure is a failure
     assert table.sever("10.0.0.2", [16001]) == 2
     assert table.take_retry("10.0.0.2", [16001]) and table.take_retry("10.0.0.2", [16001])
@@ -118,6 +119,56 @@ def test_failures_after_a_cut_are_retried_once_per_connection_cut() -> None:
 
 
 def test_a_cut_of_nothing_allows_no_retry() -> None:
-    table = PeerConnections(sever=_Cuts(0))
+    table = PeerConnections(sever=_Cuts(0), sever_closed=_Cuts(0))
     assert table.sever("10.0.0.2", [16001]) == 0
     assert not table.take_retry("10.0.0.2", [16001])
+
+
+def _wait_closed_by_peer(sock: socket.socket, timeout_s: float = 5.0) -> None:
+    """Until the kernel has the peer's FIN for ``sock`` (a read would see end of stream)."""
+    sock.settimeout(timeout_s)
+    assert sock.recv(1, socket.MSG_PEEK) == b""
+
+
+@LINUX_ONLY
+@pytest.mark.timeout(20)
+def test_connections_whose_peer_closed_are_cut_and_live_ones_are_not(servers: list[socket.socket]) -> None:
+    """A pooled connection left from a peer process that ended (CLOSE_WAIT) is dead: cut it; a live one
+    to the same port is not touched."""
+    port = _port(servers[0])
+    dead, live = (socket.create_connection(("127.0.0.1", port)) for _ in range(2))
+    gone, kept = servers[0].accept()[0], servers[0].accept()[0]
+    try:
+        gone.close()  # the peer's end of `dead` (its process ended)
+        _wait_closed_by_peer(dead)
+        assert sever_closed_connections("127.0.0.1", [port]) == 1
+        assert connections_to("127.0.0.1", [port]) == 1  # the live one
+        live.settimeout(5.0)
+        kept.sendall(b"still here")
+        assert live.recv(16) == b"still here"
+        assert sever_closed_connections("127.0.0.1", [port]) == 0  # nothing closed by the peer is left
+    finally:
+        for s in (dead, live, gone, kept):
+            s.close()
+
+
+@LINUX_ONLY
+@pytest.mark.timeout(20)
+def test_first_sight_of_a_peer_cuts_what_a_process_gone_from_its_port_left_and_allows_a_retry(
+    servers: list[socket.socket],
+) -> None:
+    """The suite's flaky first pull: Mooncake's process-wide pool held a connection to a port whose
+    earlier owner (another test's peer) had ended, and the table had never seen a session there, so
+    nothing was cut and the first read failed at once without a retry."""
+    port = _port(servers[0])
+    stale = socket.create_connection(("127.0.0.1", port))
+    peer = servers[0].accept()[0]
+    try:
+        peer.close()
+        _wait_closed_by_peer(stale)
+        table = PeerConnections()
+        assert table.adopt("127.0.0.1", [port], "127.0.0.1:15001") == 1
+        assert table.take_retry("127.0.0.1", [port]) and not table.take_retry("127.0.0.1", [port])
+        assert table.adopt("127.0.0.1", [port], "127.0.0.1:15001") == 0  # the same session again: nothing
+    finally:
+        stale.close()

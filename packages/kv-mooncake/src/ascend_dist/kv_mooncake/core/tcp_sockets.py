@@ -27,12 +27,21 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["PEER_CONNECTIONS", "PeerConnections", "TcpSocket", "connections_to", "listening_ports", "sever_connections"]
+__all__ = [
+    "PEER_CONNECTIONS",
+    "PeerConnections",
+    "TcpSocket",
+    "connections_to",
+    "listening_ports",
+    "sever_closed_connections",
+    "sever_connections",
+]
 
 logger = logging.getLogger(__name__)
 
 _LISTEN = 0x0A
 _CLOSE = 0x07
+_CLOSE_WAIT = 0x08  # the peer closed its end (its process ended): the connection is dead
 _OPEN = frozenset({0x01, 0x02, 0x03})  # ESTABLISHED, SYN_SENT, SYN_RECV
 _TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 
@@ -155,6 +164,15 @@ def sever_connections(host: str, ports: Iterable[int]) -> int:
     return sum(1 for row, fd in list(_to_peer(host, ports)) if _shutdown(fd, row.inode))
 
 
+def sever_closed_connections(host: str, ports: Iterable[int]) -> int:
+    """Shut down this process's connections to ``host`` on ``ports`` that the peer has closed.
+
+    A pooled connection whose peer process ended sits in CLOSE_WAIT until its owner uses it; the
+    next transfer on it fails at once. Live connections are left alone. Returns how many were shut.
+    """
+    return sum(1 for row, fd in list(_to_peer(host, ports)) if row.state == _CLOSE_WAIT and _shutdown(fd, row.inode))
+
+
 class PeerConnections:
     """What this process knows of its connections to peers' transport ports (one per process).
 
@@ -164,34 +182,61 @@ class PeerConnections:
     a failure, so the reader may try again: once per connection cut and not yet seen failing.
     """
 
-    def __init__(self, sever: Callable[[str, Iterable[int]], int] = sever_connections) -> None:
-        """An empty table; ``sever(host, ports)`` cuts this process's connections (returns how many)."""
+    def __init__(
+        self,
+        sever: Callable[[str, Iterable[int]], int] = sever_connections,
+        sever_closed: Callable[[str, Iterable[int]], int] = sever_closed_connections,
+    ) -> None:
+        """An empty table.
+
+        ``sever(host, ports)`` cuts this process's connections, ``sever_closed`` only those the
+        peer closed; each returns how many.
+        """
         self._sever = sever
+        self._sever_closed = sever_closed
         self._lock = threading.Lock()
         self._sessions: dict[tuple[str, int], str] = {}  # transport endpoint -> peer session last seen there
         self._dead: dict[tuple[str, int], int] = {}  # transport endpoint -> cut connections not yet failed
 
     def adopt(self, host: str, ports: Iterable[int], session: str) -> int:
-        """``session`` now serves ``host``'s ``ports``: cut what is left from an earlier one (returns how many)."""
+        """``session`` now serves ``host``'s ``ports``: cut what is left from an earlier one (returns how many).
+
+        On the first sight of an endpoint, the earlier session is unknown (another user of
+        Mooncake's process-wide pool, a push or a test, reached a process that had that port
+        before): only connections whose peer closed them are cut then, never a live one.
+        """
         stale: list[int] = []
+        first: list[int] = []
         with self._lock:
             for port in ports:
                 before = self._sessions.get((host, port))
-                if before is not None and before != session:
+                if before is None:
+                    first.append(port)
+                elif before != session:
                     stale.append(port)
                 self._sessions[(host, port)] = session
-        if not stale:
-            return 0
-        cut = self.sever(host, stale)
-        logger.warning(
-            "a new peer session %s at %s:%s: cut %d connection(s) left from the old one", session, host, stale, cut
-        )
+        cut = 0
+        if first:
+            cut += self._count_dead(host, first, self._sever_closed(host, first))
+        if stale:
+            severed = self.sever(host, stale)
+            logger.warning(
+                "a new peer session %s at %s:%s: cut %d connection(s) left from the old one",
+                session,
+                host,
+                stale,
+                severed,
+            )
+            cut += severed
         return cut
 
     def sever(self, host: str, ports: Iterable[int]) -> int:
         """Cut this process's connections to ``host`` on ``ports``; remember them as pooled but dead."""
         ports = list(ports)
-        cut = self._sever(host, ports)
+        return self._count_dead(host, ports, self._sever(host, ports))
+
+    def _count_dead(self, host: str, ports: list[int], cut: int) -> int:
+        """Remember ``cut`` connections to ``host``'s ``ports`` as pooled but dead; returns ``cut``."""
         if cut and ports:
             with self._lock:
                 key = (host, ports[0])  # one count per peer: its transport ports share one pool

@@ -44,8 +44,9 @@ link returns). (Only then:
 Mooncake keeps the cut connections pooled, so the next reads to that P fail at once on them and
 are read again, `Receiver._read`; cutting after every failed read would make each such failure
 cut again.) A P whose new session shows up on a transport port of an old one has the old one's
-connections cut first (`PeerConnections.adopt`). Each request's state (pulling, quarantined,
-done, reported failed) is one record of `ascend_dist.kv_mooncake.pull.d_requests.DRequests`.
+connections cut first (`PeerConnections.adopt`; on the first sight of a port, those its peer
+closed). Each request's state (pulling, quarantined, done, reported failed) is one record of
+`ascend_dist.kv_mooncake.pull.d_requests.DRequests`.
 """
 
 from __future__ import annotations
@@ -458,9 +459,9 @@ class Receiver:
 
         Mooncake pools its TCP connections per peer and drops one only when a transfer fails on it,
         so connections this process cut (`_cut`, or `PeerConnections.adopt` for a P's new session on
-        an old port) fail the next reads at once although P is fine. Reading the same bytes into the
-        same blocks again is harmless (the lease check after the read still decides whether they
-        count). Any other failure (a dead P too) is not retried.
+        an old port or one left from a process gone from it) fail the next reads at once although P
+        is fine. Reading the same bytes into the same blocks again is harmless (the lease still
+        decides whether they count). Any other failure (a dead P too) is not retried.
         """
         host, ports = source
         while True:
