@@ -402,13 +402,17 @@ class Receiver:
         for item in reading:
             self._finish(lane, item)
 
+    def _sender(self, task: PullTask) -> str:
+        """``task``'s slot on P beside this rank: what its `Renew` binds and its DONE must name alike."""
+        return done_sender(self._pcp_rank, task.shard)
+
     def _leases(self, items: Sequence[_Item]) -> list[LeaseAsk]:
         """What a `Renew` asks for ``items``: P's request id and grant, the task's DONE sender, the pull's token."""
         return [
             LeaseAsk(
                 i.pull.meta.remote_request_id,
                 pull_grant(i.pull.meta),
-                done_sender(self._pcp_rank, i.task.shard),
+                self._sender(i.task),
                 i.pull.reader,
             )
             for i in items
@@ -441,15 +445,14 @@ class Receiver:
         # blocks go meanwhile they may hold another request's bytes by now, so it counts only if P
         # still holds them after it. (P's entry for an id never comes back once freed, so "held"
         # now means held throughout.)
-        if self._clock() < trusted_until:
-            held: list[float | None] = [0.0] * len(reading)
-        else:
+        if self._clock() >= trusted_until:
             held = self._peers.renew(host, port, self._leases(reading))
-        for item, lease in zip(reading, held, strict=True):
-            if lease is None:
-                item.fail(NotHeld(f"P {host}:{port} released {item.pull.meta.remote_request_id!r} during the read"))
-            elif item.batch is not None:
-                with self._lock:
+            for item, lease in zip(reading, held, strict=True):
+                if lease is None:
+                    item.fail(NotHeld(f"P {host}:{port} released {item.pull.meta.remote_request_id!r} during the read"))
+        with self._lock:
+            for item in reading:
+                if item.ok and item.batch is not None:
                     item.pull.pulled_layers.update(item.batch.layers)
 
     def _read(
@@ -531,7 +534,7 @@ class Receiver:
         item = DoneItem(
             request_id=meta.remote_request_id,
             ok=ok,
-            sender=done_sender(self._pcp_rank, task.shard),
+            sender=self._sender(task),
             grant=pull_grant(meta),
             reader=pull.reader,
         )
