@@ -14,7 +14,8 @@ back in vLLM's free pool and no request id left in either connector's objects; n
 left after shutdown; a prefix pooled after the master restart is hit by another instance.
 
 ``ASCEND_DIST_SOAK_REQUESTS`` (default 1000), ``ASCEND_DIST_SOAK_SEED`` (default 20261203) and
-``ASCEND_DIST_SOAK_SECONDS`` (submission time bound per mode, default 90) tune a run; the per-mode
+``ASCEND_DIST_SOAK_SECONDS`` (submission time bound per mode, default 90; each fault fires at its
+share of the requests or of this time, whichever comes first) tune a run; the per-mode
 counts and times are printed (``-s``), and a failure names the seed, mode and step.
 """
 
@@ -103,6 +104,7 @@ class Soak:
         self.resumer: subprocess.Popen[bytes] | None = None
         self.hung = False
         self.walker_control = 0
+        self.started_at = time.monotonic()
         self.ids: set[str] = set()
         self.prefixes = [[self.rng.randint(1, 999) for _ in range(5 * BLOCK)] for _ in range(4)]
         self.insts = [
@@ -136,6 +138,15 @@ class Soak:
         inst.add(req_id, prompt, max_tokens)
         self.ids.add(req_id)
 
+    def _reached(self, fraction: float) -> bool:
+        """A fault's mark: ``fraction`` of the requests submitted, or of the submission time gone.
+
+        The time half makes every fault fire on a machine too slow to submit them all (the run is
+        time-bound there), so the controls below hold on a loaded CI host too.
+        """
+        elapsed = time.monotonic() - self.started_at
+        return self.submitted >= REQUESTS * fraction or elapsed >= SUBMIT_S * fraction
+
     def _cap(self) -> int:
         """Submissions stop at the outage's mark until it fired, so it meets live requests, and at the
         hang's mark until the store is back, so the hang (at the first step with loads past its mark,
@@ -165,7 +176,7 @@ class Soak:
         ]
         if not loads or self.phase == "down":
             return
-        if not self.hung and self.submitted >= (REQUESTS * 3) // 5:
+        if not self.hung and self._reached(3 / 5):
             self._hang()  # this step's loads (and saves) meet the hung store
         if self.rng.random() < 0.15:
             self._evict(self.rng.choice(loads))
@@ -218,7 +229,7 @@ class Soak:
 
     def _faults(self) -> None:
         now = time.monotonic()
-        if self.phase == "before-outage" and self.submitted >= REQUESTS // 4:
+        if self.phase == "before-outage" and self._reached(1 / 4):
             self.master.kill()
             self.phase, self.down_at = "down", now
             # control for the leak walk: it must find the requests in flight now
@@ -255,7 +266,7 @@ class Soak:
     # ---- the run ----
 
     def run(self) -> float:
-        start = time.monotonic()
+        start = self.started_at = time.monotonic()
         drain_from: float | None = None
         while True:
             submitting = time.monotonic() - start < SUBMIT_S
