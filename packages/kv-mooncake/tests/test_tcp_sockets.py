@@ -10,15 +10,19 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 
 import pytest
 
+from ascend_dist.kv_mooncake.core.messages import AgentMetadata
 from ascend_dist.kv_mooncake.core.tcp_sockets import (
     PeerConnections,
     connections_to,
     listening_ports,
+    process_incarnation,
     sever_closed_connections,
     sever_connections,
 )
@@ -98,9 +102,13 @@ class _Cuts:
         return self.count
 
 
+def _listening(host: str, port: int) -> bool:
+    return True  # the peer's transport takes connections (the table's ``accepts`` collaborator)
+
+
 def test_a_new_session_on_an_old_transport_port_cuts_the_old_ones_connections() -> None:
     cuts = _Cuts(3)
-    table = PeerConnections(sever=cuts, sever_closed=_Cuts(0))
+    table = PeerConnections(sever=cuts, sever_closed=_Cuts(0), accepts=_listening)
     assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15001") == 0  # first sight: nothing the peer closed
     assert table.adopt("10.0.0.2", [16001], "10.0.0.2:15001") == 0  # the same P again
     assert cuts.calls == []
@@ -110,7 +118,7 @@ def test_a_new_session_on_an_old_transport_port_cuts_the_old_ones_connections() 
 
 
 def test_failures_after_a_cut_are_retried_once_per_connection_cut() -> None:
-    table = PeerConnections(sever=_Cuts(2), sever_closed=_Cuts(0))
+    table = PeerConnections(sever=_Cuts(2), sever_closed=_Cuts(0), accepts=_listening)
     assert not table.take_retry("10.0.0.2", [16001])  # nothing cut: a failure is a failure
     assert table.sever("10.0.0.2", [16001]) == 2
     assert table.take_retry("10.0.0.2", [16001]) and table.take_retry("10.0.0.2", [16001])
@@ -119,7 +127,7 @@ def test_failures_after_a_cut_are_retried_once_per_connection_cut() -> None:
 
 
 def test_a_cut_of_nothing_allows_no_retry() -> None:
-    table = PeerConnections(sever=_Cuts(0), sever_closed=_Cuts(0))
+    table = PeerConnections(sever=_Cuts(0), sever_closed=_Cuts(0), accepts=_listening)
     assert table.sever("10.0.0.2", [16001]) == 0
     assert not table.take_retry("10.0.0.2", [16001])
 
@@ -172,3 +180,82 @@ def test_first_sight_of_a_peer_cuts_what_a_process_gone_from_its_port_left_and_a
         assert table.adopt("127.0.0.1", [port], "127.0.0.1:15001") == 0  # the same session again: nothing
     finally:
         stale.close()
+
+
+@LINUX_ONLY
+@pytest.mark.timeout(20)
+def test_a_new_peer_allows_one_retry_for_a_connection_its_old_owner_reset(servers: list[socket.socket]) -> None:
+    """The suite's flaky first pull, second shape: the earlier owner of the port reset the pooled
+    connection (a killed process with unread bytes sends RST), so the kernel dropped it from its table
+    and nothing can be cut, yet Mooncake may still hold it and fail the first read on it at once."""
+    port = _port(servers[0])
+    reset = socket.create_connection(("127.0.0.1", port))
+    peer = servers[0].accept()[0]
+    try:
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        peer.close()  # linger 0: RST
+        reset.settimeout(5.0)
+        with pytest.raises(ConnectionResetError):
+            reset.recv(1)
+        table = PeerConnections()
+        assert table.adopt("127.0.0.1", [port], "127.0.0.1:15001#a1") == 0  # nothing left to cut...
+        assert table.take_retry("127.0.0.1", [port])  # ...but one fast failure is read again
+        assert not table.take_retry("127.0.0.1", [port])  # once: a dead P is not read twice per request
+        assert table.adopt("127.0.0.1", [port], "127.0.0.1:15001#a1") == 0  # the same owner: no new retry
+        assert not table.take_retry("127.0.0.1", [port])
+    finally:
+        reset.close()
+
+
+def test_a_p_restarted_on_the_same_session_is_a_new_owner_and_its_old_connections_are_cut() -> None:
+    """A P restarted on its RPC and transport ports has the same ``te_session``; its metadata's
+    incarnation tells D the pooled connections there belong to the dead process."""
+
+    def agent(incarnation: str) -> AgentMetadata:
+        return AgentMetadata(
+            engine_id="p",
+            te_session="10.0.0.2:15001",
+            tp_rank=0,
+            block_size=16,
+            num_blocks=4,
+            layers={},
+            transport_ports=(16001,),
+            incarnation=incarnation,
+        )
+
+    first, restarted, old_peer = agent("0f1e"), agent("9a8b"), agent("")
+    assert first.owner != restarted.owner and old_peer.owner == "10.0.0.2:15001"
+    cuts = _Cuts(2)
+    table = PeerConnections(sever=cuts, sever_closed=_Cuts(0), accepts=_listening)
+    assert table.adopt("10.0.0.2", first.transport_ports, first.owner) == 0
+    assert table.take_retry("10.0.0.2", [16001])  # first sight's one retry, used
+    assert table.adopt("10.0.0.2", first.transport_ports, first.owner) == 0 and cuts.calls == []
+    assert table.adopt("10.0.0.2", restarted.transport_ports, restarted.owner) == 2
+    assert cuts.calls == [("10.0.0.2", [16001])]
+    assert table.take_retry("10.0.0.2", [16001]) and table.take_retry("10.0.0.2", [16001])
+    assert not table.take_retry("10.0.0.2", [16001])
+
+
+@pytest.mark.timeout(60)
+def test_the_incarnation_is_one_per_process_life() -> None:
+    """Every worker of a process shares it (they share Mooncake's engine and ports); another process,
+    a restarted P, draws another."""
+    code = "from ascend_dist.kv_mooncake.core.tcp_sockets import process_incarnation as i; print(i(), i())"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=50)
+    theirs = out.stdout.split()
+    assert len(theirs) == 2 and theirs[0] == theirs[1]  # stable within that process
+    assert process_incarnation() == process_incarnation() != theirs[0]
+
+
+@LINUX_ONLY
+@pytest.mark.timeout(20)
+def test_a_peer_that_stopped_listening_is_not_read_again(servers: list[socket.socket]) -> None:
+    """A P killed during its first read fails it at once too: with its listener gone, that failure is
+    the P's death, not a dead pooled connection, and reading again would only cost another deadline."""
+    port = _port(servers[0])
+    table = PeerConnections(sever=_Cuts(1), sever_closed=_Cuts(0))
+    assert table.adopt("127.0.0.1", [port], "127.0.0.1:15001#a1") == 0
+    assert table.sever("127.0.0.1", [port]) == 1  # two retries in hand
+    assert table.take_retry("127.0.0.1", [port])  # listening: read again
+    servers[0].close()
+    assert not table.take_retry("127.0.0.1", [port])  # gone: never

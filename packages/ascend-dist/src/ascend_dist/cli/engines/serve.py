@@ -123,6 +123,14 @@ class Server:
         except OSError:
             return "(no log)"
 
+    def matching(self, *needles: str, lines: int = 20) -> str:
+        """The last ``lines`` lines of its log holding any of ``needles`` (why a request failed, say)."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join([line for line in text if any(n in line for n in needles)][-lines:])
+
     @property
     def alive(self) -> bool:
         """Whether the process still runs."""

@@ -153,6 +153,8 @@ class ControlResult:
     prompts: int
     recomputed: int
     """Requests whose transfer failed (D recomputed them, as configured) and were sent again."""
+    unmoved: int = 0
+    """Prompts with no clean transfer in any try: no verdict (counted as not differing)."""
 
 
 def control_differs(
@@ -163,12 +165,13 @@ def control_differs(
     Only an answer whose KV D read from P counts (`complete_moved`); a prompt without one counts
     as not differing.
     """
-    differ = recomputed = 0
+    differ = recomputed = unmoved = 0
     for prompt in batch:
         moved, failed = complete_moved(d, proxy_other, prompt)
         recomputed += failed
+        unmoved += moved is None
         differ += moved is not None and moved.completion.token_ids != reference(prompt).token_ids
-    return ControlResult(differ, len(batch), recomputed)
+    return ControlResult(differ, len(batch), recomputed, unmoved)
 
 
 def wait_transferred(d: Server, *, above: float = 0.0, timeout_s: float = 30.0) -> str:
@@ -264,7 +267,7 @@ class PdServeScenario:
         control = control_differs(lambda p: complete(ref, p), pd.proxy_other, pd.d, prompts(lengths, seed=2))
         report.check("control: every D answer changes when P's weights differ", control.differ == len(lengths),
                      f"{control.differ}/{len(lengths)} differ; {control.recomputed} transfer(s) failed and "
-                     "were recomputed (sent again)")  # fmt: skip
+                     f"were recomputed (sent again); {control.unmoved} prompt(s) never moved cleanly")  # fmt: skip
         ctx.progress.step(f"reading D's /metrics ({pd.d.url}/metrics)")
         try:
             text = wait_transferred(pd.d)

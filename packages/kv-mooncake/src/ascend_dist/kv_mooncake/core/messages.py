@@ -93,6 +93,9 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
         transport_ports: Where the worker's Mooncake transport listens besides ``te_session``'s
             port (pull's P: a D that gives up a read cuts its connections to them; empty from a
             peer that does not say, which leaves D without that cut).
+        incarnation: A random token of the worker process's life (`tcp_sockets.process_incarnation`):
+            a P restarted on the same ports (and so the same ``te_session``) sends another, so D
+            knows its pooled connections there are dead (empty from a peer that does not say).
     """
 
     engine_id: str
@@ -105,6 +108,12 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
     transport_ports: Annotated[
         tuple[Annotated[int, msgspec.Meta(ge=1, le=65535)], ...], msgspec.Meta(max_length=MAX_TRANSPORT_PORTS)
     ] = ()
+    incarnation: Annotated[str, msgspec.Meta(max_length=64)] = ""
+
+    @property
+    def owner(self) -> str:
+        """Who serves ``transport_ports`` now: the session and this worker's life."""
+        return f"{self.te_session}#{self.incarnation}" if self.incarnation else self.te_session
 
 
 class Greeting(Request, frozen=True, kw_only=True):

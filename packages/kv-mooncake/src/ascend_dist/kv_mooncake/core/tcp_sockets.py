@@ -22,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -31,13 +32,26 @@ __all__ = [
     "PEER_CONNECTIONS",
     "PeerConnections",
     "TcpSocket",
+    "accepts_connections",
     "connections_to",
     "listening_ports",
+    "process_incarnation",
     "sever_closed_connections",
     "sever_connections",
 ]
 
 logger = logging.getLogger(__name__)
+
+_incarnations: dict[int, str] = {}  # pid -> token: a forked child draws its own
+
+
+def process_incarnation() -> str:
+    """A random token of this process's life: what tells peers a restart on the same ports apart.
+
+    Every worker in one process shares it (they share Mooncake's engine and its ports).
+    """
+    return _incarnations.setdefault(os.getpid(), secrets.token_hex(8))
+
 
 _LISTEN = 0x0A
 _CLOSE = 0x07
@@ -173,38 +187,60 @@ def sever_closed_connections(host: str, ports: Iterable[int]) -> int:
     return sum(1 for row, fd in list(_to_peer(host, ports)) if row.state == _CLOSE_WAIT and _shutdown(fd, row.inode))
 
 
+ACCEPT_PROBE_S = 0.25
+"""How long `accepts_connections` waits for a peer's listener (a loopback or LAN answer takes far less)."""
+
+
+def accepts_connections(host: str, port: int, timeout_s: float = ACCEPT_PROBE_S) -> bool:
+    """Whether ``host`` takes a TCP connection on ``port`` now (opened and closed at once, nothing sent)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
 class PeerConnections:
     """What this process knows of its connections to peers' transport ports (one per process).
 
     Mooncake pools its TCP connections per peer address and drops one only when a transfer fails
     on it, so a connection that is dead (cut by D, or left from a P that died and whose port a new
     P now uses) fails the next transfer at once. This table says when that is the likely cause of
-    a failure, so the reader may try again: once per connection cut and not yet seen failing.
+    a failure, so the reader may try again: once per connection cut and not yet seen failing, and
+    once for a peer process not seen before.
     """
 
     def __init__(
         self,
         sever: Callable[[str, Iterable[int]], int] = sever_connections,
         sever_closed: Callable[[str, Iterable[int]], int] = sever_closed_connections,
+        accepts: Callable[[str, int], bool] = accepts_connections,
     ) -> None:
         """An empty table.
 
         ``sever(host, ports)`` cuts this process's connections, ``sever_closed`` only those the
-        peer closed; each returns how many.
+        peer closed; each returns how many. ``accepts(host, port)``: whether the peer's transport
+        listens now (a dead peer is never read again).
         """
         self._sever = sever
         self._sever_closed = sever_closed
+        self._accepts = accepts
         self._lock = threading.Lock()
-        self._sessions: dict[tuple[str, int], str] = {}  # transport endpoint -> peer session last seen there
+        self._sessions: dict[tuple[str, int], str] = {}  # transport endpoint -> its owner last seen
         self._dead: dict[tuple[str, int], int] = {}  # transport endpoint -> cut connections not yet failed
 
-    def adopt(self, host: str, ports: Iterable[int], session: str) -> int:
-        """``session`` now serves ``host``'s ``ports``: cut what is left from an earlier one (returns how many).
+    def adopt(self, host: str, ports: Iterable[int], owner: str) -> int:
+        """``owner`` now serves ``host``'s ``ports``: cut what is left from an earlier one (returns how many).
 
-        On the first sight of an endpoint, the earlier session is unknown (another user of
-        Mooncake's process-wide pool, a push or a test, reached a process that had that port
-        before): only connections whose peer closed them are cut then, never a live one.
+        ``owner`` names the peer process (`AgentMetadata.owner`: its session and the life of its
+        worker, so a restart on the same ports reads as a new owner). On the first sight of an
+        endpoint the earlier owner is unknown (another user of Mooncake's process-wide pool, a push
+        or a test, reached a process that had that port before): only connections whose peer
+        closed them are cut then, never a live one. A new owner, first seen or not, also allows one
+        read that fails at once to be tried again: a connection the old owner reset is gone from
+        the kernel's table (nothing to cut) yet may still be pooled.
         """
+        ports = list(ports)
         stale: list[int] = []
         first: list[int] = []
         with self._lock:
@@ -212,22 +248,20 @@ class PeerConnections:
                 before = self._sessions.get((host, port))
                 if before is None:
                     first.append(port)
-                elif before != session:
+                elif before != owner:
                     stale.append(port)
-                self._sessions[(host, port)] = session
+                self._sessions[(host, port)] = owner
         cut = 0
         if first:
-            cut += self._count_dead(host, first, self._sever_closed(host, first))
+            cut += self._sever_closed(host, first)
         if stale:
-            severed = self.sever(host, stale)
+            severed = self._sever(host, stale)
             logger.warning(
-                "a new peer session %s at %s:%s: cut %d connection(s) left from the old one",
-                session,
-                host,
-                stale,
-                severed,
+                "a new peer %s at %s:%s: cut %d connection(s) left from the old one", owner, host, stale, severed
             )
             cut += severed
+        if first or stale:
+            self._count_dead(host, ports, max(1, cut))
         return cut
 
     def sever(self, host: str, ports: Iterable[int]) -> int:
@@ -244,7 +278,11 @@ class PeerConnections:
         return cut
 
     def take_retry(self, host: str, ports: Iterable[int]) -> bool:
-        """A transfer to ``host`` failed at once: True (and one dead connection fewer) if a cut one explains it."""
+        """A transfer to ``host`` failed at once: whether to try it again (each True uses one retry).
+
+        True when a cut connection (or a new peer's one retry) may explain the failure and the
+        peer's transport still takes connections: a peer that died is not read twice.
+        """
         ports = list(ports)
         if not ports:
             return False
@@ -257,7 +295,7 @@ class PeerConnections:
                 del self._dead[key]
             else:
                 self._dead[key] = left - 1
-            return True
+        return self._accepts(host, ports[0])
 
 
 PEER_CONNECTIONS = PeerConnections()

@@ -344,7 +344,7 @@ class Receiver:
             return
         # A P restarted on its ports may get its old transport port: connections left from the dead
         # one are still pooled and would fail the first reads.
-        self._connections.adopt(rank_host(meta, port), agent.transport_ports, agent.te_session)
+        self._connections.adopt(rank_host(meta, port), agent.transport_ports, agent.owner)
         planned: list[_Item] = []
         for item in items:
             try:

@@ -33,6 +33,7 @@ from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, te
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.core.ports import PortLayout, RankCoord
 from ascend_dist.kv_mooncake.core.ranks import PLAN_VERSION
+from ascend_dist.kv_mooncake.core.tcp_sockets import process_incarnation
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_p_fan_in
 from ascend_dist.kv_mooncake.pull.messages import (
@@ -288,6 +289,7 @@ class PullWorker:
                 engine_id=self._config.engine_id,
                 te_session=engine.session,
                 transport_ports=engine.transport_ports,
+                incarnation=process_incarnation(),  # a P restarted on these ports says another
                 tp_rank=self._tp_rank,
                 pp_rank=self._pp_rank,
                 block_size=block_size,
