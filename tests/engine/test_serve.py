@@ -61,7 +61,9 @@ def test_control_p_on_other_weights_changes_every_answer(served: PdServe, refere
     # A request whose transfer failed was recomputed on D's weights and is sent again (counted, said here).
     print(f"control: {control.differ}/{control.prompts} differ, {control.recomputed} recomputed and sent again")
     # A prompt with no clean transfer in its tries leaves the control without a verdict: say why.
-    why = "\n".join(f"{s.name}: {s.matching('ERROR', 'WARNING', 'failed')}" for s in (served.d, served.p_other))
+    why = "\n".join(
+        f"{s.name}: {s.matching('ERROR', 'WARNING', 'failed')}" for s in (served.d, served.p_other, served.proxy_other)
+    )
     assert control.differ == len(batch), f"{control}\n{why}"
 
 
