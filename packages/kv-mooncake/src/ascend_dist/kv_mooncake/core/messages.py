@@ -112,7 +112,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def owner(self) -> str:
-        """Who serves ``transport_ports`` now: the session and this worker's life."""
+        """Who serves ``transport_ports`` now: the session and the life of the worker's process."""
         return f"{self.te_session}#{self.incarnation}" if self.incarnation else self.te_session
 
 

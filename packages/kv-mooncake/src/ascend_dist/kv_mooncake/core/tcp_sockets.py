@@ -232,8 +232,8 @@ class PeerConnections:
     def adopt(self, host: str, ports: Iterable[int], owner: str) -> int:
         """``owner`` now serves ``host``'s ``ports``: cut what is left from an earlier one (returns how many).
 
-        ``owner`` names the peer process (`AgentMetadata.owner`: its session and the life of its
-        worker, so a restart on the same ports reads as a new owner). On the first sight of an
+        ``owner`` names the peer process (`AgentMetadata.owner`: its session and the life of that
+        process, so a restart on the same ports reads as a new owner). On the first sight of an
         endpoint the earlier owner is unknown (another user of Mooncake's process-wide pool, a push
         or a test, reached a process that had that port before): only connections whose peer
         closed them are cut then, never a live one. A new owner, first seen or not, also allows one
