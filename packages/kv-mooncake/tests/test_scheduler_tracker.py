@@ -304,6 +304,21 @@ def test_tracker_promises_the_rest_of_a_lent_requests_lease() -> None:
     assert t.take_finished() == {"a"} and t.held_for("a") == 0.0
 
 
+def test_tracker_lease_renews_and_answers_the_promise_in_one_step() -> None:
+    """`lease` is what P's `Renew` handler sends: None (not held), 0 (in P's batch) or the lease renewed."""
+    clock = Clock()
+    t = SendTracker(5.0, clock=clock)
+    assert t.lease("never-seen") is None
+    t.add_processing("a")
+    assert t.lease("a", (0, "s"), "r1") == 0.0  # held, but its lease has not begun
+    t.add_delayed("a", 1)
+    clock.now = 4.0
+    assert t.lease("a", (0, "s"), "r1") == 5.0 and t.held_for("a") == 5.0  # renewed from now
+    assert t.lease("a", (0, "s"), "r2") is None and t.held_for("a") == 5.0  # another reader: nothing extended
+    clock.now = 9.5
+    assert t.take_finished() == {"a"} and t.lease("a", (0, "s"), "r1") is None
+
+
 def test_tracker_forgets_readers_of_a_request_freed_on_arrival() -> None:
     """Every DONE came before the delayed-free notice: the request finishes at once, its readers too."""
     t = SendTracker(5.0, clock=Clock())

@@ -139,15 +139,20 @@ class SendTracker:
         delayed-free notice. A finished, expired or never-seen request is not, so D must not read it;
         nor is one whose ``sender`` slot is bound to another reader (nothing is extended then).
         """
+        return self.lease(request_id, sender, reader) is not None
+
+    def lease(self, request_id: str, sender: Hashable = "", reader: str = "") -> float | None:
+        """`renew`, answering what P promises D in one step: None if not held, else `held_for`."""
         with self._lock:
             state = self._states.get(request_id)
             if state not in (SendState.PROCESSING, SendState.AWAITING_DONE) or not self._bind(
                 request_id, sender, reader
             ):
-                return False
-            if state is SendState.AWAITING_DONE:
-                self._deadline[request_id] = self._clock() + self._lease_s
-            return True
+                return None
+            if state is SendState.PROCESSING:
+                return 0.0
+            self._deadline[request_id] = self._clock() + self._lease_s
+            return self._lease_s
 
     def held_for(self, request_id: str) -> float:
         """Seconds from now this rank keeps the request's blocks at the least (its lease's rest).

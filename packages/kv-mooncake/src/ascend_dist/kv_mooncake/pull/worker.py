@@ -348,10 +348,10 @@ class PullWorker:
             refused = admit(self._handshake, self._config.engine_id, msg)
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._metadata))
         if isinstance(msg, Renew):
-            held = self._renew(msg)
-            # The promise is read after every renewal: each is a lower bound from this answer on.
-            lease = [self._tracker.held_for(rid) if ok else 0.0 for rid, ok in zip(msg.request_ids, held, strict=True)]
-            return self._replies.encode(Held(held=held, lease_s=lease))
+            # Each promise is the lease just renewed: a lower bound from this answer on.
+            leases = self._renew(msg)
+            held = [lease is not None for lease in leases]
+            return self._replies.encode(Held(held=held, lease_s=[lease or 0.0 for lease in leases]))
         # One count per D task (rank, CP rank and shard): a retried copy names the same sender. The
         # answer is the same whether P knew the id, or signed it: not an oracle.
         if isinstance(msg, Dones):
@@ -364,23 +364,26 @@ class PullWorker:
             self._tracker.done(msg.request_id, (msg.d_rank, msg.sender), msg.reader)
         return self._replies.encode(Ack())
 
-    def _renew(self, msg: Renew) -> list[bool]:
-        """Per request id of ``msg``: whether this rank still holds its blocks (leases extended).
+    def _renew(self, msg: Renew) -> list[float | None]:
+        """Per request id of ``msg``: None if this rank no longer holds its blocks, else the lease promised.
 
-        With a secret each id needs its own grant (same order): an id whose grant does not verify
-        is answered "not held" and its lease is left alone; lists of different lengths hold nothing.
+        Leases are extended (`SendTracker.lease`; 0: still in P's batch, its lease not begun). With
+        a secret each id needs its own grant (same order): an id whose grant does not verify is
+        answered "not held" and its lease is left alone; lists of different lengths hold nothing.
         """
         n = len(msg.request_ids)
         if self._secret is not None and len(msg.grants) != n:
-            return [False] * n
+            return [None] * n
         if any(len(names) not in (0, n) for names in (msg.senders, msg.readers)):
-            return [False] * n
-        held = []
+            return [None] * n
+        leases: list[float | None] = []
         for i, rid in enumerate(msg.request_ids):
-            signed = self._secret is None or self._signed(rid, msg.grants[i], expiry=True)
+            if self._secret is not None and not self._signed(rid, msg.grants[i], expiry=True):
+                leases.append(None)
+                continue
             slot = (msg.d_rank, msg.senders[i] if msg.senders else "")
-            held.append(signed and self._tracker.renew(rid, slot, msg.readers[i] if msg.readers else ""))
-        return held
+            leases.append(self._tracker.lease(rid, slot, msg.readers[i] if msg.readers else ""))
+        return leases
 
     def _signed(self, request_id: str, grant: Grant | None, *, expiry: bool) -> bool:
         """Whether ``grant`` is ours for ``request_id`` (``expiry``: unexpired too; a DONE may come late)."""
