@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -118,18 +118,19 @@ class Server:
 
     def tail(self, lines: int = 30) -> str:
         """The last lines of its log."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return self._last(lines, lambda line: True)
 
     def matching(self, *needles: str, lines: int = 20) -> str:
         """The last ``lines`` lines of its log holding any of ``needles`` (why a request failed, say)."""
+        return self._last(lines, lambda line: any(n in line for n in needles))
+
+    def _last(self, lines: int, keep: Callable[[str], bool]) -> str:
+        """The last ``lines`` lines of its log that ``keep`` accepts."""
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        return "\n".join([line for line in text if any(n in line for n in needles)][-lines:])
+        return "\n".join([line for line in text if keep(line)][-lines:])
 
     @property
     def alive(self) -> bool:

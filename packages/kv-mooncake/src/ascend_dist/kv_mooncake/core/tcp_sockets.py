@@ -50,7 +50,10 @@ def process_incarnation() -> str:
 
     Every worker in one process shares it (they share Mooncake's engine and its ports).
     """
-    return _incarnations.setdefault(os.getpid(), secrets.token_hex(8))
+    pid = os.getpid()
+    if pid not in _incarnations:  # drawn once per process, not on every call
+        _incarnations[pid] = secrets.token_hex(8)
+    return _incarnations[pid]
 
 
 _LISTEN = 0x0A
