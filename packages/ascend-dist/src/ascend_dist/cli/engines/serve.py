@@ -46,8 +46,19 @@ SERVE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: the tiny model needs little
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # several instances share this host's cores: see below
 }
-"""The environment every ``vllm serve`` here gets on top of the caller's (offline, no usage stats)."""
+"""The environment every ``vllm serve`` here gets on top of the caller's (offline, no usage stats).
+
+``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's automatic binding gives each instance all the host's
+cores and binds every instance's forward thread to the first one. While P lends blocks its engine
+steps without pause and its forward thread waits for each step with ``sched_yield``; the kernel
+(EEVDF) then lets it hold that core whole, so D's forward thread, bound there too, does not run
+until P's lease frees the blocks: D's engine stalls 60 s and its pull finds the blocks gone (CI,
+every 256-token prompt of ``test_serve.py`` on 2026-12-05; reproduced here by leaving requests lent
+on P). Unbound, the threads move to the other core and no pull stalled. A deployment gives each
+instance its own cores and keeps the binding (kv-mooncake README, failure table).
+"""
 
 SIDE_CHANNEL = {"rpc_timeout_s": 10.0, "rpc_retries": 3}
 """D's side-channel deadlines here (default 1 s x 2): room for four ``vllm serve`` on a loaded 2-core
