@@ -2,11 +2,12 @@
 
 The same path as ``./dev demo pd --serve`` (`ascend_dist.cli.engines.serve_demo`): OpenAI completions
 (greedy) to the proxy, which sends each to P with ``max_tokens=1`` and ``do_remote_decode`` and hands
-P's ``kv_transfer_params`` to D. Checks: D's answers equal the session's plain engine (tokens and
-logprobs); the control (the proxy in front of P on other weights) changes every answer; and D's
-``/metrics`` carries our transfer stats, moved by a request (bytes > 0, no failure of its own). On
-this loaded 2-core machine a transfer can time out (the request is recomputed, as configured): such
-an answer proves nothing about the bytes, so the control sends that prompt again. Three
+P's ``kv_transfer_params`` to D. Checks: D's answers, each read from P, equal the session's plain
+engine (tokens and logprobs); the control (the proxy in front of P on other weights) changes every
+answer; and D's ``/metrics`` carries our transfer stats, moved by a request (bytes > 0, no failure
+of its own). A transfer that fails is recomputed on D (as configured), and that answer proves
+nothing about the bytes (it equals the plain engine's whatever P sent): every check sends such a
+prompt again, three tries in all, and counts only answers read from P. Three
 ``vllm serve`` starts for the module (P, D, the control's P); the plain engine is the session's.
 """
 
@@ -51,8 +52,10 @@ def _plain(reference: Engine) -> Callable[[list[int]], Completion]:
 
 
 def test_d_through_the_proxy_answers_like_the_plain_engine(served: PdServe, reference: Engine) -> None:
-    rows = identity_rows(_plain(reference), served.proxy, prompts(LENGTHS, seed=1))
-    assert all(same for _, same, _ in rows), rows
+    rows = identity_rows(_plain(reference), served.proxy, served.d, prompts(LENGTHS, seed=1))
+    print(f"identity: {sum(r.recomputed for r in rows)} transfer(s) failed, recomputed and sent again")
+    # A recomputed answer equals the plain engine's whatever P sent: only answers read from P count.
+    assert all(r.ok for r in rows), rows
 
 
 def test_control_p_on_other_weights_changes_every_answer(served: PdServe, reference: Engine) -> None:
@@ -71,7 +74,7 @@ def test_ds_metrics_carry_our_transfer_stats_moved_by_a_request(served: PdServe)
     before = metric_total(served.d.metrics(), BYTES_METRIC)
     moved, recomputed = complete_moved(served.d, served.proxy, prompts((128,), seed=3)[0])
     print(f"metrics: {recomputed} transfer(s) failed, recomputed and sent again")
-    assert moved is not None and moved.bytes_moved > 0 and moved.failed_transfers == 0  # its own, counted
+    assert moved.moved_cleanly  # its own bytes, counted, and no failed load
     text = wait_transferred(served.d, above=before)  # the control: a request moved bytes
     assert metric_total(text, "vllm:mooncake_bytes_transferred_count") > 0
     assert metric_total(text, "vllm:mooncake_xfer_time_seconds_count") > 0

@@ -5,8 +5,9 @@ Runs in: the command's process; the servers run under the engine environment's P
 under the same name), starts a plain ``vllm serve`` (the reference), P and D with
 `MooncakeConnectorV1` (``kv_producer`` / ``kv_consumer``), a P on the other weights, and one demo
 proxy in front of each P (`serve_proxy`). It prints the exact commands, then checks D's answers
-through the proxy against the reference (tokens and logprobs), the control (P on other weights
-changes every answer of D), and our transfer stats on D's ``/metrics`` (bytes moved > 0).
+through the proxy, each read from P, against the reference (tokens and logprobs), the control (P
+on other weights changes every answer of D), and our transfer stats on D's ``/metrics`` (bytes
+moved > 0).
 `start_pd`, `identity_rows` and `control_differs` are the engine tier's path too (``test_serve.py``).
 """
 
@@ -40,6 +41,7 @@ from ascend_dist.common.scenarios import Scenario, ScenarioContext, ScenarioRepo
 
 __all__ = [
     "ControlResult",
+    "IdentityRow",
     "Measured",
     "PdServe",
     "PdServeScenario",
@@ -88,17 +90,38 @@ def prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
 
 
+@dataclass(frozen=True)
+class IdentityRow:
+    """One prompt of the identity check: D's answer through the proxy against the reference."""
+
+    length: int
+    same: bool
+    """D's tokens and logprobs equal the reference's (within `LOGPROB_ATOL`)."""
+    worst: float
+    """The largest |dlogprob| between the two answers."""
+    moved: bool
+    """The answer compared came from a clean transfer (bytes moved, no failed load)."""
+    recomputed: int
+    """Tries whose transfer failed (D recomputed them on its own weights) before that answer."""
+
+    @property
+    def ok(self) -> bool:
+        """Equal, and through a transfer: a recomputed answer is equal whatever the bytes were."""
+        return self.same and self.moved
+
+
 def identity_rows(
-    reference: Callable[[list[int]], Completion], proxy: Server, batch: Sequence[list[int]]
-) -> list[tuple[int, bool, float]]:
-    """Per prompt: (length, D's tokens and logprobs equal the reference's, worst |dlogprob|)."""
+    reference: Callable[[list[int]], Completion], proxy: Server, d: Server, batch: Sequence[list[int]]
+) -> list[IdentityRow]:
+    """Per prompt: D's answer through ``proxy`` (`complete_moved`) against ``reference``'s."""
     rows = []
     for prompt in batch:
         want = reference(prompt)
-        got = complete(proxy, prompt)
+        measured, failed = complete_moved(d, proxy, prompt)
+        got = measured.completion
         worst = max((abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=False)), default=0.0)
         same = got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs) and worst <= LOGPROB_ATOL
-        rows.append((len(prompt), same, worst))
+        rows.append(IdentityRow(len(prompt), same, worst, measured.moved_cleanly, failed))
     return rows
 
 
@@ -109,6 +132,11 @@ class Measured:
     completion: Completion
     bytes_moved: float
     failed_transfers: float
+
+    @property
+    def moved_cleanly(self) -> bool:
+        """D read the request's KV from P: bytes moved and no load failed (not recomputed)."""
+        return self.failed_transfers == 0 and self.bytes_moved > 0
 
 
 def complete_measured(d: Server, proxy: Server, prompt: list[int], *, timeout_s: float = 30.0) -> Measured:
@@ -129,20 +157,20 @@ def complete_measured(d: Server, proxy: Server, prompt: list[int], *, timeout_s:
         time.sleep(0.5)
 
 
-def complete_moved(d: Server, proxy: Server, prompt: list[int], *, attempts: int = 3) -> tuple[Measured | None, int]:
+def complete_moved(d: Server, proxy: Server, prompt: list[int], *, attempts: int = 3) -> tuple[Measured, int]:
     """``prompt`` through ``proxy`` until D read its KV from P without a failure: (that answer, failed tries).
 
     A request whose transfer failed was recomputed on D's own weights
     (``kv_load_failure_policy="recompute"``): its answer says nothing about the bytes, so it is
-    sent again, at most ``attempts`` times in all. None when no try moved cleanly.
+    sent again, at most ``attempts`` times in all. When no try moved cleanly the last try is
+    returned (`Measured.moved_cleanly` is False).
     """
     failed = 0
-    for _ in range(attempts):
+    while True:
         measured = complete_measured(d, proxy, prompt)
-        if measured.failed_transfers == 0 and measured.bytes_moved > 0:
-            return measured, failed
+        if measured.moved_cleanly or failed + 1 >= attempts:
+            return measured, failed + (not measured.moved_cleanly)
         failed += 1
-    return None, failed
 
 
 @dataclass(frozen=True)
@@ -169,8 +197,8 @@ def control_differs(
     for prompt in batch:
         moved, failed = complete_moved(d, proxy_other, prompt)
         recomputed += failed
-        unmoved += moved is None
-        differ += moved is not None and moved.completion.token_ids != reference(prompt).token_ids
+        unmoved += not moved.moved_cleanly
+        differ += moved.moved_cleanly and moved.completion.token_ids != reference(prompt).token_ids
     return ControlResult(differ, len(batch), recomputed, unmoved)
 
 
@@ -257,12 +285,14 @@ class PdServeScenario:
         self.out("Each request (greedy, to the proxy; P gets max_tokens=1 and do_remote_decode):\n"
                  + example_request(pd.proxy, batch[0]))  # fmt: skip
         ctx.progress.step("identity: D's answers through the proxy vs the plain engine")
-        rows = identity_rows(lambda p: complete(ref, p), pd.proxy, batch)
-        for n, same, worst in rows:
-            report.check(f"{n}-token prompt: D's tokens and logprobs equal the plain engine's", same,
-                         f"max |dlogprob| {worst:.1e}")  # fmt: skip
-        self.out(render_table(("prompt tokens", "D == plain engine", "max |dlogprob|"),
-                              [(str(n), "yes" if s else "NO", f"{w:.1e}") for n, s, w in rows]))  # fmt: skip
+        rows = identity_rows(lambda p: complete(ref, p), pd.proxy, pd.d, batch)
+        for r in rows:
+            report.check(f"{r.length}-token prompt: D's tokens and logprobs, read from P, equal the plain engine's",
+                         r.ok, f"max |dlogprob| {r.worst:.1e}; {r.recomputed} transfer(s) failed and were "
+                         f"recomputed (sent again){'' if r.moved else '; no try moved cleanly'}")  # fmt: skip
+        self.out(render_table(("prompt tokens", "D == plain engine", "max |dlogprob|", "KV read from P"),
+                              [(str(r.length), "yes" if r.same else "NO", f"{r.worst:.1e}",
+                                "yes" if r.moved else "NO") for r in rows]))  # fmt: skip
         ctx.progress.step("control: the same prompts through P on other weights")
         control = control_differs(lambda p: complete(ref, p), pd.proxy_other, pd.d, prompts(lengths, seed=2))
         report.check("control: every D answer changes when P's weights differ", control.differ == len(lengths),
