@@ -102,7 +102,7 @@ class IdentityRow:
     moved: bool
     """The answer compared came from a clean transfer (bytes moved, no failed load)."""
     recomputed: int
-    """Tries whose transfer failed (D recomputed them on its own weights) before that answer."""
+    """Tries whose transfer failed (D recomputed them on its own weights); every try when not `moved`."""
 
     @property
     def ok(self) -> bool:
