@@ -165,12 +165,12 @@ def complete_moved(d: Server, proxy: Server, prompt: list[int], *, attempts: int
     sent again, at most ``attempts`` times in all. When no try moved cleanly the last try is
     returned (`Measured.moved_cleanly` is False).
     """
-    failed = 0
-    while True:
+    measured = complete_measured(d, proxy, prompt)
+    tries = 1
+    while not measured.moved_cleanly and tries < attempts:
         measured = complete_measured(d, proxy, prompt)
-        if measured.moved_cleanly or failed + 1 >= attempts:
-            return measured, failed + (not measured.moved_cleanly)
-        failed += 1
+        tries += 1
+    return measured, tries if not measured.moved_cleanly else tries - 1
 
 
 @dataclass(frozen=True)
