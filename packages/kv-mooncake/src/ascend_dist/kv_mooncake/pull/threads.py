@@ -66,6 +66,7 @@ from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import AgentMetadata
 from ascend_dist.kv_mooncake.core.ranks import PullMode, pull_mode
+from ascend_dist.kv_mooncake.core.session_owners import SESSION_OWNERS, SessionOwners, SessionReused
 from ascend_dist.kv_mooncake.core.tcp_sockets import PEER_CONNECTIONS, PeerConnections
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.d_plan import PullPlanner, ShardKind
@@ -106,7 +107,7 @@ def _peer_stopped_answering(exc: BaseException) -> bool:
     """Whether a task's failure means P itself did not answer (what trips its lane's breaker)."""
     if isinstance(exc, DeadlineExceeded):
         return True
-    return isinstance(exc, TransferError) and not isinstance(exc, NotHeld | PeerDown | TransferTimeout)
+    return isinstance(exc, TransferError) and not isinstance(exc, NotHeld | PeerDown | TransferTimeout | SessionReused)
 
 
 @dataclass(eq=False)
@@ -159,6 +160,7 @@ class Receiver:
         wall_clock: Callable[[], float] = time.time,
         thread_cpus: frozenset[int] | None = None,
         connections: PeerConnections = PEER_CONNECTIONS,
+        sessions: SessionOwners | None = SESSION_OWNERS,
     ) -> None:
         """Start the pool (threads are created on demand); ``on_failure`` sees each failed task's error (stats).
 
@@ -168,6 +170,8 @@ class Receiver:
         are started from vLLM's bound forward thread); None: where they start.
         ``connections``: this process's connections to P transports (`core.tcp_sockets`): cut to
         end a read D gave up on, and what explains a read failing at once afterwards.
+        ``sessions``: which P process each Mooncake session name was first read from in this
+        process (`core.session_owners`; None where the engine refreshes a peer's descriptor itself).
         """
         self._secret = secret
         self._wall_clock = wall_clock
@@ -181,6 +185,7 @@ class Receiver:
         self._clock = clock
         self._on_failure = on_failure
         self._connections = connections
+        self._sessions = sessions
         self._peers = PeerClient(config, handshake, tp_rank)
         self._lanes = Lanes(
             config.recv_workers,
@@ -345,6 +350,15 @@ class Receiver:
         # A P restarted on its ports may get its old transport port: connections left from the dead
         # one are still pooled and would fail the first reads.
         self._connections.adopt(rank_host(meta, port), agent.transport_ports, agent.owner)
+        # Mooncake reads a session name a new P took through its first owner's descriptor.
+        if self._sessions is not None:
+            try:
+                self._sessions.claim(agent.te_session, agent.owner, agent.transport_ports)
+            except SessionReused as exc:
+                for item in items:
+                    item.fail(exc)
+                    self._finish(lane, item)
+                return
         planned: list[_Item] = []
         for item in items:
             try:
