@@ -74,7 +74,8 @@ def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
     """Build P/D pairs; pass ``own_process=True`` for a P that the test may kill.
 
     ``p_cp`` / ``d_cp`` are ``(pcp_size, dcp_size)`` of P and D; ``p_model`` overrides model
-    fields on P only (for example a larger logical block).
+    fields on P only (for example a larger logical block); ``rpc_ports`` pins the Mooncake RPC
+    port of an ``own_process`` P (first, last).
     """
     made: list[tuple[Pair, PeerProcess | None]] = []
 
@@ -89,6 +90,7 @@ def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
         p_cp: tuple[int, int] = (1, 1),
         d_cp: tuple[int, int] = (1, 1),
         p_model: dict[str, Any] | None = None,
+        rpc_ports: tuple[int, int] | None = None,
         **model: Any,
     ) -> Pair:
         n = next(_IDS)
@@ -103,7 +105,7 @@ def make_pair(p_server: PeerProcess) -> Iterator[Callable[..., Pair]]:
             **{k: model.pop(k) for k in ("pull_timeout_s", "max_message_bytes") if k in model},
         }
         spec = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32, **model}
-        peer = PeerProcess() if own_process else None
+        peer = PeerProcess(rpc_ports=rpc_ports) if own_process else None
         try:
             p = (peer or p_server).create(f"p{n}", extra, {**spec, **(p_model or {})})
             d_cfg = {**extra, **(d_extra or {})}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["EngineWrapper", "SlowWriter"]
+__all__ = ["CountingReader", "EngineWrapper", "SlowWriter"]
 
 
 class EngineWrapper:
@@ -47,6 +47,20 @@ class EngineWrapper:
     def write(self, session: str, pieces: Any, *, timeout_s: float = 60.0) -> None:
         """The real engine's write."""
         self.real.write(session, pieces, timeout_s=timeout_s)
+
+
+class CountingReader(EngineWrapper):
+    """Counts the reads issued (a refused request must reach none)."""
+
+    def __init__(self, real: Any) -> None:
+        """Wrap ``real``; no read yet."""
+        super().__init__(real)
+        self.reads = 0
+
+    def read(self, session: str, batch: Any, *, timeout_s: float = 60.0) -> None:
+        """Count, then read."""
+        self.reads += 1
+        super().read(session, batch, timeout_s=timeout_s)
 
 
 class SlowWriter(EngineWrapper):

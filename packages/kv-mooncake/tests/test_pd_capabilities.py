@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from fault_engines import EngineWrapper
+from fault_engines import CountingReader
 
 from ascend_dist.common.secret import SECRET_ENV
 from ascend_dist.common.zmq_rpc import RpcClient
@@ -24,18 +24,6 @@ from ascend_dist.kv_mooncake.core.messages import Ack, Done
 from ascend_dist.kv_mooncake.pull.messages import DoneItem, Dones, Renew, reply_codec, request_codec
 
 SECRET_HEX = "5e" * 32
-
-
-class CountingReader(EngineWrapper):
-    """Our `Reader` around the real engine: counts the reads D issues."""
-
-    def __init__(self, real: Any) -> None:
-        super().__init__(real)
-        self.reads = 0
-
-    def read(self, session: str, batch: Any, *, timeout_s: float = 60.0) -> None:
-        self.reads += 1
-        self.real.read(session, batch, timeout_s=timeout_s)
 
 
 def _pull(pair: Any, rid: str, params: dict[str, Any]) -> set[int]:

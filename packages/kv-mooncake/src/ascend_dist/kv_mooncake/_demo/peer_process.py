@@ -7,8 +7,10 @@ always terminated, then killed if needed, by `PeerProcess.close`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import secrets
 import selectors
 import socket
 import subprocess
@@ -18,15 +20,67 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import closing
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, ProtocolError
 
-__all__ = ["STDERR_LINES_KEPT", "DInstance", "PInstance", "PeerProcess", "free_port_range"]
+__all__ = [
+    "RPC_PORT_WINDOWS",
+    "STDERR_LINES_KEPT",
+    "DInstance",
+    "PInstance",
+    "PeerProcess",
+    "free_port_range",
+    "fresh_rpc_ports",
+]
 
 STDERR_LINES_KEPT = 400
 """How many of the child's latest log lines a `PeerProcess` keeps (for the error it raises)."""
+
+RPC_PORT_WINDOWS = range(20000, 32768, 4)
+"""Where children's Mooncake engines draw their ports: each child its own window of 4, never one an
+earlier child of this process had. Mooncake keeps a peer's descriptor per session name for the life
+of the reading process (`core.session_owners`): a P child that drew a dead one's RPC port (one in
+2,000 by Mooncake's own draw) would not be readable by this process's D. Mooncake takes its RPC
+port and its TCP transport's port from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` and ignores a
+range reaching past 32767 (measured with 0.3.13); below the kernel's ephemeral ports, away from
+Mooncake's own range (15000-16999)."""
+
+_next_window = itertools.count(secrets.randbelow(len(RPC_PORT_WINDOWS)))  # processes start apart
+_window_lock = threading.Lock()
+
+
+def ports_in_use(ports: Sequence[int]) -> bool:
+    """Whether a socket of this network namespace (TIME_WAIT included) has one of ``ports`` as its own.
+
+    Mooncake binds without ``SO_REUSEADDR``: a port a dead process closed connections on first
+    stays unbindable for 60 s.
+    """
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            if int(row.split()[1].rsplit(":", 1)[1], 16) in ports:
+                return True
+    return False
+
+
+def fresh_rpc_ports() -> tuple[int, int]:
+    """The next window of `RPC_PORT_WINDOWS` none of whose ports is in use (first and last port).
+
+    Raises:
+        ConfigError: This process went through every window.
+    """
+    for _ in range(len(RPC_PORT_WINDOWS)):
+        with _window_lock:
+            index = next(_next_window)
+        if index >= len(RPC_PORT_WINDOWS) * 2:
+            break
+        first = RPC_PORT_WINDOWS[index % len(RPC_PORT_WINDOWS)]
+        window = range(first, first + RPC_PORT_WINDOWS.step)
+        if not ports_in_use(window):
+            return window[0], window[-1]
+    raise ConfigError("MC_MIN_RPC_PORT", None, f"a window of {RPC_PORT_WINDOWS} no earlier peer child had")
 
 
 def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
@@ -62,14 +116,22 @@ class PeerProcess:
         ready_timeout_s: float = 60.0,
         launcher: Sequence[str] = (),
         unset_env: Sequence[str] = (),
+        rpc_ports: tuple[int, int] | None = None,
     ) -> None:
         """Start ``python -m module`` and wait until it reports ready.
 
         ``launcher``: a command that execs the rest of its arguments (``ip netns exec NAME``: the
         child then runs in that network namespace; the child's pid stays the one we started).
         ``unset_env``: variables the child must not inherit (``VLLM_HOST_IP``: find its own address).
+        ``rpc_ports``: the first and last port its Mooncake engine may take (for its RPC port and
+        its transport's; default: a window no earlier child had, `RPC_PORT_WINDOWS`).
         """
-        env = {k: v for k, v in os.environ.items() if k not in unset_env} | {"GLOG_minloglevel": "2"}
+        first, last = rpc_ports or fresh_rpc_ports()
+        env = {k: v for k, v in os.environ.items() if k not in unset_env} | {
+            "GLOG_minloglevel": "2",
+            "MC_MIN_RPC_PORT": str(first),
+            "MC_MAX_RPC_PORT": str(last),
+        }
         self.proc = subprocess.Popen(
             [*launcher, sys.executable, "-m", module],
             stdin=subprocess.PIPE,
