@@ -14,6 +14,7 @@ import ctypes
 import http.client
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -30,6 +31,7 @@ from ascend_dist.cli.engines.pd import pull_connector_config
 from ascend_dist.cli.engines.wire import Completion
 
 __all__ = [
+    "SERVER_PORTS",
     "SERVE_ENV",
     "Launch",
     "ServeStack",
@@ -71,11 +73,28 @@ _PR_SET_PDEATHSIG = 1
 _HTTP_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, or a garbled answer
 
 
+SERVER_PORTS = range(10000, 15000)
+"""Where the stack draws its servers' ports: below Mooncake's own draw (15000-16999) and the
+kernel's ephemeral ports (32768 and up). A port the kernel handed out is bound by its server only a
+minute later (P's worker binds its side channel after the model loaded), and meanwhile every
+server's vLLM, gloo and Mooncake take ephemeral ports: one start lost its side-channel port so."""
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 now (the caller binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port of `SERVER_PORTS` free on 127.0.0.1 now.
+
+    Raises:
+        EngineError: None found in 200 draws.
+    """
+    for _ in range(200):
+        port = SERVER_PORTS[secrets.randbelow(len(SERVER_PORTS))]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise EngineError(f"no free port in {SERVER_PORTS} on 127.0.0.1")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
