@@ -46,6 +46,13 @@ def _wait_released(ports: tuple[int, int], timeout_s: float = 90.0) -> None:
         time.sleep(1.0)
 
 
+def _kill_and_forget(pair: Any, peer: PeerProcess, params: dict[str, Any], rid: str) -> None:
+    """Kill ``peer`` and pull ``rid`` from it: the failure makes D drop that P's side-channel metadata."""
+    peer.kill()
+    pair.d.decode(rid, 40, params)
+    assert pair.d.wait_recv({rid}, timeout_s=15.0) == set(pair.d.blocks[rid][0])
+
+
 def _agent(pair: Any) -> Any:
     """The metadata of the P that ``pair``'s D last fetched it from."""
     meta = pair.d.ranks[0].worker.receiver.peer_metadata(pair.extra["engine_id"], "127.0.0.1", pair.kv_port)
@@ -66,13 +73,10 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_read_right_or_refused_at
     assert pair.d.verify("first", 1) > 0 and engine.reads == 1  # D's Mooncake now caches this P's descriptor
     dead = _agent(pair)
 
-    killed = pair.p.prefill("dead", 40, 2)
-    pair.p.peer.kill()
-    pair.d.decode("dead", 40, killed)  # fails: D drops the dead P's side-channel metadata
-    assert pair.d.wait_recv({"dead"}, timeout_s=15.0) == set(pair.d.blocks["dead"][0])
+    _kill_and_forget(pair, pair.p.peer, pair.p.prefill("dead", 40, 2), "dead")
 
-    # A new P on the same side-channel ports draws its Mooncake ports from the same two (as a rule
-    # the same way, once TIME_WAIT let them go): a P on a session of its own is a control.
+    # A new P on the same side-channel ports draws its two Mooncake ports from the same two, once
+    # TIME_WAIT let them go; one that takes them the other way round has a session of its own: a control.
     for attempt in range(3):
         _wait_released(window)  # also past peer_retry_s: the lane lets the next request ask P
         reads, rid, seed = engine.reads, f"again{attempt}", 10 + attempt
@@ -90,17 +94,17 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_read_right_or_refused_at
                 assert engine.reads == reads, "read through the dead P's descriptor"
                 assert took < 0.5, f"refusing took {took:.3f} s"
                 assert _lent(p) == 0  # D's DONE gave P its blocks back at once, not after the lease
-                reused = True
             else:  # read: the right bytes, through the old descriptor only if it names P's transport port
                 assert pair.d.verify(rid, seed) > 0 and engine.reads > reads  # (a pooled dead connection: read again)
                 agent = _agent(pair)
                 assert agent.owner != dead.owner
                 assert agent.te_session != dead.te_session or agent.transport_ports == dead.transport_ports
                 reused = agent.te_session == dead.te_session
+                if not reused:  # a control: D must drop its metadata before the next P on these ports
+                    _kill_and_forget(pair, again, p.prefill(f"gone{attempt}", 40, seed), f"gone{attempt}")
+                    continue
             p.drop()
-            again.kill()
-            if reused:
-                break
+            break
     else:
         raise AssertionError(f"no P took session {dead.te_session} again in 3 starts")
 

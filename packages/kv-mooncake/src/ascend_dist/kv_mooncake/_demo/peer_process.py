@@ -34,6 +34,7 @@ __all__ = [
     "PeerProcess",
     "free_port_range",
     "fresh_rpc_ports",
+    "ports_in_use",
 ]
 
 STDERR_LINES_KEPT = 400
