@@ -15,17 +15,16 @@ try that drew others is stopped before anything reached it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fault_engines import CountingReader
 
-from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, fresh_rpc_ports, ports_in_use
+from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, fresh_rpc_ports
 from ascend_dist.kv_mooncake.core.engine import get_engine
+from ascend_dist.kv_mooncake.core.tcp_sockets import listening_sockets, ports_in_use
 
 SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32}
 TRIES = 30
@@ -42,26 +41,11 @@ def _lent(p: Any, polls: int = 300) -> int:
     return lent
 
 
-def _listening(pid: int, table: str, ports: range) -> list[int]:
-    """The ports in ``ports`` that process ``pid`` listens on, from ``/proc/net/<table>``."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd) if fd.is_symlink() else ""
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-        fields = row.split()
-        port = int(fields[1].rsplit(":", 1)[1], 16)
-        if fields[3] == "0A" and fields[9] in inodes and port in ports:
-            found.append(port)
-    return found
-
-
 def _mooncake_ports(peer: PeerProcess, window: range) -> tuple[int, int]:
     """``(RPC port, transport port)`` of the child's Mooncake engine: its IPv4 and its IPv6 listener."""
-    (rpc,) = _listening(peer.proc.pid, "tcp", window)
-    (transport,) = _listening(peer.proc.pid, "tcp6", window)
+    mine = [s for s in listening_sockets(peer.proc.pid) if s.local[1] in window]
+    (rpc,) = [s.local[1] for s in mine if s.local[0].version == 4]
+    (transport,) = [s.local[1] for s in mine if s.local[0].version == 6]
     return rpc, transport
 
 

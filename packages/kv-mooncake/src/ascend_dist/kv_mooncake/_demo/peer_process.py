@@ -20,11 +20,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import closing
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, ProtocolError
+from ascend_dist.kv_mooncake.core.tcp_sockets import ports_in_use
 
 __all__ = [
     "RPC_PORT_WINDOWS",
@@ -34,7 +34,6 @@ __all__ = [
     "PeerProcess",
     "free_port_range",
     "fresh_rpc_ports",
-    "ports_in_use",
 ]
 
 STDERR_LINES_KEPT = 400
@@ -49,39 +48,29 @@ port and its TCP transport's port from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` 
 range reaching past 32767 (measured with 0.3.13); below the kernel's ephemeral ports, away from
 Mooncake's own range (15000-16999)."""
 
-_next_window = itertools.count(secrets.randbelow(len(RPC_PORT_WINDOWS)))  # processes start apart
+_first_window = secrets.randbelow(len(RPC_PORT_WINDOWS))  # processes start apart
+_next_window = itertools.count(_first_window)
 _window_lock = threading.Lock()
-
-
-def ports_in_use(ports: Sequence[int]) -> bool:
-    """Whether a socket of this network namespace (TIME_WAIT included) has one of ``ports`` as its own.
-
-    Mooncake binds without ``SO_REUSEADDR``: a port a dead process closed connections on first
-    stays unbindable for 60 s.
-    """
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            if int(row.split()[1].rsplit(":", 1)[1], 16) in ports:
-                return True
-    return False
 
 
 def fresh_rpc_ports() -> tuple[int, int]:
     """The next window of `RPC_PORT_WINDOWS` none of whose ports is in use (first and last port).
 
+    Mooncake binds its transport without ``SO_REUSEADDR``: a port a dead process closed
+    connections on first stays unbindable for 60 s (TIME_WAIT), so such a window is passed over.
+
     Raises:
         ConfigError: This process went through every window.
     """
-    for _ in range(len(RPC_PORT_WINDOWS)):
+    while True:
         with _window_lock:
             index = next(_next_window)
-        if index >= len(RPC_PORT_WINDOWS) * 2:
-            break
+        if index >= _first_window + len(RPC_PORT_WINDOWS):  # never a window twice
+            raise ConfigError("MC_MIN_RPC_PORT", None, f"a window of {RPC_PORT_WINDOWS} no earlier peer child had")
         first = RPC_PORT_WINDOWS[index % len(RPC_PORT_WINDOWS)]
         window = range(first, first + RPC_PORT_WINDOWS.step)
         if not ports_in_use(window):
             return window[0], window[-1]
-    raise ConfigError("MC_MIN_RPC_PORT", None, f"a window of {RPC_PORT_WINDOWS} no earlier peer child had")
 
 
 def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:

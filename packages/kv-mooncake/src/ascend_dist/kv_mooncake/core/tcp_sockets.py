@@ -35,6 +35,8 @@ __all__ = [
     "accepts_connections",
     "connections_to",
     "listening_ports",
+    "listening_sockets",
+    "ports_in_use",
     "process_incarnation",
     "sever_closed_connections",
     "sever_connections",
@@ -97,16 +99,17 @@ def _rows() -> Iterator[TcpSocket]:
             continue
 
 
-def _own_sockets() -> dict[int, int]:
-    """Socket inode -> one of this process's descriptors for it."""
+def _own_sockets(pid: int | None = None) -> dict[int, int]:
+    """Socket inode -> one of the process's descriptors for it (this process's unless ``pid``)."""
+    fds = f"/proc/{'self' if pid is None else pid}/fd"
     out: dict[int, int] = {}
     try:
-        names = os.listdir("/proc/self/fd")
+        names = os.listdir(fds)
     except OSError:
         return out
     for name in names:
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
+            target = os.readlink(f"{fds}/{name}")
         except OSError:
             continue  # closed meanwhile
         if target.startswith("socket:[") and target.endswith("]"):
@@ -114,10 +117,21 @@ def _own_sockets() -> dict[int, int]:
     return out
 
 
+def listening_sockets(pid: int | None = None) -> list[TcpSocket]:
+    """The TCP sockets a process listens on (this process unless ``pid``), each with its address."""
+    own = _own_sockets(pid)
+    return [row for row in _rows() if row.state == _LISTEN and row.inode in own]
+
+
 def listening_ports() -> set[int]:
     """The TCP ports this process listens on (every address)."""
-    own = _own_sockets()
-    return {row.local[1] for row in _rows() if row.state == _LISTEN and row.inode in own}
+    return {row.local[1] for row in listening_sockets()}
+
+
+def ports_in_use(ports: Iterable[int]) -> bool:
+    """Whether any socket of this network namespace (TIME_WAIT included) has one of ``ports`` as its own."""
+    wanted = set(ports)
+    return any(row.local[1] in wanted for row in _rows())
 
 
 def _peer_ips(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
