@@ -6,10 +6,10 @@ and another transport port must be refused at once, without a read (before, each
 read, failed after a second of reconnecting to the dead port, and was reported as P not
 answering); one that took the dead one's transport port too is read (right bytes).
 
-Mooncake draws both ports from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` at random: its RPC
-listener (IPv4, bound with ``SO_REUSEADDR`` per its source, so a port in TIME_WAIT will do) and its transport
-listener (IPv6, without). Each restart here is tried until it drew the ports the case needs, and a
-try that drew others is stopped before anything reached it.
+Mooncake draws both ports from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` at random (its RPC
+listener with ``SO_REUSEADDR`` per its source, so a port in TIME_WAIT will do; its transport
+without). Each restart here is tried until it drew the ports the case needs (as its engine names
+them), and a try that drew others is stopped before anything reached it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 from fault_engines import CountingReader
 
+from ascend_dist.common.errors import ProtocolError
 from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, fresh_rpc_ports
 from ascend_dist.kv_mooncake.core.engine import get_engine
-from ascend_dist.kv_mooncake.core.tcp_sockets import listening_sockets, ports_in_use
+from ascend_dist.kv_mooncake.core.tcp_sockets import ports_in_use
 
 SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32}
 TRIES = 30
@@ -41,11 +42,9 @@ def _lent(p: Any, polls: int = 300) -> int:
     return lent
 
 
-def _mooncake_ports(peer: PeerProcess, window: range) -> tuple[int, int]:
-    """``(RPC port, transport port)`` of the child's Mooncake engine: its IPv4 and its IPv6 listener."""
-    mine = [s for s in listening_sockets(peer.proc.pid) if s.local[1] in window]
-    (rpc,) = [s.local[1] for s in mine if s.local[0].version == 4]
-    (transport,) = [s.local[1] for s in mine if s.local[0].version == 6]
+def _mooncake_ports(p: PInstance) -> tuple[int, int]:
+    """``(RPC port, transport port)`` of the P instance's Mooncake engine."""
+    rpc, (transport,) = p.mooncake_ports()
     return rpc, transport
 
 
@@ -53,16 +52,18 @@ def _start_drawing(
     pair: Any, window: range, wanted: Callable[[int, int], bool], name: str
 ) -> tuple[PeerProcess, PInstance]:
     """A P child on ``pair``'s side-channel ports whose Mooncake ports satisfy ``wanted(rpc, transport)``."""
+    drawn: list[tuple[int, int] | str] = []
     for _ in range(TRIES):
         peer = PeerProcess(rpc_ports=(window[0], window[-1]))
         try:
             p = peer.create(name, pair.extra, SPEC)
-            if wanted(*_mooncake_ports(peer, window)):
+            drawn.append(_mooncake_ports(p))
+            if wanted(*drawn[-1]):
                 return peer, p
-        except Exception:  # no free transport port left in the window this time
-            pass
+        except ProtocolError:  # Mooncake found no free transport port left in the window this time
+            drawn.append("no engine")
         peer.close()  # nothing reached it: its ports are free again at once
-    raise AssertionError(f"no P drew the wanted Mooncake ports from {window} in {TRIES} starts")
+    raise AssertionError(f"no P drew the wanted Mooncake ports from {window} in {TRIES} starts: {drawn}")
 
 
 def _kill_and_forget(pair: Any, peer: PeerProcess, params: dict[str, Any], rid: str) -> None:
@@ -98,8 +99,8 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_refused_at_once_or_read_
     pair = make_pair(own_process=True, rpc_ports=(first, first + 1), d_engine=engine, d_extra={"peer_retry_s": 0.2})
     assert pair.transfer("first", 40, seed=1) == set()
     assert pair.d.verify("first", 1) > 0 and engine.reads == 1  # D's Mooncake now caches this P's descriptor
-    rpc, transport = _mooncake_ports(pair.p.peer, range(first, first + 2))
-    assert _session_port(pair) == rpc  # control of the helper: the IPv4 listener is the session
+    rpc, transport = _mooncake_ports(pair.p)
+    assert _session_port(pair) == rpc  # control of the helper: what D read is that session
     _kill_and_forget(pair, pair.p.peer, pair.p.prefill("dead", 40, 2), "dead")
 
     # The dead session on the spare port: D refuses at once and reads nothing.

@@ -17,6 +17,8 @@ line each:
   ``{"rank_hosts": [...]}`` (hands every worker's address to P's scheduler, as vLLM does)
 * ``{"cmd": "poll", "name"}`` -> ``{"freed": [...], "tracked": n, "blocks_lent": n, "expired": n,
   "late_dones": n, "refused_readers": n}``
+* ``{"cmd": "engine", "name"}`` -> ``{"session": "host:rpc_port", "transport_ports": [...]}`` (the
+  instance's Mooncake engine, as its metadata names it)
 * D instances (``role: "consumer"``, e.g. a D in another network namespace):
 
   * ``{"cmd": "decode", "name", "rid", "prompt_len", "params", "computed"?}`` -> ``{"count": n,
@@ -73,6 +75,11 @@ def _poll(inst: SyntheticInstance) -> dict[str, Any]:
         "refused_readers": sum(r.worker.tracker.refused_readers for r in inst.ranks),
         "auth_cost": list(AUTH_COST.snapshot()),  # P's signing and MACs so far (ns, operations)
     }
+
+
+def _engine(inst: SyntheticInstance) -> dict[str, Any]:
+    engine = inst.engine or get_engine(inst.config.host, inst.config.protocol)  # the workers' engine
+    return {"session": engine.session, "transport_ports": list(engine.transport_ports)}
 
 
 def _d_state(inst: SyntheticInstance) -> dict[str, Any]:
@@ -142,6 +149,7 @@ _COMMANDS: dict[str, Callable[[SyntheticInstance, dict[str, Any]], dict[str, Any
         ]
     },
     "poll": lambda inst, m: _poll(inst),
+    "engine": lambda inst, m: _engine(inst),
     "addresses": lambda inst, m: {"addresses": [r.worker.rank_address for r in inst.ranks]},
     "set_addresses": _set_addresses,
     "decode": lambda inst, m: {

@@ -265,6 +265,11 @@ class PInstance:
         msg = {"cmd": "set_addresses", "name": self.name, "addresses": [list(a) for a in addresses]}
         return list(self.peer.call(msg)["rank_hosts"])
 
+    def mooncake_ports(self) -> tuple[int, list[int]]:
+        """The instance's Mooncake RPC port (its session's) and transport ports."""
+        reply = self.peer.call({"cmd": "engine", "name": self.name})
+        return int(str(reply["session"]).rsplit(":", 1)[1]), [int(p) for p in reply["transport_ports"]]
+
     def poll(self) -> dict[str, Any]:
         """Collect finished sends, free their blocks; return P's counters."""
         return self.peer.call({"cmd": "poll", "name": self.name})
