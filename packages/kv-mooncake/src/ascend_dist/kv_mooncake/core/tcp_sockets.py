@@ -35,7 +35,6 @@ __all__ = [
     "accepts_connections",
     "connections_to",
     "listening_ports",
-    "listening_sockets",
     "ports_in_use",
     "process_incarnation",
     "sever_closed_connections",
@@ -99,17 +98,16 @@ def _rows() -> Iterator[TcpSocket]:
             continue
 
 
-def _own_sockets(pid: int | None = None) -> dict[int, int]:
-    """Socket inode -> one of the process's descriptors for it (this process's unless ``pid``)."""
-    fds = f"/proc/{'self' if pid is None else pid}/fd"
+def _own_sockets() -> dict[int, int]:
+    """Socket inode -> one of this process's descriptors for it."""
     out: dict[int, int] = {}
     try:
-        names = os.listdir(fds)
+        names = os.listdir("/proc/self/fd")
     except OSError:
         return out
     for name in names:
         try:
-            target = os.readlink(f"{fds}/{name}")
+            target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue  # closed meanwhile
         if target.startswith("socket:[") and target.endswith("]"):
@@ -117,15 +115,10 @@ def _own_sockets(pid: int | None = None) -> dict[int, int]:
     return out
 
 
-def listening_sockets(pid: int | None = None) -> list[TcpSocket]:
-    """The TCP sockets a process listens on (this process unless ``pid``), each with its address."""
-    own = _own_sockets(pid)
-    return [row for row in _rows() if row.state == _LISTEN and row.inode in own]
-
-
 def listening_ports() -> set[int]:
     """The TCP ports this process listens on (every address)."""
-    return {row.local[1] for row in listening_sockets()}
+    own = _own_sockets()
+    return {row.local[1] for row in _rows() if row.state == _LISTEN and row.inode in own}
 
 
 def ports_in_use(ports: Iterable[int]) -> bool:
