@@ -1,9 +1,10 @@
-"""D's batched receive path (`pull/threads.py`, `pull/lanes.py`): one engine call per P per batch.
+"""D's batched receive path (`pull/threads.py`, `pull/lanes.py`): one lease check per P per batch, a read per request.
 
 Real P workers (child processes), real Mooncake TCP, D here with our own `Reader` wrapped around the
 real engine (`GatedReads`): its first read waits on a gate, so the requests decoded meanwhile queue on
 the lane (one reader here: ``recv_workers`` 1) and the reader takes them as one batch
-(``recv_batch_requests``, default 4). Every success is checked byte for byte.
+(``recv_batch_requests``, default 4), asks P once whether it holds them all, then reads them one
+request per engine call, reporting each as its read ends. Every success is checked byte for byte.
 """
 
 from __future__ import annotations
@@ -63,18 +64,39 @@ def _queue_behind_a_gated_read(pair: Any, engine: GatedReads, rids: dict[str, in
 
 
 @pytest.mark.timeout(60)
-def test_requests_queued_for_one_p_are_read_in_one_engine_call(make_pair: Callable[..., Any]) -> None:
+def test_a_batch_is_read_one_request_at_a_time_and_each_reported_when_its_read_ends(
+    make_pair: Callable[..., Any],
+) -> None:
+    """Four requests queued behind a gated read form one batch of the one reader: one engine call per
+    request, in turn, each 0.3 s long here, and the first is reported before the last one's read starts
+    (reading the batch in one call reported all four after its last byte)."""
     engine = GatedReads(get_engine("127.0.0.1", "tcp"))
     pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1})  # one reader: it waits
     rids = {f"r{i}": 10 + i for i in range(4)}
+    read_started: dict[int, float] = {}
+
+    def slow(n: int) -> None:
+        read_started[n] = time.monotonic()
+        if n > 0:
+            time.sleep(0.3)
+
+    engine.before = slow
     _queue_behind_a_gated_read(pair, engine, rids)
     engine.gate.set()
-    assert pair.d.wait_recv({"warm", *rids}, timeout_s=15.0) == set()
+    reported: dict[str, float] = {}
+    deadline = time.monotonic() + 15.0
+    while len(reported) < 1 + len(rids):
+        assert time.monotonic() < deadline, reported
+        _, recv, errors = pair.d.poll()
+        assert not errors
+        reported.update({rid: time.monotonic() for rid in recv})
+        time.sleep(0.005)
     for rid, seed in {"warm": 1, **rids}.items():
         assert pair.d.verify(rid, seed) > 0
-    # The gated read, then one read of all four (a read per request would make five calls).
-    assert len(engine.calls) == 2, engine.calls
-    assert engine.calls[1][1] == 4 * engine.calls[0][1]  # the four requests' pieces, one call
+    # The gated read, then one read per request of the batch (each the size of the first).
+    assert len(engine.calls) == 5 and {pieces for _, pieces in engine.calls} == {engine.calls[0][1]}, engine.calls
+    assert reported["r0"] < read_started[4], (reported, read_started)  # r0 did not wait for r3's read
+    assert reported["r0"] < reported["r1"] < reported["r2"] < reported["r3"]
     state = pair.wait_p_idle()  # the batched DONEs freed every block
     assert (state["blocks_lent"], state["expired"]) == (0, 0)
 
@@ -117,9 +139,9 @@ def _send_done(pair: Any, rid: str, reader: str) -> None:
 def test_the_after_read_check_failing_for_one_request_fails_only_that_request(
     make_pair: Callable[..., Any],
 ) -> None:
-    """Two requests read in one call that ends past half the 1 s lease, so D asks P again after it; P
-    freed one of them during the read (its pull's own DONE, sent from elsewhere), so the check says
-    "not held" for it alone."""
+    """Two requests of one batch (one lease check), each read ending past half the 1 s lease, so D asks
+    P again after each; P freed one of them during its read (its pull's own DONE, sent from
+    elsewhere), so the check says "not held" for it alone."""
     engine = GatedReads(get_engine("127.0.0.1", "tcp"))
     pair = make_pair(p_tp=1, d_tp=1, d_engine=engine, d_extra={"recv_workers": 1}, lease_s=1.0)
     receiver = pair.d.ranks[0].worker.receiver
@@ -136,7 +158,7 @@ def test_the_after_read_check_failing_for_one_request_fails_only_that_request(
     _queue_behind_a_gated_read(pair, engine, {"a": 5, "b": 6})
     engine.gate.set()
     errors = pair.d.wait_recv({"warm", "a", "b"}, timeout_s=15.0)
-    assert len(engine.calls) == 2 and "a" in freed  # control: one read of both, P really freed a during it
+    assert len(engine.calls) == 3 and "a" in freed  # control: a read each, P really freed a during a's
     assert errors == set(pair.d.blocks["a"][0])  # a fails, b does not
     assert pair.d.verify("b", 6) > 0 and pair.d.verify("warm", 1) > 0
     state = pair.wait_p_idle()
@@ -162,7 +184,7 @@ def test_a_done_from_another_reader_frees_nothing_a_pull_still_reads(make_pair: 
     _queue_behind_a_gated_read(pair, engine, {"a": 5, "b": 6})
     engine.gate.set()
     assert pair.d.wait_recv({"warm", "a", "b"}, timeout_s=15.0) == set()
-    assert len(engine.calls) == 2 and "a" not in freed  # one read of both; neither foreign DONE freed a
+    assert len(engine.calls) == 3 and "a" not in freed  # a read each; neither foreign DONE freed a
     assert pair.d.verify("a", 5) > 0 and pair.d.verify("b", 6) > 0
     state = pair.wait_p_idle()
     assert (state["blocks_lent"], state["expired"], state["refused_readers"]) == (0, 0, 2)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -130,6 +130,17 @@ class _Item:
             self.error = exc
         self.ok = False
         self.unsigned = self.unsigned or isinstance(exc, CapabilityRefused)
+
+
+def _by_request(items: list[_Item]) -> Iterator[tuple[int, list[_Item]]]:
+    """``items`` cut into runs of one request's tasks, each with the index it starts at."""
+    start = 0
+    while start < len(items):
+        end = start + 1
+        while end < len(items) and items[end].pull is items[start].pull:
+            end += 1
+        yield start, items[start:end]
+        start = end
 
 
 class Reformat(Protocol):
@@ -399,22 +410,35 @@ class Receiver:
             # after D consumed them, or aimed at a request P already freed, would read reused blocks.
             asked = self._clock()
             held = self._peers.renew(host, port, self._leases(chunk))
-            reading, promised = [], []
-            for item, lease in zip(chunk, held, strict=True):
-                if lease is not None:
-                    reading.append(item)
-                    promised.append(lease)
-                else:
-                    item.fail(NotHeld(f"P {host}:{port} holds no blocks for {item.pull.meta.remote_request_id!r}"))
-                    self._finish(lane, item)
-            if reading:
-                self._read_held(agent, host, port, reading, asked + LEASE_TRUST * min(promised))
         except Exception as exc:
-            for item in reading:
-                if item.ok:
-                    item.fail(exc)
-        for item in reading:
-            self._finish(lane, item)
+            for item in chunk:
+                item.fail(exc)
+                self._finish(lane, item)
+            return
+        reading, promised = [], []
+        for item, lease in zip(chunk, held, strict=True):
+            if lease is not None:
+                reading.append(item)
+                promised.append(lease)
+            else:
+                item.fail(NotHeld(f"P {host}:{port} holds no blocks for {item.pull.meta.remote_request_id!r}"))
+                self._finish(lane, item)
+        if not reading:
+            return
+        trusted_until = asked + LEASE_TRUST * min(promised)
+        # One engine read per request, in turn, each reported as soon as its own read ends: the
+        # first request of a batch does not wait for the batch's last byte.
+        for start, group in _by_request(reading):
+            try:
+                self._read_held(agent, host, port, group, trusted_until)
+            except Exception as exc:  # the batch's requests not read yet fail with it, unread
+                for item in reading[start:]:
+                    if item.ok:
+                        item.fail(exc)
+                    self._finish(lane, item)
+                return
+            for item in group:
+                self._finish(lane, item)
 
     def _sender(self, task: PullTask) -> str:
         """``task``'s slot on P beside this rank: what its `Renew` binds and its DONE must name alike."""
