@@ -59,13 +59,13 @@ class PullConfig(ConnectorConfig):
         rpc_timeout_s: Deadline of one side-channel attempt.
         rpc_retries: Attempts per side-channel request.
         recv_workers: Readers of D's lane to each P instance: each takes up to
-            ``recv_batch_requests`` queued tasks of that P and reads them in one engine call per P
-            rank, so at most this many threads per P wait on Mooncake (each busy-waits a core).
+            ``recv_batch_requests`` queued tasks of that P, asks P once whether it holds them and
+            reads them one request per engine call, so at most this many threads per P wait on
+            Mooncake (each busy-waits a core) and this many requests of it are read at once.
         recv_batch_requests: Most tasks one reader takes at once (the rest go to the other
             readers or its next batch).
-        recv_batch_bytes: Most bytes one reader reads in one engine call (several calls when a
-            batch is larger; a single larger task is read alone): with ``recv_workers``, the bytes
-            in flight per P.
+        recv_batch_bytes: Most bytes one lease check covers (a larger batch is asked about in
+            several; a single larger task alone).
         peer_retry_s: After a P instance stops answering, how long D fails its requests at once
             before letting one through to see whether it answers again.
         extra: The whole ``kv_connector_extra_config`` as given (kept for inspection).

@@ -8,16 +8,18 @@ answers again). A reader takes up to ``recv_batch_requests`` queued tasks (`Rece
 and per P rank fetches (and caches) the P worker's metadata after a compatibility handshake
 (`ascend_dist.kv_mooncake.pull.peers`), builds each task's descriptors for every KV group
 (attention and state, `ascend_dist.kv_mooncake.pull.task_batch`), asks P once whether it still
-holds the blocks of every request in the batch (one `Renew`, renewing their leases), reads them all
-in one engine call (per ``recv_batch_bytes``), and, only when the read ended past half the lease P
-promised in that answer, asks again (a read that outlasted a lease, whose blocks P may have reused
-meanwhile, fails that request alone). A read that ended sooner was inside the lease: P's lease
+holds the blocks of every request in the batch (one `Renew` per ``recv_batch_bytes``, renewing
+their leases), then reads them one request per engine call, in turn, reporting each as soon as its
+own read ends (the first request does not wait for the batch's last byte), and, only when a read
+ended past half the lease P promised in that answer, asks again for that request (a read that
+outlasted a lease, whose blocks P may have reused meanwhile, fails that request alone). A read that ended sooner was inside the lease: P's lease
 began after D asked, and only the pull's own reader can free the blocks early (each pull names
 itself with a random token, `DRequest.reader`; P serves one reader per slot, so params replayed to
 a second D request are refused and its DONE frees nothing). Each request is then reported and
 its DONE queued: the lane's DONE thread sends the queued DONEs as one `Dones` list per P rank, even
 after a failure, so P frees its blocks off D's critical path. A failed read fails (and
-quarantines) the requests of that batch only. A failed task records the logical block ids it was
+quarantines) its request and fails the batch's requests not read yet (unread: they would read
+from the same P), and no others. A failed task records the logical block ids it was
 to fill, in every KV group, *before* its request is reported finished. A request still pulling
 after ``pull_timeout_s`` is reported failed (its late results are ignored) and P is told at once
 (a DONE per task not yet confirmed, queued on the lane's DONE thread), so P frees its blocks
@@ -319,8 +321,8 @@ class Receiver:
     def _run_batch(self, lane: Lane, queued: list[tuple[DRequest, PullTask]]) -> None:
         """Read a batch of queued tasks of one P instance, then report each task.
 
-        Per P rank: one lease check, one engine call (per ``recv_batch_bytes``), and a second
-        lease check only after a read that ended past `LEASE_TRUST` of the promised lease. A
+        Per P rank: one lease check (per ``recv_batch_bytes``), one engine call per request, and a
+        second lease check only after a read that ended past `LEASE_TRUST` of the promised lease. A
         failure fails only the tasks it concerns (a batch's read: that batch). A task of a request
         that timed out (or was replaced) meanwhile skips its read but still counts down and makes
         sure P gets a DONE, so neither side holds the request any longer.
@@ -391,7 +393,7 @@ class Receiver:
             self._read_chunk(lane, agent, chunk)
 
     def _read_chunk(self, lane: Lane, agent: AgentMetadata, chunk: list[_Item]) -> None:
-        """One lease check and one engine read for ``chunk`` (one P rank), then report each.
+        """One lease check for ``chunk`` (one P rank), then one engine read per request, each reported as it ends.
 
         A read that ended past `LEASE_TRUST` of the promised lease is checked again after it.
         """
