@@ -2,8 +2,9 @@
 
 Figures are only reported for waves whose every block on D equals P's; the test checks that both
 connectors' waves ran and verified, that the figures name vLLM's connector as the baseline with
-ratios, that our per-phase profile and the raw engine's ceiling are there, and (the control) that
-the check fails when D's bytes differ from P's.
+ratios, that our per-phase profile and the raw engine's ceiling are there (with each P in its own
+process, the default, and with P beside D), and (the control) that the check fails when D's bytes
+differ from P's.
 """
 
 from __future__ import annotations
@@ -64,9 +65,14 @@ def _run(scenario: PdVllmScenario) -> tuple[ScenarioReport, list[str]]:
     return scenario.run(ScenarioContext("bench", progress, quick=True, repeat=1)), progress.steps
 
 
-def _run_in_child(*, corrupt_d: bool) -> tuple[ScenarioReport, list[str]]:
+def _run_in_child(*, corrupt_d: bool, p_process: bool = True) -> tuple[ScenarioReport, list[str]]:
     """Run the quick bench in a child and rebuild its report (see the note on vLLM's loop above)."""
-    argv = [sys.executable, __file__, "--corrupt-d" if corrupt_d else "--plain"]
+    argv = [
+        sys.executable,
+        __file__,
+        "--corrupt-d" if corrupt_d else "--plain",
+        "--p-process" if p_process else "--one",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=_CHILD_DEADLINE_S, check=False)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(_CHILD_MARK)]
     assert done.returncode == 0 and len(lines) == 1, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
@@ -93,8 +99,9 @@ def test_without_vllm_the_bench_fails_saying_what_to_install() -> None:
 @pytest.mark.mooncake
 @needs_vllm_033
 @pytest.mark.timeout(300)
-def test_quick_bench_verifies_both_connectors_and_reports_ratios_and_profile() -> None:
-    report, steps = _run_in_child(corrupt_d=False)
+@pytest.mark.parametrize("p_process", [True, False], ids=["P in its own process", "P beside D"])
+def test_quick_bench_verifies_both_connectors_and_reports_ratios_and_profile(p_process: bool) -> None:
+    report, steps = _run_in_child(corrupt_d=False, p_process=p_process)
     assert report.ok, (report.error, [c for c in report.checks if not c.ok])
     for label in (OURS, PEER):
         waves = [c for c in report.checks if c.name.startswith(f"{label} {QUICK.name} ")]
@@ -114,7 +121,16 @@ def test_quick_bench_verifies_both_connectors_and_reports_ratios_and_profile() -
     assert len(ratios) == 1 and "GB/s" in ratios[0] and "latency p50" in ratios[0], steps
     profile = [s for s in steps if s.startswith(f"{QUICK.name}: ours per request")]
     assert len(profile) == 1, steps
-    for phase in ("queue wait", "lease check", "planning", "engine read", "Done", "gap until get_finished"):
+    phases = (
+        "queue wait",
+        "lease check",
+        "earlier requests",
+        "planning",
+        "engine read",
+        "Done",
+        "gap until get_finished",
+    )
+    for phase in phases:
         assert phase in profile[0], profile[0]
 
 
@@ -132,7 +148,9 @@ def test_a_wave_whose_bytes_differ_fails_and_reports_no_figure() -> None:
 
 
 if __name__ == "__main__":
-    _report, _steps = _run(PdVllmScenario(corrupt_d=sys.argv[1:] == ["--corrupt-d"]))
+    _report, _steps = _run(
+        PdVllmScenario(corrupt_d=sys.argv[1] == "--corrupt-d", p_process=sys.argv[2] == "--p-process")
+    )
     _payload = dataclasses.asdict(_report) | {"steps": _steps}
     sys.stdout.write(_CHILD_MARK + json.dumps(_payload) + "\n")
     sys.stdout.flush()

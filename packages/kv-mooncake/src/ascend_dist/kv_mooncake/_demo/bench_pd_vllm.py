@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import importlib.util
+import secrets
 import statistics
 import tempfile
 import time
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
 from ascend_dist.kv_mooncake._demo.pd_vllm_geometry import LARGE, QUICK, SMALL, Shape
+from ascend_dist.kv_mooncake._demo.pd_vllm_p_host import PHost, ProcessP
 from ascend_dist.kv_mooncake._demo.pd_vllm_probe import Probe
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 
@@ -55,6 +57,11 @@ __all__ = ["PdVllmScenario", "make_scenario"]
 GBPS_TARGET = 1.2  # large shape: ours >= 1.2x vLLM's GB/s
 LATENCY_TARGET = 2.0  # small shape: ours <= 0.5x vLLM's latency (Measurement's ratio is vLLM's / ours)
 PHASE_TIMEOUT_S = 120.0
+BENCH_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",  # vLLM's connector binds its side channel and engine here
+    "HF_HUB_OFFLINE": "1",
+}
+SENTINEL = -3.0  # what D's caches hold before a load: no moved block can equal it
 OURS = "ours (MooncakeConnectorV1, pull)"
 PEER = "vLLM MooncakeConnector"
 _OURS_MODULE = "ascend_dist.kv_mooncake.pull.vllm_connector"
@@ -81,7 +88,7 @@ class _Side:
 
     label: str
     peer: bool
-    p: Instance
+    p: PHost
     d: Instance
     bootstrap: Any = None
     boot_addr: str = ""  # vLLM's: the bootstrap server's URL, what its proxy hands D
@@ -103,14 +110,21 @@ class PdVllmScenario:
     summary = "P/D through vLLM's Scheduler: ours (MooncakeConnectorV1) vs vLLM's MooncakeConnector, GB/s, latency"
     modes = frozenset({"bench"})
 
-    def __init__(self, *, shapes: tuple[Shape, ...] | None = None, corrupt_d: bool = False) -> None:
+    def __init__(
+        self, *, shapes: tuple[Shape, ...] | None = None, corrupt_d: bool = False, p_process: bool = True
+    ) -> None:
         """Defaults: `LARGE` and `SMALL` (`QUICK` with ``--quick``).
+
+        ``p_process``: each P in a process of its own, as deployed (the default); False puts both
+        contenders' P beside their D in this process, one loop stepping both (the layout of the
+        figures before 2026-12-05).
 
         ``corrupt_d`` (tests: the control) refills D's caches with the sentinel after each load, as if
         nothing had moved: every wave must then fail its byte check and no figure be reported.
         """
         self._shapes = shapes
         self._corrupt_d = corrupt_d
+        self._p_process = p_process
 
     def run(self, ctx: ScenarioContext) -> ScenarioReport:
         report = ScenarioReport(self.name, ctx.mode)
@@ -133,12 +147,8 @@ class PdVllmScenario:
             f"{shape.wave_bytes / 2**20:.1f} MiB per wave, 1 warm-up + {shape.waves} timed waves"
         )
         model_dir = vd.write_model_dir(tmp, shape)
-        env = {
-            "VLLM_HOST_IP": "127.0.0.1",  # vLLM's connector binds its side channel and engine here
-            "HF_HUB_OFFLINE": "1",
-        }
         sides: list[_Side] = []
-        with vd.environment(env), vd.cpu_host_shims():
+        with vd.environment(BENCH_ENV), vd.cpu_host_shims():
             probe_cfg = vd.vllm_config(model_dir, shape, self._ours(shape, "kv_both", "probe", 1))
             with vd.distributed_env(probe_cfg, free_port_range(1)):
                 try:
@@ -186,9 +196,7 @@ class PdVllmScenario:
         # Our engines are process-wide per host; forgetting the cached one before each instance gives
         # P and D their own transfer engine, as vLLM's connector has (and as two processes would).
         reset_engines_for_tests()
-        p = vd.Instance(
-            vd.vllm_config(model_dir, shape, self._ours(shape, "kv_producer", f"ours-p-{tag}", port)), shape
-        )
+        p = self._start_p(model_dir, shape, self._ours(shape, "kv_producer", f"ours-p-{tag}", port))
         try:
             reset_engines_for_tests()
             d_port = free_port_range(1)
@@ -213,22 +221,18 @@ class PdVllmScenario:
         try:
             extra = {"mooncake_protocol": "tcp", "bootstrap_server_address": f"127.0.0.1:{boot_port}"}
 
-            def cfg(role: str, engine_id: str) -> Any:
-                return vd.vllm_config(
-                    model_dir,
-                    shape,
-                    {
-                        "kv_connector": "MooncakeConnector",
-                        "kv_role": role,
-                        "engine_id": engine_id,
-                        "kv_connector_extra_config": extra,
-                    },
-                )
+            def transfer(role: str, engine_id: str) -> dict[str, Any]:
+                return {
+                    "kv_connector": "MooncakeConnector",
+                    "kv_role": role,
+                    "engine_id": engine_id,
+                    "kv_connector_extra_config": extra,
+                }
 
             p_id = f"vllm-p-{tag}"
-            p = vd.Instance(cfg("kv_producer", p_id), shape)
+            p = self._start_p(model_dir, shape, transfer("kv_producer", p_id))
             try:
-                d = vd.Instance(cfg("kv_consumer", f"vllm-d-{tag}"), shape)
+                d = vd.Instance(vd.vllm_config(model_dir, shape, transfer("kv_consumer", f"vllm-d-{tag}")), shape)
             except BaseException:
                 p.close()
                 raise
@@ -236,6 +240,14 @@ class PdVllmScenario:
             bootstrap.shutdown()
             raise
         return _Side(PEER, True, p, d, bootstrap=bootstrap, boot_addr=f"http://127.0.0.1:{boot_port}", p_engine_id=p_id)
+
+    def _start_p(self, model_dir: Path, shape: Shape, transfer: dict[str, Any]) -> PHost:
+        """P in a process of its own (the default: as deployed), or beside D in this one."""
+        from ascend_dist.kv_mooncake._demo import pd_vllm_driver as vd
+
+        if self._p_process:
+            return ProcessP(model_dir, shape, transfer, BENCH_ENV)
+        return vd.Instance(vd.vllm_config(model_dir, shape, transfer), shape)
 
     @staticmethod
     def _stop(side: _Side) -> None:
@@ -251,14 +263,16 @@ class PdVllmScenario:
     def _wave(self, report: ScenarioReport, side: _Side, shape: Shape, wave: int) -> None:
         """One wave (see the module docstring); a timed wave's figures count only if every block verified."""
         w = _Wave.new(side, shape, wave)
-        _fill(side)
+        _fill(side, w)
         _prefill(side, w)
         _load(side, w)
         # D computes the last token, P frees its lent blocks: both idle before the check.
-        side.d.run_until_idle(PHASE_TIMEOUT_S, also=side.p)
+        from ascend_dist.kv_mooncake._demo.pd_vllm_driver import Instance
+
+        side.d.run_until_idle(PHASE_TIMEOUT_S, also=side.p if isinstance(side.p, Instance) else None)
+        side.p.wait_idle(PHASE_TIMEOUT_S)
         if self._corrupt_d:
-            for t in side.d.caches.values():
-                t.fill_(-3.0)
+            side.d.fill(SENTINEL)
         w.problems += _verify(shape, side, w)
         n = shape.requests
         wave_s = (max(w.received.values()) - w.t0) if len(w.received) == n else float("inf")
@@ -408,7 +422,9 @@ class _Wave:
     prompts: list[list[int]]
     p_ids: list[str]
     d_ids: list[str]
+    seed: int
     p_blocks: dict[str, list[int]] = field(default_factory=dict)
+    p_digests: dict[str, list[str]] = field(default_factory=dict)  # P request -> its blocks' digests
     p_params: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     d_blocks: dict[str, list[int]] = field(default_factory=dict)
     received: dict[str, float] = field(default_factory=dict)  # D request -> perf_counter of its report
@@ -420,40 +436,34 @@ class _Wave:
         tag = f"w{wave + 1}-{uuid.uuid4().hex[:6]}"
         n = shape.requests
         prompts = [_prompt(shape, wave, i, 1 if side.peer else 0) for i in range(n)]
-        return cls(shape, wave, prompts, [f"{tag}-p{i}" for i in range(n)], [f"{tag}-d{i}" for i in range(n)])
+        p_ids, d_ids = [f"{tag}-p{i}" for i in range(n)], [f"{tag}-d{i}" for i in range(n)]
+        return cls(shape, wave, prompts, p_ids, d_ids, seed=secrets.randbelow(1 << 31))
 
     @staticmethod
     def transfer_id(p_rid: str) -> str:
         return f"xfer-{p_rid}"
 
 
-def _fill(side: _Side) -> None:
+def _fill(side: _Side, w: _Wave) -> None:
     """P's caches: fresh random bytes; D's: a sentinel that must not survive the load."""
-    import torch
-
-    gen = torch.Generator().manual_seed(int(uuid.uuid4().int % (1 << 31)))
-    for t in side.p.caches.values():
-        t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, generator=gen, dtype=torch.int16))
-    for t in side.d.caches.values():
-        t.fill_(-3.0)
+    side.p.fill_random(w.seed)
+    side.d.fill(SENTINEL)
 
 
 def _prefill(side: _Side, w: _Wave) -> None:
-    """P computes every prompt (``do_remote_decode``), then steps once more; the proxy keeps P's params."""
-    p, n = side.p, w.shape.requests
-    for rid, prompt in zip(w.p_ids, w.prompts, strict=True):
-        params: dict[str, Any] = {"do_remote_decode": True}
+    """P computes every prompt (``do_remote_decode``); the proxy keeps P's params, the check P's digests."""
+    params: list[dict[str, Any]] = []
+    for rid in w.p_ids:
+        one: dict[str, Any] = {"do_remote_decode": True}
         if side.peer:
-            params["transfer_id"] = w.transfer_id(rid)
-        p.add(rid, prompt, params)
-    deadline = time.monotonic() + PHASE_TIMEOUT_S
-    while len(w.p_params) < n and time.monotonic() < deadline:
-        res = p.step()
-        w.p_blocks.update(res.new_blocks)
-        w.p_params.update(res.finished_params)
-    p.step()  # both connectors hand the finished requests' blocks to their workers in the next step
+            one["transfer_id"] = w.transfer_id(rid)
+        params.append(one)
+    w.p_blocks, w.p_params = side.p.prefill(w.p_ids, w.prompts, params, PHASE_TIMEOUT_S)
+    n = w.shape.requests
     if len(w.p_params) < n:
         w.problems.append(f"P finished {len(w.p_params)}/{n} requests")
+    need = w.shape.blocks_per_request
+    w.p_digests = side.p.digests({rid: ids[:need] for rid, ids in w.p_blocks.items()})
 
 
 def _d_params(side: _Side, w: _Wave, p_rid: str) -> dict[str, Any]:
@@ -487,24 +497,23 @@ def _load(side: _Side, w: _Wave) -> None:
         if res.failed_recving or res.invalid_block_ids:
             w.problems.append(f"D's loads failed: {sorted(res.failed_recving)} {sorted(res.invalid_block_ids)[:4]}")
             break
-        if p.sched.has_requests():
-            p.step()
+        p.step_beside()
     if len(w.received) < n:
         w.problems.append(f"D received {len(w.received)}/{n} requests")
 
 
 def _verify(shape: Shape, side: _Side, w: _Wave) -> list[str]:
-    """Every prompt token of every block on D equals P's (every layer, head, K and V)."""
+    """Every prompt token of every block on D equals P's (every layer, head, K and V; by BLAKE2b digest)."""
     problems = []
+    need = shape.blocks_per_request
+    d_digests = side.d.digests({rid: ids[:need] for rid, ids in w.d_blocks.items()})
     for i, (pr, dr) in enumerate(zip(w.p_ids, w.d_ids, strict=True)):
-        src, dst = w.p_blocks.get(pr, []), w.d_blocks.get(dr, [])
-        need = shape.blocks_per_request
+        src, dst = w.p_digests.get(pr, []), d_digests.get(dr, [])
         if len(src) < need or len(dst) < need:
             problems.append(f"request {i}: {len(src)} P blocks, {len(dst)} D blocks, expected {need}")
             continue
         for j in range(need):
-            tokens = min(shape.block, shape.tokens - j * shape.block)
-            if side.d.block(dst[j], tokens) != side.p.block(src[j], tokens):
+            if dst[j] != src[j]:
                 problems.append(f"request {i} block {j}: D's bytes differ from P's")
                 break
     return problems

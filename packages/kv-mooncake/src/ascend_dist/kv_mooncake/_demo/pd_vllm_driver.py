@@ -27,10 +27,11 @@ Shims (bench only, never in the product; see the kv-mooncake README, *pd-vllm*):
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -376,6 +377,57 @@ class Instance:
     def block(self, block_id: int, tokens: int) -> bytes:
         """The first ``tokens`` token rows of one block in every layer (every head, K and V)."""
         return b"".join(t[block_id, :, :tokens].contiguous().numpy().tobytes() for t in self.caches.values())
+
+    def digests(self, blocks: Mapping[str, Sequence[int]]) -> dict[str, list[str]]:
+        """Per request, a BLAKE2b digest of each of its first prompt blocks (`block`'s bytes, prompt tokens only).
+
+        What a P in another process hands the bench for D's byte check (256 MiB per wave stay home).
+        """
+        out: dict[str, list[str]] = {}
+        for rid, ids in blocks.items():
+            rows = [min(self.shape.block, self.shape.tokens - j * self.shape.block) for j in range(len(ids))]
+            out[rid] = [hashlib.blake2b(self.block(b, n)).hexdigest() for b, n in zip(ids, rows, strict=True)]
+        return out
+
+    def fill_random(self, seed: int) -> None:
+        """Every cache byte from a seeded generator (P: each wave's KV is new)."""
+        gen = torch.Generator().manual_seed(seed)
+        for t in self.caches.values():
+            t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, generator=gen, dtype=torch.int16))
+
+    def fill(self, value: float) -> None:
+        """Every cache element set to ``value`` (D: a sentinel no load may leave behind)."""
+        for t in self.caches.values():
+            t.fill_(value)
+
+    def prefill(
+        self, req_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[dict[str, Any]], timeout_s: float
+    ) -> tuple[dict[str, list[int]], dict[str, dict[str, Any] | None]]:
+        """Compute ``prompts`` as P (one output token each), then step once more; each request's blocks and params.
+
+        The extra step is where both connectors hand the finished requests' blocks to their workers.
+        A request missing from the answer did not finish within ``timeout_s``.
+        """
+        for rid, prompt, p in zip(req_ids, prompts, params, strict=True):
+            self.add(rid, prompt, p)
+        blocks: dict[str, list[int]] = {}
+        finished: dict[str, dict[str, Any] | None] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(finished) < len(req_ids) and time.monotonic() < deadline:
+            res = self.step()
+            blocks.update(res.new_blocks)
+            finished.update(res.finished_params)
+        self.step()
+        return blocks, finished
+
+    def step_beside(self) -> None:
+        """One step if the scheduler has work (a P stepped by the same loop as D, in turn)."""
+        if self.sched.has_requests():
+            self.step()
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Step until the scheduler has no work (see `run_until_idle`)."""
+        self.run_until_idle(timeout_s)
 
     def run_until_idle(self, timeout_s: float, also: Instance | None = None) -> None:
         """Step while vLLM's engine would (``Scheduler.has_requests``), stepping ``also`` beside it.

@@ -4,11 +4,12 @@ Runs in: the ``ascend-dist bench pd-vllm`` process. `Probe.attach` wraps collabo
 worker's ``Receiver`` (its lanes' queue and batch runner, its side-channel client, its engine and
 its per-task report) in timing proxies that forward every call unchanged, so the connector runs its
 own code. D reads in batches (one per P lane reader: every queued task, one ``Renew`` for the
-batch's requests before the read, one engine call, one more ``Renew`` only after a read past half
-the lease), so a batch's lease checks and
-engine time count for every request in it. Per request (P's request id, summed over its tasks):
-queue wait (queued -> its batch starts), metadata fetch, lease checks, engine time, planning and
-bookkeeping (the rest of the batch's time until the request was reported), and ``Done`` (sent by
+batch's requests before the reads, then one engine call per request in turn, one more ``Renew``
+only after a read past half the lease), so a batch's lease checks count for every request in it
+and each engine read for the request it moves. Per request (P's request id, summed over its tasks):
+queue wait (queued -> its batch starts), metadata fetch, lease checks, the reads of the requests its
+batch read before it, its own engine time, planning and bookkeeping (the rest of the batch's time
+until the request was reported), and ``Done`` (sent by
 the lane's DONE thread after the request was reported: off the read path, shown apart).
 `RequestTimes.reported_at` is when the receiver marked the request's last task done, from which
 the bench measures the gap until ``get_transfer_results`` reported it.
@@ -28,8 +29,9 @@ PHASES = (
     "queue wait",
     "metadata",
     "lease check (Renew per batch)",
+    "reads of earlier requests of its batch",
     "planning + bookkeeping",
-    "engine read (per batch)",
+    "engine read",
     "Done (DONE thread, after the report)",
 )
 
@@ -44,6 +46,7 @@ class RequestTimes:
     metadata: float = 0.0
     renew: float = 0.0
     engine: float = 0.0
+    behind: float = 0.0  # engine time of its batch's requests read before it (same thread)
     done: float = 0.0
     batch: int = 0  # requests in the batch that read it (the last one, for a request read in several)
 
@@ -53,8 +56,9 @@ class RequestTimes:
             "queue wait": max(0.0, self.started_at - self.queued_at),
             "metadata": self.metadata,
             "lease check (Renew per batch)": self.renew,
-            "planning + bookkeeping": max(0.0, busy - self.metadata - self.renew - self.engine),
-            "engine read (per batch)": self.engine,
+            "reads of earlier requests of its batch": self.behind,
+            "planning + bookkeeping": max(0.0, busy - self.metadata - self.renew - self.behind - self.engine),
+            "engine read": self.engine,
             "Done (DONE thread, after the report)": self.done,
         }
 
@@ -77,6 +81,10 @@ class Probe:
         receiver._engine = _Engine(receiver._engine, self)
         task_done = receiver._task_done
         receiver._task_done = lambda pull: self._reported(task_done, pull)
+        read_held = receiver._read_held
+        receiver._read_held = lambda agent, host, port, reading, trusted: self._reading(
+            read_held, agent, host, port, reading, trusted
+        )
 
     def clear(self) -> None:
         with self._lock:
@@ -106,6 +114,7 @@ class Probe:
             t.started_at = t.started_at or now
             t.batch = len(set(rids))
         self._local.batch = rids
+        self._local.batch_engine = 0.0
         try:
             run(lane, batch)
         finally:
@@ -117,6 +126,18 @@ class Probe:
         finally:
             self.times(pull.meta.remote_request_id).reported_at = time.perf_counter()
 
+    def _reading(self, read_held: Callable[..., None], *args: Any) -> None:
+        """The receiver reads the requests ``args[3]`` (after their `Renew`): the next engine reads are theirs."""
+        rids = [item.pull.meta.remote_request_id for item in args[3]]
+        self.add(rids, "behind", getattr(self._local, "batch_engine", 0.0))
+        self.set_chunk(rids)
+        read_held(*args)
+
+    def read_took(self, seconds: float) -> None:
+        """An engine read on this thread ended: its requests' engine time, the batch's time so far."""
+        self.add(self.chunk_rids(), "engine", seconds)
+        self._local.batch_engine = getattr(self._local, "batch_engine", 0.0) + seconds
+
     def add(self, rids: list[str], phase: str, seconds: float) -> None:
         for rid in rids:
             t = self.times(rid)
@@ -126,7 +147,7 @@ class Probe:
         return list(getattr(self._local, "batch", []))
 
     def chunk_rids(self) -> list[str]:
-        """The requests of the last ``Renew`` on this thread (the chunk the next engine read moves)."""
+        """The requests the receiver is reading on this thread (what the next engine read moves)."""
         return list(getattr(self._local, "chunk", []))
 
     def set_chunk(self, rids: list[str]) -> None:
@@ -173,7 +194,6 @@ class _Peers:
 
     def renew(self, host: str, port: int, requests: list[Any]) -> list[float | None]:
         rids = [ask.request_id for ask in requests]
-        self._probe.set_chunk(rids)
         start = time.perf_counter()
         try:
             return self._inner.renew(host, port, requests)
@@ -203,4 +223,4 @@ class _Engine:
         try:
             self._inner.read(*args, **kwargs)
         finally:
-            self._probe.add(self._probe.chunk_rids(), "engine", time.perf_counter() - start)
+            self._probe.read_took(time.perf_counter() - start)
