@@ -1,10 +1,14 @@
-"""A P restarted on a dead P's Mooncake RPC port, over real Mooncake TCP (P in child processes, D here).
+"""A P restarted on a dead P's ports, over real Mooncake TCP (P in child processes, D here).
 
-Mooncake keeps a peer's descriptor per session name (``host:rpc_port``) for the life of the reading
-process and over TCP never refreshes it (`core.session_owners`). A new P on the dead one's session
-and another transport port must be refused at once, without a read (before, each of its requests
-read, failed after a second of reconnecting to the dead port, and was reported as P not
-answering); one that took the dead one's transport port too is read (right bytes).
+On its side-channel port: D's cached side-channel metadata names the dead process; P's `Held`
+names the process answering, so D never reads with the dead one's (`PeerRestarted`).
+
+On its Mooncake RPC port: Mooncake keeps a peer's descriptor per session name (``host:rpc_port``)
+for the life of the reading process and over TCP never refreshes it (`core.session_owners`). A new
+P on the dead one's session and another transport port must be refused at once, without a read
+(before, each of its requests read, failed after a second of reconnecting to the dead port, and
+was reported as P not answering); one that took the dead one's transport port too is read (right
+bytes).
 
 Mooncake draws both ports from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` at random (its RPC
 listener with ``SO_REUSEADDR`` per its source, so a port in TIME_WAIT will do; its transport
@@ -134,3 +138,38 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_refused_at_once_or_read_
     # Control: a P on a session of its own is read through the same Mooncake engine.
     other = make_pair(own_process=True, d_engine=engine)
     assert other.transfer("fresh", 40, seed=5) == set() and other.d.verify("fresh", 5) > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_p_restarted_on_its_side_channel_port_is_never_read_with_the_dead_ones_metadata(
+    make_pair: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """P killed with nothing pulled from it since, so D still caches its side-channel metadata; a new
+    P on the same side-channel port (a Mooncake session of its own) answers D's `Renew` as another
+    process: its request fails at once without a read (before, D read the dead process's session and
+    addresses: a hung read, then a failure), and the next request fetches the new P's metadata and
+    reads byte-exact."""
+    caplog.set_level(logging.ERROR, logger="ascend_dist.kv_mooncake.pull.threads")
+    engine = CountingReader(get_engine("127.0.0.1", "tcp"))
+    pair = make_pair(own_process=True, d_engine=engine)
+    assert pair.transfer("first", 40, seed=1) == set() and pair.d.verify("first", 1) > 0
+    dead_session = _session_port(pair)
+    pair.p.peer.kill()  # D is not told: its cached metadata names the dead process
+    with PeerProcess() as peer:  # a Mooncake window no earlier child had: another session
+        p = peer.create("restarted", pair.extra, SPEC)
+        reads = engine.reads
+        start = time.monotonic()
+        pair.d.decode("stale", 40, p.prefill("stale", 40, 2))
+        errors = pair.d.wait_recv({"stale"}, timeout_s=15.0)
+        took = time.monotonic() - start
+        assert errors == set(pair.d.blocks["stale"][0])  # failed whole: vLLM recomputes it
+        assert engine.reads == reads, "read with the dead P's metadata"
+        assert "restarted since D fetched its metadata" in caplog.text
+        assert took < 1.0, f"refusing took {took:.3f} s"
+        assert _lent(p) == 0  # D's DONE gave the new P its blocks back at once
+        # The next request is read from the new P, through its own session.
+        pair.d.decode("fresh", 40, p.prefill("fresh", 40, 3))
+        assert pair.d.wait_recv({"fresh"}, timeout_s=15.0) == set()
+        assert pair.d.verify("fresh", 3) > 0 and engine.reads > reads
+        assert _session_port(pair) != dead_session
+        p.drop()

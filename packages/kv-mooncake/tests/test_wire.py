@@ -135,17 +135,20 @@ def test_layer_done_fields_are_bounded_before_anything_is_allocated(fields: dict
 
 
 def test_pull_lease_fields_round_trip_older_frames_decode_and_hostile_leases_are_refused() -> None:
-    """Readers and promised leases (no version bump: an older peer's frames decode with the defaults,
-    which mean "no reader named" and "no promise", so D checks again after every read)."""
+    """Readers, promised leases and P's process (no version bump: an older peer's frames decode with
+    the defaults, which mean "no reader named", "no promise" and "not said", so D checks again after
+    every read and reads with the metadata it cached)."""
     requests, replies = pull.request_codec(1 << 20), pull.reply_codec(1 << 20)
     renew = pull.Renew(request_ids=["a", "b"], d_rank=1, senders=["pcp0/-1"] * 2, readers=["r1", "r2"])
     assert requests.decode(requests.encode(renew)) == renew
-    held = pull.Held(held=[True, False], lease_s=[59.5, 0.0])
+    held = pull.Held(held=[True, False], lease_s=[59.5, 0.0], incarnation="0123abcd")
     assert replies.decode(replies.encode(held)) == held
     older = requests.decode(msgspec.msgpack.encode({"kind": "renew", "request_ids": ["a"]}))
     assert isinstance(older, pull.Renew) and (older.d_rank, older.senders, older.readers) == (0, [], [])
     older_held = replies.decode(msgspec.msgpack.encode({"kind": "pull_held", "held": [True]}))
-    assert isinstance(older_held, pull.Held) and older_held.lease_s == []
+    assert isinstance(older_held, pull.Held) and (older_held.lease_s, older_held.incarnation) == ([], "")
+    with pytest.raises(ProtocolError):  # P's process token is bounded like `AgentMetadata.incarnation`
+        replies.decode(msgspec.msgpack.encode({"kind": "pull_held", "held": [True], "incarnation": "x" * 100}))
     for lease in (-1.0, float("nan"), float("inf"), 1e9):
         with pytest.raises(ProtocolError):
             replies.decode(msgspec.msgpack.encode({"kind": "pull_held", "held": [True], "lease_s": [lease]}))

@@ -192,11 +192,11 @@ class _Peers:
         finally:
             self._probe.add(self._probe.batch_rids(), "metadata", time.perf_counter() - start)
 
-    def renew(self, host: str, port: int, requests: list[Any]) -> list[float | None]:
+    def renew(self, host: str, port: int, requests: list[Any], **kwargs: Any) -> list[float | None]:
         rids = [ask.request_id for ask in requests]
         start = time.perf_counter()
         try:
-            return self._inner.renew(host, port, requests)
+            return self._inner.renew(host, port, requests, **kwargs)
         finally:
             self._probe.add(rids, "renew", time.perf_counter() - start)
 

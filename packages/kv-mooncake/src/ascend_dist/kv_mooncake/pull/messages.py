@@ -88,11 +88,13 @@ class Held(Message, frozen=True, kw_only=True, tag="pull_held"):
 
     ``lease_s[i]`` (or empty: no promise) is how long from its answer P keeps those blocks at the
     least: the renewed lease of a lent request, 0 for one still in P's batch (its lease has not
-    begun) or not held.
+    begun) or not held. ``incarnation`` is the answering worker process's (`AgentMetadata`'s; empty
+    from a P that does not say): D reads with the metadata it cached only while they match.
     """
 
     held: Annotated[list[bool], msgspec.Meta(max_length=MAX_BATCH)]
     lease_s: Annotated[list[LeaseSeconds], msgspec.Meta(max_length=MAX_BATCH)] = msgspec.field(default_factory=list)
+    incarnation: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class DoneItem(msgspec.Struct, frozen=True, kw_only=True):

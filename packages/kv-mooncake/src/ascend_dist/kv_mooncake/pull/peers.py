@@ -14,7 +14,7 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ascend_dist.common.errors import IncompatiblePeer, ProtocolError
+from ascend_dist.common.errors import IncompatiblePeer, LeaseExpired, ProtocolError
 from ascend_dist.common.wire import Codec, Handshake
 from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
@@ -33,9 +33,17 @@ from ascend_dist.kv_mooncake.pull.messages import (
     request_codec,
 )
 
-__all__ = ["LeaseAsk", "PeerClient"]
+__all__ = ["LeaseAsk", "PeerClient", "PeerRestarted"]
 
 logger = logging.getLogger(__name__)
+
+
+class PeerRestarted(LeaseExpired):
+    """The P worker that answered is another process than the one whose metadata D read with.
+
+    A P restarted on its side-channel port, with no failed transfer from it in between, would
+    otherwise be read at the dead process's session and addresses. P is alive: not a breaker trip.
+    """
 
 
 class LeaseAsk(NamedTuple):
@@ -98,15 +106,17 @@ class PeerClient:
             self._cache[(engine_id, host, port)] = reply.metadata
         return reply.metadata
 
-    def renew(self, host: str, port: int, requests: Sequence[LeaseAsk]) -> list[float | None]:
+    def renew(self, host: str, port: int, requests: Sequence[LeaseAsk], *, incarnation: str = "") -> list[float | None]:
         """Extend the leases of ``requests`` on one P worker, as their readers.
 
         Returns, per request, None when P no longer holds its blocks (for this reader), else the
         seconds P promised to keep them from its answer (0: no promise, e.g. not lent yet). One
         `Renew` per `MAX_BATCH` requests. A grant is P's signed capability (a P with a secret renews
-        nothing without it).
+        nothing without it). ``incarnation``: that of the metadata D will read with (empty: not
+        checked).
 
         Raises:
+            PeerRestarted: P answered from another process than ``incarnation``'s.
             ProtocolError: An unexpected reply or one with another count (and like `metadata` on
                 a dead or slow P).
         """
@@ -125,6 +135,11 @@ class PeerClient:
             reply = self._rpc(host, port, renew)
             if not isinstance(reply, Held) or len(reply.held) != len(ids) or len(reply.lease_s) not in (0, len(ids)):
                 raise ProtocolError(f"expected {len(ids)} held flags from {host}:{port}, got {type(reply).__name__}")
+            if incarnation and reply.incarnation and reply.incarnation != incarnation:
+                raise PeerRestarted(
+                    f"P {host}:{port} restarted since D fetched its metadata (process {incarnation}, "
+                    f"now {reply.incarnation}): its requests are recomputed, the next ones fetch it again"
+                )
             promised = reply.lease_s or [0.0] * len(ids)
             out += [lease if held else None for held, lease in zip(reply.held, promised, strict=True)]
         return out

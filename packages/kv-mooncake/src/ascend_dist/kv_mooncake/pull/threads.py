@@ -12,10 +12,13 @@ holds the blocks of every request in the batch (one `Renew` per ``recv_batch_byt
 their leases), then reads them one request per engine call, in turn, reporting each as soon as its
 own read ends (the first request does not wait for the batch's last byte), and, only when a read
 ended past half the lease P promised in that answer, asks again for that request (a read that
-outlasted a lease, whose blocks P may have reused meanwhile, fails that request alone). A read that ended sooner was inside the lease: P's lease
-began after D asked, and only the pull's own reader can free the blocks early (each pull names
-itself with a random token, `DRequest.reader`; P serves one reader per slot, so params replayed to
-a second D request are refused and its DONE frees nothing). Each request is then reported and
+outlasted a lease, whose blocks P may have reused meanwhile, fails that request alone). A read
+that ended sooner was inside the lease: P's lease began after D asked, and only the pull's own
+reader can free the blocks early (each pull names itself with a random token, `DRequest.reader`;
+P serves one reader per slot, so params replayed to a second D request are refused and its DONE
+frees nothing). P's answer names its process: one other than the cached metadata's (P restarted
+on its side-channel port) fails the batch unread (`PeerRestarted`), and the metadata is fetched
+again for the next requests. Each request is then reported and
 its DONE queued: the lane's DONE thread sends the queued DONEs as one `Dones` list per P rank, even
 after a failure, so P frees its blocks off D's critical path. A failed read fails (and
 quarantines) its request and fails the batch's requests not read yet (unread: they would read
@@ -75,7 +78,7 @@ from ascend_dist.kv_mooncake.pull.d_plan import PullPlanner, ShardKind
 from ascend_dist.kv_mooncake.pull.d_requests import DRequest, DRequests, DState, PullTask
 from ascend_dist.kv_mooncake.pull.lanes import Lane, Lanes, PeerKey
 from ascend_dist.kv_mooncake.pull.messages import DoneItem
-from ascend_dist.kv_mooncake.pull.peers import LeaseAsk, PeerClient
+from ascend_dist.kv_mooncake.pull.peers import LeaseAsk, PeerClient, PeerRestarted
 from ascend_dist.kv_mooncake.pull.step_metadata import ReqMeta, pull_capability, pull_grant, rank_host
 from ascend_dist.kv_mooncake.pull.task_batch import LocalCache, TaskBatch, group_pairs
 
@@ -109,7 +112,9 @@ def _peer_stopped_answering(exc: BaseException) -> bool:
     """Whether a task's failure means P itself did not answer (what trips its lane's breaker)."""
     if isinstance(exc, DeadlineExceeded):
         return True
-    return isinstance(exc, TransferError) and not isinstance(exc, NotHeld | PeerDown | TransferTimeout | SessionReused)
+    return isinstance(exc, TransferError) and not isinstance(
+        exc, NotHeld | PeerRestarted | PeerDown | TransferTimeout | SessionReused
+    )
 
 
 @dataclass(eq=False)
@@ -411,7 +416,7 @@ class Receiver:
             # Before reading, P must confirm it still holds each request's blocks: params replayed
             # after D consumed them, or aimed at a request P already freed, would read reused blocks.
             asked = self._clock()
-            held = self._peers.renew(host, port, self._leases(chunk))
+            held = self._peers.renew(host, port, self._leases(chunk), incarnation=agent.incarnation)
         except Exception as exc:
             for item in chunk:
                 item.fail(exc)
@@ -486,7 +491,7 @@ class Receiver:
         # still holds them after it. (P's entry for an id never comes back once freed, so "held"
         # now means held throughout.)
         if self._clock() >= trusted_until:
-            held = self._peers.renew(host, port, self._leases(reading))
+            held = self._peers.renew(host, port, self._leases(reading), incarnation=agent.incarnation)
             for item, lease in zip(reading, held, strict=True):
                 if lease is None:
                     item.fail(NotHeld(f"P {host}:{port} released {item.pull.meta.remote_request_id!r} during the read"))
@@ -548,7 +553,7 @@ class Receiver:
         # The breaker's verdict. A probe must always end, or every later request fails at once.
         if exc is not None and _peer_stopped_answering(exc):
             lane.failed(pull)
-        elif item.live and item.contacted and (exc is None or isinstance(exc, NotHeld)):
+        elif item.live and item.contacted and (exc is None or isinstance(exc, NotHeld | PeerRestarted)):
             lane.answered(pull)  # P replied ("not held" included)
         else:  # nothing read, or failed before P was asked: proves nothing about P
             lane.release(pull)

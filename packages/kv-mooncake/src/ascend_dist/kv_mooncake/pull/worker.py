@@ -355,7 +355,10 @@ class PullWorker:
             # Each promise is the lease just renewed: a lower bound from this answer on.
             leases = self._renew(msg)
             held = [lease is not None for lease in leases]
-            return self._replies.encode(Held(held=held, lease_s=[lease or 0.0 for lease in leases]))
+            incarnation = self._metadata.incarnation if self._metadata is not None else ""
+            return self._replies.encode(
+                Held(held=held, lease_s=[lease or 0.0 for lease in leases], incarnation=incarnation)
+            )
         # One count per D task (rank, CP rank and shard): a retried copy names the same sender. The
         # answer is the same whether P knew the id, or signed it: not an oracle.
         if isinstance(msg, Dones):
