@@ -108,7 +108,7 @@ def test_quick_bench_verifies_both_connectors_and_reports_ratios_and_profile(p_p
         assert len(waves) == 1 + QUICK.waves  # the warm-up and every timed wave, each verified
         assert all(c.ok and f"{QUICK.requests} requests" in c.detail for c in waves), waves
     assert any(c.name.startswith(f"raw engine {QUICK.name}") and c.ok for c in report.checks)
-    gbps, latency, ceiling, peer_ceiling = report.measurements
+    gbps, latency, ceiling, peer_ceiling, one_reader, two_readers = report.measurements
     for m in (gbps, latency):
         assert m.baseline_name.startswith(PEER) and m.value > 0 and m.baseline > 0
     assert gbps.unit == "GB/s" and gbps.ratio == pytest.approx(gbps.value / gbps.baseline)
@@ -117,6 +117,9 @@ def test_quick_bench_verifies_both_connectors_and_reports_ratios_and_profile(p_p
         assert m.baseline_name.startswith("raw batch_transfer_sync_read") and m.baseline > 0
         assert m.value == pytest.approx(contender)
     assert peer_ceiling.baseline == ceiling.baseline and peer_ceiling.name.startswith(f"{QUICK.name} ")
+    for m, threads in ((one_reader, 1), (two_readers, 2)):  # the raw engine read as our readers read
+        assert f"one read per request in turn, {threads} thread(s)" in m.name, m.name
+        assert m.value > 0 and m.baseline == ceiling.baseline
     ratios = [s for s in steps if s.startswith(f"{QUICK.name}: ours / vLLM's")]
     assert len(ratios) == 1 and "GB/s" in ratios[0] and "latency p50" in ratios[0], steps
     profile = [s for s in steps if s.startswith(f"{QUICK.name}: ours per request")]

@@ -14,19 +14,23 @@ transfer engine). Ours pulls (D reads from P); vLLM's is asked by D and writes f
 2. A proxy step hands D what a proxy would: ours, P's returned ``kv_transfer_params``; vLLM's,
    ``remote_engine_id``, ``remote_bootstrap_addr`` and the ``transfer_id`` P was sent (vLLM's P
    returns none).
-3. D is sent the prompts; from D's first step, D and P step in turn (as two engine loops would)
-   until D's ``get_transfer_results`` reported every request: **per-request latency** = that
-   report minus D's first step, **GB/s** = the wave's bytes / the last report.
-4. Every block's prompt tokens on D are compared byte for byte with P's (D's cache holds a
+3. D is sent the prompts; from D's first step, D steps (P steps in its own process's loop, or,
+   with P beside D, in turn with D) until D's ``get_transfer_results`` reported every request:
+   **per-request latency** = that report minus D's first step, **GB/s** = the wave's bytes / the
+   last report.
+4. Every block's prompt tokens on D are compared with P's by BLAKE2b digest (D's cache holds a
    sentinel before the wave, P's random bytes), so a connector that moved nothing or the wrong
    blocks fails the wave and reports no figure.
+
+Each P runs in a process of its own by default (`pd_vllm_p_host.ProcessP`), as deployed.
 
 The first wave of each contender is a warm-up (verified, not timed: connections, registration,
 first touch); ``waves`` timed waves follow, contenders alternating per wave. Figures: the timed
 waves' bytes over their summed times, latency p50 over every timed request. After the waves, the
 raw engine's ceiling: one ``batch_transfer_sync_read`` of the same descriptors as our last wave's
-(every request at once, built by our planner), on D's engine. Ours is profiled per phase
-(`pd_vllm_probe`).
+(every request at once, built by our planner), on D's engine, and the same requests read one engine
+call each, in turn, by one thread and by two at once (our lane's readers' pattern). Ours is
+profiled per phase (`pd_vllm_probe`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import importlib.util
 import secrets
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -101,6 +106,7 @@ class _Side:
     last_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_d_blocks: dict[str, list[int]] = field(default_factory=dict)
     ceiling: tuple[float, int, int] | None = None  # raw engine: (seconds, pieces, bytes)
+    in_turn: dict[int, float] = field(default_factory=dict)  # raw engine, a read per request: threads -> s
 
 
 class PdVllmScenario:
@@ -345,6 +351,15 @@ class PdVllmScenario:
             if not report.check(f"raw engine {shape.name}: one read of {len(batch)} descriptors", rc == 0, f"rc={rc}"):
                 return
         ours.ceiling = (best, len(batch), int(batch.lengths.sum()))
+        # The same requests read one per engine call, as our readers do: by one thread, and by two at once.
+        for readers in (1, 2):
+            seconds = min(_read_in_turn(raw, session, batches, readers) for _ in range(max(1, shape.waves)))
+            if seconds == float("inf"):
+                report.check(
+                    f"raw engine {shape.name}: each request in turn, {readers} thread(s)", False, "a read failed"
+                )
+                return
+            ours.in_turn[readers] = seconds
 
     # ---- figures ---------------------------------------------------------------------------------
 
@@ -392,6 +407,16 @@ class PdVllmScenario:
                         "GB/s",
                         ceiling_gbps,
                         "raw batch_transfer_sync_read, same descriptors",
+                    )
+                )
+            for readers, took in sorted(ours.in_turn.items()):  # why our readers move what they move
+                report.measurements.append(
+                    Measurement(
+                        f"{what}: raw engine, one read per request in turn, {readers} thread(s) at once",
+                        nbytes / took / 1e9,
+                        "GB/s",
+                        ceiling_gbps,
+                        "raw engine, one read of all pieces",
                     )
                 )
             if large:  # whether the target is within what this engine moves here at all
@@ -442,6 +467,29 @@ class _Wave:
     @staticmethod
     def transfer_id(p_rid: str) -> str:
         return f"xfer-{p_rid}"
+
+
+def _read_in_turn(raw: Any, session: str, batches: list[Any], readers: int) -> float:
+    """Seconds for ``readers`` threads to read ``batches``, one engine call each; inf if a read failed.
+
+    Thread ``i`` reads every ``readers``-th one, in turn: our lane's readers' pattern.
+    """
+    failed: list[int] = []
+
+    def run(mine: list[Any]) -> None:
+        for batch in mine:
+            rc = raw.raw_read(session, batch)
+            if rc != 0:
+                failed.append(rc)
+                return
+
+    threads = [threading.Thread(target=run, args=(batches[i::readers],)) for i in range(readers)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return float("inf") if failed else time.perf_counter() - start
 
 
 def _fill(side: _Side, w: _Wave) -> None:
