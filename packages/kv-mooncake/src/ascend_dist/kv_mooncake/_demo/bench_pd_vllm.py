@@ -273,9 +273,7 @@ class PdVllmScenario:
         _prefill(side, w)
         _load(side, w)
         # D computes the last token, P frees its lent blocks: both idle before the check.
-        from ascend_dist.kv_mooncake._demo.pd_vllm_driver import Instance
-
-        side.d.run_until_idle(PHASE_TIMEOUT_S, also=side.p if isinstance(side.p, Instance) else None)
+        side.d.run_until_idle(PHASE_TIMEOUT_S, also=side.p)
         side.p.wait_idle(PHASE_TIMEOUT_S)
         if self._corrupt_d:
             side.d.fill(SENTINEL)

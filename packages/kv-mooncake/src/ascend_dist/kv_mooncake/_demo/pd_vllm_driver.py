@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from vllm import SamplingParams
@@ -278,6 +278,14 @@ class StepResult:
     invalid_block_ids: set[int] = field(default_factory=set)
 
 
+class PStepper(Protocol):
+    """A P that D's loop lets step between D's steps (a no-op for a P with a loop of its own)."""
+
+    def step_beside(self) -> None:
+        """One step if P is stepped by D's loop and has work."""
+        ...
+
+
 class Instance:
     """One vLLM instance without a model: its ``Scheduler`` and a WORKER-role connector over CPU caches."""
 
@@ -429,20 +437,21 @@ class Instance:
         """Step until the scheduler has no work (see `run_until_idle`)."""
         self.run_until_idle(timeout_s)
 
-    def run_until_idle(self, timeout_s: float, also: Instance | None = None) -> None:
-        """Step while vLLM's engine would (``Scheduler.has_requests``), stepping ``also`` beside it.
+    def run_until_idle(self, timeout_s: float, also: PStepper | None = None) -> None:
+        """Step while vLLM's engine would (``Scheduler.has_requests``), letting ``also`` step beside it.
+
+        ``also`` (a P) may still have work after this returns: its ``wait_idle`` waits for it.
 
         Raises:
             DeadlineExceeded: Still busy after ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
-        while self.sched.has_requests() or (also is not None and also.sched.has_requests()):
+        while self.sched.has_requests():
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"the scheduler still had work after {timeout_s:.0f}s")
-            if self.sched.has_requests():
-                self.step()
-            if also is not None and also.sched.has_requests():
-                also.step()
+            self.step()
+            if also is not None:
+                also.step_beside()
             time.sleep(0.0005)
 
     def close(self) -> None:

@@ -82,9 +82,12 @@ class Probe:
         task_done = receiver._task_done
         receiver._task_done = lambda pull: self._reported(task_done, pull)
         read_held = receiver._read_held
-        receiver._read_held = lambda agent, host, port, reading, trusted: self._reading(
-            read_held, agent, host, port, reading, trusted
-        )
+
+        def reading(agent: Any, host: str, port: int, items: list[Any], trusted_until: float) -> None:
+            self._reading([item.pull.meta.remote_request_id for item in items])
+            read_held(agent, host, port, items, trusted_until)
+
+        receiver._read_held = reading
 
     def clear(self) -> None:
         with self._lock:
@@ -126,12 +129,10 @@ class Probe:
         finally:
             self.times(pull.meta.remote_request_id).reported_at = time.perf_counter()
 
-    def _reading(self, read_held: Callable[..., None], *args: Any) -> None:
-        """The receiver reads the requests ``args[3]`` (after their `Renew`): the next engine reads are theirs."""
-        rids = [item.pull.meta.remote_request_id for item in args[3]]
+    def _reading(self, rids: list[str]) -> None:
+        """The receiver starts reading ``rids`` (after their `Renew`): this thread's next engine reads are theirs."""
         self.add(rids, "behind", getattr(self._local, "batch_engine", 0.0))
         self.set_chunk(rids)
-        read_held(*args)
 
     def read_took(self, seconds: float) -> None:
         """An engine read on this thread ended: its requests' engine time, the batch's time so far."""
