@@ -43,9 +43,11 @@ class KillPeerDuringRead(EngineWrapper):
     def __init__(self, real: MooncakeEngine, delay_s: float) -> None:
         super().__init__(real)
         self.delay_s, self.victim, self.reads = delay_s, None, 0
+        self.sessions: list[str] = []
 
     def read(self, session: str, batch: Descriptors, *, timeout_s: float = 60.0) -> None:
         self.reads += 1
+        self.sessions.append(session)
         killer = None
         if self.victim is not None:
             killer = threading.Timer(self.delay_s, self.victim.kill)
@@ -70,6 +72,27 @@ def test_p_dies_mid_transfer(make_pair: Callable[..., Any]) -> None:
     errors = pair.d.wait_recv({"big"}, timeout_s=20.0)
     assert pair.p.peer.proc.poll() is not None and engine.reads == 1
     assert errors == set(pair.d.blocks["big"][0])  # reported, and the request still finished
+
+
+@pytest.mark.timeout(90)
+def test_p_dies_mid_transfer_of_a_read_that_sleeps_before_its_wait(make_pair: Callable[..., Any]) -> None:
+    """As above, but D has read from this P before, so the read is submitted, slept through for most of
+    its expected time and only then waited for (`core.transfer_pace`): P dies during the sleep or
+    the wait, and the request still ends with every block reported as a load error."""
+    real = get_engine("127.0.0.1", "tcp")
+    engine = KillPeerDuringRead(real, delay_s=0.005)
+    pair = make_pair(
+        p_tp=1, d_tp=1, heads=8, head_dim=128, block_size=32, num_blocks=320, own_process=True, d_engine=engine
+    )
+    assert pair.transfer("warm", 150 * 32, 2) == set()  # teaches D this P's rate
+    assert pair.d.verify("warm", seed=2) > 0
+    assert real.pace.sleep_s(engine.sessions[0], 75 << 20) > 0  # so the next read sleeps first
+    params = pair.p.prefill("big", 150 * 32, 1)
+    engine.victim = pair.p.peer.proc
+    pair.d.decode("big", 150 * 32, params)
+    errors = pair.d.wait_recv({"big"}, timeout_s=20.0)
+    assert pair.p.peer.proc.poll() is not None and engine.reads == 2
+    assert errors == set(pair.d.blocks["big"][0])
 
 
 @pytest.mark.timeout(60)

@@ -61,7 +61,8 @@ class PullConfig(ConnectorConfig):
         recv_workers: Readers of D's lane to each P instance: each takes up to
             ``recv_batch_requests`` queued tasks of that P, asks P once whether it holds them and
             reads them one request per engine call, so at most this many threads per P wait on
-            Mooncake (each busy-waits a core) and this many requests of it are read at once.
+            Mooncake and this many requests of it are read at once (each sleeps through most of
+            its read, then busy-waits a core for the rest: `core.transfer_pace`).
         recv_batch_requests: Most tasks one reader takes at once (the rest go to the other
             readers or its next batch).
         recv_batch_bytes: Most bytes one lease check covers (a larger batch is asked about in
