@@ -11,9 +11,10 @@ and only then enters the spinning wait for the rest.
 The expectation is deliberately optimistic: the fastest seconds per byte among the last reads from
 that peer, times the read's bytes, times ``share``. A read never waits longer for this than it
 would have taken at that rate, so a sleep adds latency only when the link became faster than every
-recent read, and one such read teaches the faster rate (its elapsed time is at most the sleep plus
-a wake-up). Small reads, whose time is mostly fixed cost, are slower per byte and so never set the
-rate; reads expected under ``min_sleep_s`` are not slept at all (one call, one wait).
+recent read, and such a read teaches the sleep it took as its time (the engine tells an overslept
+read by a status wait that did not spin), so the next sleep is shorter. Small reads, whose time is
+mostly fixed cost, are slower per byte and so never set the rate; reads expected under
+``min_sleep_s`` are not slept at all (one call, one wait).
 """
 
 from __future__ import annotations
