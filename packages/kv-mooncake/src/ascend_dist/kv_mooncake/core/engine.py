@@ -13,9 +13,10 @@ at most 2,048 pieces, and the pieces in flight to one peer are capped at 2,048 a
 of the process: Mooncake's TCP transport fails (-1) once more than that are queued for one peer, even
 when they come from several concurrent batches (measured: 4 threads x 640 pieces).
 
-A read is submitted with ``batch_transfer_async_read`` and its waiter sleeps through most of the
-time it is expected to take before Mooncake's status wait, which spins a core until the batch ends
-(`ascend_dist.kv_mooncake.core.transfer_pace` says why and how long).
+Once a peer's read rate is known, a read expected to take 5 ms or more is submitted with
+``batch_transfer_async_read`` and its thread sleeps through most of that time before Mooncake's
+status wait, which spins a core until the batch ends (`ascend_dist.kv_mooncake.core.transfer_pace`
+says why and how long); a shorter one is one ``batch_transfer_sync_read``.
 """
 
 from __future__ import annotations
