@@ -59,40 +59,29 @@ class KillPeerDuringRead(EngineWrapper):
                 killer.join()
 
 
-@pytest.mark.timeout(60)
-def test_p_dies_mid_transfer(make_pair: Callable[..., Any]) -> None:
-    engine = KillPeerDuringRead(get_engine("127.0.0.1", "tcp"), delay_s=0.005)
-    # 64 KiB blocks, 4 layers x K/V, 150 blocks: ~75 MiB in one request, far longer than 5 ms here.
-    pair = make_pair(
-        p_tp=1, d_tp=1, heads=8, head_dim=128, block_size=32, num_blocks=160, own_process=True, d_engine=engine
-    )
-    params = pair.p.prefill("big", 150 * 32, 1)
-    engine.victim = pair.p.peer.proc
-    pair.d.decode("big", 150 * 32, params)
-    errors = pair.d.wait_recv({"big"}, timeout_s=20.0)
-    assert pair.p.peer.proc.poll() is not None and engine.reads == 1
-    assert errors == set(pair.d.blocks["big"][0])  # reported, and the request still finished
-
-
 @pytest.mark.timeout(90)
-def test_p_dies_mid_transfer_of_a_read_that_sleeps_before_its_wait(make_pair: Callable[..., Any]) -> None:
-    """As above, but D has read from this P before, so the read is submitted, slept through for most of
-    its expected time and only then waited for (`core.transfer_pace`): P dies during the sleep or
-    the wait, and the request still ends with every block reported as a load error."""
+@pytest.mark.parametrize("read_before", [False, True], ids=["first-read", "read-that-sleeps-first"])
+def test_p_dies_mid_transfer(make_pair: Callable[..., Any], read_before: bool) -> None:
+    """P is SIGKILLed 5 ms into D's read: every block is reported as a load error and the request
+    still finishes. With ``read_before`` D has read from this P before, so the read is submitted,
+    slept through for most of its expected time and only then waited for (`core.transfer_pace`):
+    P dies during the sleep or the wait."""
     real = get_engine("127.0.0.1", "tcp")
     engine = KillPeerDuringRead(real, delay_s=0.005)
+    # 64 KiB blocks, 4 layers x K/V, 150 blocks: ~75 MiB in one request, far longer than 5 ms here.
     pair = make_pair(
         p_tp=1, d_tp=1, heads=8, head_dim=128, block_size=32, num_blocks=320, own_process=True, d_engine=engine
     )
-    assert pair.transfer("warm", 150 * 32, 2) == set()  # teaches D this P's rate
-    assert pair.d.verify("warm", seed=2) > 0
-    assert real.pace.sleep_s(engine.sessions[0], 75 << 20) > 0  # so the next read sleeps first
+    if read_before:
+        assert pair.transfer("warm", 150 * 32, 2) == set()  # teaches D this P's rate
+        assert pair.d.verify("warm", seed=2) > 0
+        assert real.pace.sleep_s(engine.sessions[0], 75 << 20) > 0  # so the next read sleeps first
     params = pair.p.prefill("big", 150 * 32, 1)
     engine.victim = pair.p.peer.proc
     pair.d.decode("big", 150 * 32, params)
     errors = pair.d.wait_recv({"big"}, timeout_s=20.0)
-    assert pair.p.peer.proc.poll() is not None and engine.reads == 2
-    assert errors == set(pair.d.blocks["big"][0])
+    assert pair.p.peer.proc.poll() is not None and engine.reads == 1 + read_before
+    assert errors == set(pair.d.blocks["big"][0])  # reported, and the request still finished
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,6 @@ fails loudly when Mooncake fails it, and that its thread no longer spins a core 
 
 from __future__ import annotations
 
-import socket
 import statistics
 import sys
 import threading
@@ -21,6 +20,7 @@ import pytest
 
 from ascend_dist.common.errors import TransferError
 from ascend_dist.common.regions import RegisterRegions
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.core.transfer_pace import TransferPace
@@ -40,15 +40,24 @@ class Pair:
     order: np.ndarray  # destination piece i <- source piece order[i]
 
     def batch(self) -> Descriptors:
-        local = self.dst.ctypes.data + np.arange(PIECES, dtype=np.int64) * PIECE
-        remote = self.src.ctypes.data + self.order.astype(np.int64) * PIECE
-        return Descriptors(local, remote, np.full(PIECES, PIECE, dtype=np.int64))
+        return _scattered(self.dst, self.src, self.order)
 
     def wrong_pieces(self) -> list[int]:
-        """Destinations that do not hold their own source piece (unwritten ones hold the sentinel)."""
-        dst = self.dst.reshape(PIECES, PIECE)
-        src = self.src.reshape(-1, PIECE)
-        return [i for i in range(PIECES) if not np.array_equal(dst[i], src[self.order[i]])]
+        return _wrong_pieces(self.dst, self.src, self.order)
+
+
+def _scattered(dst: np.ndarray, src: np.ndarray, order: np.ndarray) -> Descriptors:
+    """Destination piece i <- source piece ``order[i]``, for every piece of ``dst``."""
+    pieces = dst.nbytes // PIECE
+    local = dst.ctypes.data + np.arange(pieces, dtype=np.int64) * PIECE
+    remote = src.ctypes.data + order[:pieces].astype(np.int64) * PIECE
+    return Descriptors(local, remote, np.full(pieces, PIECE, dtype=np.int64))
+
+
+def _wrong_pieces(dst: np.ndarray, src: np.ndarray, order: np.ndarray) -> list[int]:
+    """Destinations that do not hold their own source piece (unwritten ones hold the sentinel)."""
+    got, want = dst.reshape(-1, PIECE), src.reshape(-1, PIECE)
+    return [i for i in range(len(got)) if not np.array_equal(got[i], want[order[i]])]
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +112,7 @@ def test_the_sleep_does_not_outgrow_the_reads_while_another_thread_holds_the_int
     d = MooncakeEngine("127.0.0.1", pace=pace)
     dst = np.full(pieces * PIECE, SENTINEL, dtype=np.uint8)
     d.register(RegisterRegions((dst.ctypes.data,), (dst.nbytes,)))
-    local = dst.ctypes.data + np.arange(pieces, dtype=np.int64) * PIECE
-    remote = pair.src.ctypes.data + pair.order[:pieces].astype(np.int64) * PIECE
-    batch = Descriptors(local, remote, np.full(pieces, PIECE, dtype=np.int64))
+    batch = _scattered(dst, pair.src, pair.order)
     idle = []
     for _ in range(5):
         start = time.perf_counter()
@@ -129,8 +136,7 @@ def test_the_sleep_does_not_outgrow_the_reads_while_another_thread_holds_the_int
         stop.set()
         holder.join(5.0)
         d.unregister(RegisterRegions((dst.ctypes.data,), (dst.nbytes,)))
-    src = pair.src.reshape(-1, PIECE)
-    assert all(np.array_equal(dst.reshape(pieces, PIECE)[i], src[pair.order[i]]) for i in range(pieces))
+    assert _wrong_pieces(dst, pair.src, pair.order) == []
     bound = pace.share * (3 * statistics.median(idle) + 2 * sys.getswitchinterval())
     assert max(sleeps) <= bound, (f"bound {bound * 1e3:.1f} ms", [f"{s * 1e3:.1f}" for s in sleeps])
 
@@ -139,7 +145,7 @@ def test_the_sleep_does_not_outgrow_the_reads_while_another_thread_holds_the_int
 def test_a_paced_read_from_a_peer_that_is_gone_raises(pair: Pair) -> None:
     """A read D expects to sleep through (its peer's rate is known) from a peer no longer there:
     Mooncake submits nothing, and the read raises instead of sleeping and returning as landed."""
-    gone = f"127.0.0.1:{_closed_port()}"
+    gone = f"127.0.0.1:{free_port_range(1)}"  # bound and released: nothing listens there
     pair.pace.observe(gone, PIECES * PIECE, 0.02)
     assert pair.pace.sleep_s(gone, PIECES * PIECE) > 0
     pair.dst[:] = SENTINEL
@@ -148,10 +154,3 @@ def test_a_paced_read_from_a_peer_that_is_gone_raises(pair: Pair) -> None:
     with pytest.raises(TransferError, match="Mooncake read returned"):
         pair.d.read(gone, batch)
     assert int(pair.dst[0]) == SENTINEL
-
-
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
