@@ -28,8 +28,8 @@ The first wave of each contender is a warm-up (verified, not timed: connections,
 first touch); ``waves`` timed waves follow, contenders alternating per wave. Figures: the timed
 waves' bytes over their summed times, latency p50 over every timed request. After the waves, the
 raw engine's ceiling: one ``batch_transfer_sync_read`` of the same descriptors as our last wave's
-(every request at once, built by our planner), on D's engine, and the same requests read one engine
-call each, in turn, by one thread and by two at once (our lane's readers' pattern). Ours is
+(every request at once, built by our planner), on D's engine, and the same requests read one
+``MooncakeEngine.read`` each, in turn, by one thread and by two at once (our lane's readers' pattern). Ours is
 profiled per phase (`pd_vllm_probe`).
 """
 
@@ -468,17 +468,21 @@ class _Wave:
 
 
 def _read_in_turn(raw: Any, session: str, batches: list[Any], readers: int) -> float:
-    """Seconds for ``readers`` threads to read ``batches``, one engine call each; inf if a read failed.
+    """Seconds for ``readers`` threads to read ``batches``, one engine read each; inf if a read failed.
 
-    Thread ``i`` reads every ``readers``-th one, in turn: our lane's readers' pattern.
+    Thread ``i`` reads every ``readers``-th one, in turn, with ``MooncakeEngine.read`` (which sleeps
+    through most of a read whose peer's rate it knows): our lane's readers' pattern.
     """
-    failed: list[int] = []
+    from ascend_dist.common.errors import TransferError
+
+    failed: list[TransferError] = []
 
     def run(mine: list[Any]) -> None:
         for batch in mine:
-            rc = raw.raw_read(session, batch)
-            if rc != 0:
-                failed.append(rc)
+            try:
+                raw.read(session, batch)
+            except TransferError as exc:
+                failed.append(exc)
                 return
 
     threads = [threading.Thread(target=run, args=(batches[i::readers],)) for i in range(readers)]
