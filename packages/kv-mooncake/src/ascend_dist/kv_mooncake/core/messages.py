@@ -96,6 +96,8 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
         incarnation: A random token of the worker process's life (`tcp_sockets.process_incarnation`):
             a P restarted on the same ports (and so the same ``te_session``) sends another, so D
             knows its pooled connections there are dead (empty from a peer that does not say).
+            Push's D: a token of the worker's registration (a new worker draws another, in the same
+            process too), named again in each answer to a ``Claim``.
     """
 
     engine_id: str
@@ -194,10 +196,13 @@ class Ack(Message, frozen=True, kw_only=True, tag="ack"):
             own question). An Ack to `Done` leaves it at its default whatever P knew, so DONEs
             cannot be used to ask which request ids P holds.
         unknown: Push: request ids D does not (or no longer) wait for, among those the message named.
+        incarnation: Push, answer to ``Claim``: the answering D worker's `AgentMetadata.incarnation`
+            (P compares it with the metadata it writes with; empty from a D that does not say).
     """
 
     known: bool = True
     unknown: list[str] = msgspec.field(default_factory=list)
+    incarnation: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 def admit(

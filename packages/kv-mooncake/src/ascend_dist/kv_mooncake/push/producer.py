@@ -4,8 +4,9 @@ Runs in: P worker processes, on the model-runner thread (`LayerwiseWorker` deleg
 ``plan_step`` first waits until every layer queued in earlier steps was pushed (vLLM writes a
 layer's KV before the connector's per-layer gate, so a step must not start writing while older
 pushes still read its blocks), then turns the step's `SendReqMeta` list into `RequestPlan`s
-(fetching each D endpoint's metadata once; a D that refuses or does not answer fails that request
-only); ``save_kv_layer`` closes the layer's reuse gate and queues its writes to the `SendThread`.
+(fetching each D endpoint's metadata once, again when a request names another engine id: a D
+restarted on its ports; a D that refuses or does not answer fails that request only);
+``save_kv_layer`` closes the layer's reuse gate and queues its writes to the `SendThread`.
 With ``pd_head_ratio > 1`` it first gathers the layer's blocks and runs the all-to-all into a
 registered staging slot (a collective: every member calls it for the same layer, which the shared
 scheduler output ensures).
@@ -208,6 +209,11 @@ class Producer:
         for endpoint in {t.endpoint for t in plan.tasks}:
             try:
                 agent = self._meta_cache.get(endpoint)
+                if agent.engine_id != prm.remote_engine_id:
+                    # A D restarted on these ports has a new engine id (vLLM draws one at each start)
+                    # and the cached metadata is the dead one's: fetch it again, once.
+                    self._meta_cache.invalidate(endpoint)
+                    agent = self._meta_cache.get(endpoint)
                 if agent.engine_id != prm.remote_engine_id:
                     # Host and port come from the params unsigned: the D answering there must be the
                     # one whose blocks these are, or another D's live request of the same id is written.

@@ -84,6 +84,11 @@ class MetaCache:
             self._cache[endpoint] = reply.metadata
         return reply.metadata
 
+    def cached(self, endpoint: Endpoint) -> AgentMetadata | None:
+        """D's metadata at ``endpoint`` if cached (never fetches)."""
+        with self._lock:
+            return self._cache.get(endpoint)
+
     def invalidate(self, endpoint: Endpoint) -> None:
         """Forget an endpoint (after a failed transfer: D may have restarted)."""
         with self._lock:
@@ -218,13 +223,26 @@ class SendThread:
         """Tell D this rank is about to write these requests (the forward thread, before the step's writes).
 
         Ids D answers ``unknown`` (it gave up on them; vLLM may be recomputing into their blocks) and
-        every id when D does not answer are marked failed, so nothing of them is written.
+        every id when D does not answer are marked failed, so nothing of them is written. So is
+        every id when the D worker answering is not the one whose metadata P writes with (a D
+        restarted on these ports, its engine id pinned): the metadata is dropped, so the next
+        step's requests fetch the new worker's.
         """
         sent = time.monotonic()  # D received it later: its hold counts from then
         reply = self._call(endpoint, Claim(sender=self._sender, request_ids=list(transfer_ids)))
+        cached = self._metas.cached(endpoint)
         if reply is None:
             for tid in transfer_ids:
                 self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} unreachable")
+        elif isinstance(reply, Ack) and cached and cached.incarnation and reply.incarnation != cached.incarnation:
+            self._metas.invalidate(endpoint)
+            reason = (
+                f"D {endpoint.host}:{endpoint.port} restarted since P fetched its metadata (worker "
+                f"{cached.incarnation}, now {reply.incarnation or 'unnamed'}): not written, metadata fetched again"
+            )
+            logger.warning("%s", reason)
+            for tid in transfer_ids:
+                self.mark_failed(tid, reason)
         elif isinstance(reply, Ack):
             for tid in reply.unknown:
                 self.mark_failed(tid, "D no longer waits for the request")

@@ -19,6 +19,7 @@ Runs in: every worker process (one per TP x PCP rank). Order of calls (vLLM v1 m
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
@@ -217,6 +218,9 @@ class LayerwiseWorker:
             block_size=self._block_size,
             num_blocks=self._num_blocks,
             layers=self._metas,
+            # Named in each answer to a Claim: P writing with a dead worker's metadata (a D restarted
+            # on these ports, its engine id pinned) would write at the dead worker's addresses.
+            incarnation=secrets.token_hex(8),
         )
         self._receiver = LayerReceiver(
             len(self._names),
@@ -277,7 +281,8 @@ class LayerwiseWorker:
             refused = admit(self._handshake, self._config.engine_id, msg)
             return self._replies.encode(refused or MetaReply(handshake=self._handshake, metadata=self._agent))
         if isinstance(msg, Claim):
-            return self._replies.encode(Ack(unknown=self._receiver.on_claim(msg.sender, msg.request_ids)))
+            unknown = self._receiver.on_claim(msg.sender, msg.request_ids)
+            return self._replies.encode(Ack(unknown=unknown, incarnation=self._agent.incarnation))
         if isinstance(msg, LayerDone):
             return self._replies.encode(Ack(unknown=self._receiver.on_layer_done(msg)))
         assert isinstance(msg, PushDone)
