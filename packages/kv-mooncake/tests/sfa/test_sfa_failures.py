@@ -6,6 +6,7 @@ D reports every request finished (vLLM frees its blocks) and P's reuse gates all
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +19,9 @@ from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
-from ascend_dist.kv_mooncake.core.engine import Reader
+from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
 from ascend_dist.kv_mooncake.sfa.messages import ReadFailed, ReadReady, Reply, reply_codec, request_codec
 
 
@@ -228,3 +230,23 @@ def test_a_sender_d_could_not_read_is_forgotten_and_greets_again(make_sfa_pair: 
     pair.run("ok", 24, seed=22)  # P greets again: without it D answers "no hello" to every read
     assert pair.d.wait_recv({"ok"}, timeout_s=10.0) == set()
     assert pair.d.verify("ok", 22) > 0
+
+
+@pytest.mark.timeout(90)
+def test_a_d_restarted_on_its_ports_with_a_new_engine_id_is_read_into_again(make_sfa_pair: Callable[..., Any]) -> None:
+    """vLLM draws a new engine id at each start. P's link to D's endpoint remembered the engine id
+    D greeted it with; before the fix every later request to the restarted D named another one and
+    P refused it (without telling D, which failed it at ``recv_timeout_s``), for good."""
+    pair = make_sfa_pair(d_extra={"recv_timeout_s": 5.0})
+    pair.run("before", 24, seed=31)
+    assert pair.d.wait_recv({"before"}) == set()
+    assert pair.d.verify("before", 31) > 0
+    pair.d.finish("before")
+    pair.d.shutdown()
+    config = dataclasses.replace(pair.d.config, engine_id=f"{pair.d.config.engine_id}-restarted")
+    pair.d = SfaDInstance(config, pair.d.model, get_engine("127.0.0.1"))  # the same ports
+    for i in range(2):
+        rid = f"after{i}"
+        pair.run(rid, 24, seed=40 + i)
+        assert pair.d.wait_recv({rid}, timeout_s=15.0) == set(), pair.p.drain()["failed"]
+        assert pair.d.verify(rid, 40 + i) > 0

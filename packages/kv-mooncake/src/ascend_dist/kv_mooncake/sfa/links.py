@@ -117,7 +117,12 @@ class _Link(threading.Thread):
             o.resolve(part, f"endpoint {self.endpoint} is down (missed a deadline); retrying after it recovers")
             return
         try:
-            if not self.greeted:
+            greeted_now = not self.greeted
+            if greeted_now:
+                self._hello()
+            if part.engine_id and part.engine_id != self.receiver_engine and not greeted_now:
+                # A D restarted on these ports has a new engine id (vLLM draws one at each start):
+                # ask again who answers there before refusing its requests.
                 self._hello()
             if part.engine_id and part.engine_id != self.receiver_engine:
                 # Another D answers at the contact's (unsigned) host and port: its live request of the
