@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ascend_dist.common.errors import TransferError
 from ascend_dist.common.scenarios import Measurement, ScenarioContext, ScenarioReport
 from ascend_dist.kv_mooncake._demo.pd_vllm_geometry import LARGE, QUICK, SMALL, Shape
 from ascend_dist.kv_mooncake._demo.pd_vllm_p_host import PHost, ProcessP
@@ -473,8 +474,6 @@ def _read_in_turn(raw: Any, session: str, batches: list[Any], readers: int) -> f
     Thread ``i`` reads every ``readers``-th one, in turn, with ``MooncakeEngine.read`` (which sleeps
     through most of a read whose peer's rate it knows): our lane's readers' pattern.
     """
-    from ascend_dist.common.errors import TransferError
-
     failed: list[TransferError] = []
 
     def run(mine: list[Any]) -> None:

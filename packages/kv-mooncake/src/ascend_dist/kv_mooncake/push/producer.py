@@ -208,12 +208,7 @@ class Producer:
             return None
         for endpoint in {t.endpoint for t in plan.tasks}:
             try:
-                agent = self._meta_cache.get(endpoint)
-                if agent.engine_id != prm.remote_engine_id:
-                    # A D restarted on these ports has a new engine id (vLLM draws one at each start)
-                    # and the cached metadata is the dead one's: fetch it again, once.
-                    self._meta_cache.invalidate(endpoint)
-                    agent = self._meta_cache.get(endpoint)
+                agent = self._meta_cache.get(endpoint, prm.remote_engine_id)  # fetched again if restarted
                 if agent.engine_id != prm.remote_engine_id:
                     # Host and port come from the params unsigned: the D answering there must be the
                     # one whose blocks these are, or another D's live request of the same id is written.

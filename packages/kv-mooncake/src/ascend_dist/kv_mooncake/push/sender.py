@@ -63,8 +63,11 @@ class MetaCache:
         self._cache: dict[Endpoint, AgentMetadata] = {}
         self._lock = threading.Lock()
 
-    def get(self, endpoint: Endpoint) -> AgentMetadata:
+    def get(self, endpoint: Endpoint, engine_id: str = "") -> AgentMetadata:
         """D's metadata at ``endpoint``.
+
+        ``engine_id``: the D engine the caller expects there; metadata cached for another engine is
+        fetched again (a D restarted on these ports draws a new engine id at each start).
 
         Raises:
             IncompatiblePeer: D refused our handshake, or has our engine id, or its handshake differs.
@@ -73,7 +76,7 @@ class MetaCache:
         """
         with self._lock:
             hit = self._cache.get(endpoint)
-        if hit is not None:
+        if hit is not None and (not engine_id or hit.engine_id == engine_id):
             return hit
         payload = self._requests.encode(GetMeta(handshake=self._handshake, engine_id=self._engine_id))
         raw = self._replies.decode(self._client.request(tcp_endpoint(endpoint.host, endpoint.port), payload))
@@ -84,10 +87,18 @@ class MetaCache:
             self._cache[endpoint] = reply.metadata
         return reply.metadata
 
-    def cached(self, endpoint: Endpoint) -> AgentMetadata | None:
-        """D's metadata at ``endpoint`` if cached (never fetches)."""
+    def forget_other_worker(self, endpoint: Endpoint, incarnation: str) -> str | None:
+        """Drop the metadata at ``endpoint`` if it names another D worker than ``incarnation``.
+
+        Returns the dropped worker's incarnation, or None (nothing cached, the same worker, or
+        metadata from a D that does not name its worker).
+        """
         with self._lock:
-            return self._cache.get(endpoint)
+            hit = self._cache.get(endpoint)
+            if hit is None or not hit.incarnation or hit.incarnation == incarnation:
+                return None
+            del self._cache[endpoint]
+            return hit.incarnation
 
     def invalidate(self, endpoint: Endpoint) -> None:
         """Forget an endpoint (after a failed transfer: D may have restarted)."""
@@ -230,20 +241,21 @@ class SendThread:
         """
         sent = time.monotonic()  # D received it later: its hold counts from then
         reply = self._call(endpoint, Claim(sender=self._sender, request_ids=list(transfer_ids)))
-        cached = self._metas.cached(endpoint)
         if reply is None:
             for tid in transfer_ids:
                 self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} unreachable")
-        elif isinstance(reply, Ack) and cached and cached.incarnation and reply.incarnation != cached.incarnation:
-            self._metas.invalidate(endpoint)
+        elif not isinstance(reply, Ack):
+            for tid in transfer_ids:
+                self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} answered a claim with {type(reply).__name__}")
+        elif (dead := self._metas.forget_other_worker(endpoint, reply.incarnation)) is not None:
             reason = (
                 f"D {endpoint.host}:{endpoint.port} restarted since P fetched its metadata (worker "
-                f"{cached.incarnation}, now {reply.incarnation or 'unnamed'}): not written, metadata fetched again"
+                f"{dead}, now {reply.incarnation or 'unnamed'}): not written, metadata fetched again"
             )
             logger.warning("%s", reason)
             for tid in transfer_ids:
                 self.mark_failed(tid, reason)
-        elif isinstance(reply, Ack):
+        else:
             for tid in reply.unknown:
                 self.mark_failed(tid, "D no longer waits for the request")
             with self._lock:
@@ -252,9 +264,6 @@ class SendThread:
                     self._claims.move_to_end((endpoint, tid))
                 while len(self._claims) > CLAIMS_MEMORY:
                     self._claims.popitem(last=False)
-        else:
-            for tid in transfer_ids:
-                self.mark_failed(tid, f"D {endpoint.host}:{endpoint.port} answered a claim with {type(reply).__name__}")
 
     def end(self, transfer_id: str, done_to: Sequence[tuple[Endpoint, int]], reason: str) -> None:
         """The request ended on P before its last chunk: queue a failed `PushDone` to each D in ``done_to``.

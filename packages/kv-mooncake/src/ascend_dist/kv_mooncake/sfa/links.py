@@ -117,12 +117,9 @@ class _Link(threading.Thread):
             o.resolve(part, f"endpoint {self.endpoint} is down (missed a deadline); retrying after it recovers")
             return
         try:
-            greeted_now = not self.greeted
-            if greeted_now:
-                self._hello()
-            if part.engine_id and part.engine_id != self.receiver_engine and not greeted_now:
-                # A D restarted on these ports has a new engine id (vLLM draws one at each start):
-                # ask again who answers there before refusing its requests.
+            if not self.greeted or (part.engine_id and part.engine_id != self.receiver_engine):
+                # First contact, or (another engine id) a D restarted on these ports: vLLM draws a
+                # new engine id at each start, so ask who answers there before refusing.
                 self._hello()
             if part.engine_id and part.engine_id != self.receiver_engine:
                 # Another D answers at the contact's (unsigned) host and port: its live request of the
