@@ -20,7 +20,14 @@ import sys
 import pytest
 
 from ascend_dist.common.scenarios import Check, Measurement, ScenarioContext, ScenarioReport
-from ascend_dist.kv_mooncake._demo.bench_pd_vllm import OURS, PEER, PdVllmScenario, make_scenario
+from ascend_dist.kv_mooncake._demo.bench_pd_vllm import (
+    OURS,
+    PEER,
+    PdVllmScenario,
+    latency_target_note,
+    make_scenario,
+    read_under_load_note,
+)
 from ascend_dist.kv_mooncake._demo.pd_vllm_geometry import QUICK
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,6 +100,33 @@ def test_without_vllm_the_bench_fails_saying_what_to_install() -> None:
     report, _ = _run(make_scenario())
     assert not report.ok and report.error is not None and "needs vLLM" in report.error
     assert not report.measurements
+
+
+def test_the_latency_note_sums_the_same_runs_phases_against_the_target() -> None:
+    mean = {
+        "queue wait": 10.0,
+        "metadata": 0.0,
+        "lease check (Renew per batch)": 12.0,
+        "reads of earlier requests of its batch": 24.0,
+        "planning + bookkeeping": 8.0,
+        "engine read": 16.0,
+        "Done (DONE thread, after the report)": 2.0,
+    }
+    note = latency_target_note("small", 40.0, mean, 4.0)
+    assert "0.5x vLLM's p50 = 40.0 ms" in note
+    assert (
+        "one lease check 12.0 + its own read 16.0 ms (4.0x the same read on the idle engine, 4.0 ms) = 28.0 ms" in note
+    )
+    assert "0.70x the target" in note
+    assert note.endswith("queue wait 10.0, reads of earlier requests 24.0, planning + bookkeeping 8.0 ms = 70.0 ms")
+    assert "idle engine" not in latency_target_note("small", 40.0, mean, None)
+
+
+def test_the_read_note_caps_our_rate_by_the_reads_pace_during_the_waves() -> None:
+    note = read_under_load_note("large", 32 * 2**20, 2, read_ms=80.0, idle_read_ms=20.0, target_gbps=1.0)
+    # two readers, one 32 MiB request per 80 ms each: 0.839 GB/s at most
+    assert "took 80.0 ms (mean), 4.0x the same read on the idle engine (20.0 ms)" in note
+    assert note.endswith("2 readers at that pace move at most 0.839 GB/s, 0.84x the target (1.000 GB/s)")
 
 
 @pytest.mark.vllm

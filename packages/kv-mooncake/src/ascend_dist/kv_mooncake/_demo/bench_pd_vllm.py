@@ -58,7 +58,7 @@ from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
 if TYPE_CHECKING:
     from ascend_dist.kv_mooncake._demo.pd_vllm_driver import Instance
 
-__all__ = ["PdVllmScenario", "make_scenario"]
+__all__ = ["PdVllmScenario", "latency_target_note", "make_scenario", "read_under_load_note"]
 
 GBPS_TARGET = 1.2  # large shape: ours >= 1.2x vLLM's GB/s
 LATENCY_TARGET = 2.0  # small shape: ours <= 0.5x vLLM's latency (Measurement's ratio is vLLM's / ours)
@@ -435,6 +435,22 @@ class PdVllmScenario:
             ctx.progress.step(
                 f"{shape.name}: ours per request, mean ms: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
             )
+            idle = ours.in_turn.get(1)
+            idle_ms = idle / shape.requests * 1e3 if idle is not None else None
+            if large and idle_ms:  # what the wave's company does to our reads, and the rate that leaves
+                readers = ours.d.worker._worker._config.recv_workers  # type: ignore[attr-defined]
+                ctx.progress.step(
+                    read_under_load_note(
+                        shape.name,
+                        shape.request_bytes,
+                        readers,
+                        read_ms=mean["engine read"],
+                        idle_read_ms=idle_ms,
+                        target_gbps=GBPS_TARGET * peer_gbps,
+                    )
+                )
+            if small:  # where the latency goes, beside the target and the idle engine's read of a request
+                ctx.progress.step(latency_target_note(shape.name, peer_lat / LATENCY_TARGET, mean, idle_ms))
 
 
 @dataclass
@@ -466,6 +482,50 @@ class _Wave:
     @staticmethod
     def transfer_id(p_rid: str) -> str:
         return f"xfer-{p_rid}"
+
+
+def read_under_load_note(
+    shape: str, request_bytes: int, readers: int, *, read_ms: float, idle_read_ms: float, target_gbps: float
+) -> str:
+    """Why a rate target is missed: our readers' read of one request during the waves vs on the idle engine.
+
+    ``readers`` readers each reading one request at a time cannot move more than ``readers`` requests
+    per ``read_ms``: that cap, beside the target, says whether the reads alone decide it.
+    """
+    cap = readers * request_bytes / (read_ms / 1e3) / 1e9
+    return (
+        f"{shape}: our read of one request during the waves took {read_ms:.1f} ms (mean), "
+        f"{read_ms / idle_read_ms:.1f}x the same read on the idle engine ({idle_read_ms:.1f} ms): {readers} readers "
+        f"at that pace move at most {cap:.3f} GB/s, {cap / target_gbps:.2f}x the target ({target_gbps:.3f} GB/s)"
+    )
+
+
+def latency_target_note(shape: str, target_ms: float, mean_ms: dict[str, float], idle_read_ms: float | None) -> str:
+    """Why a per-request latency target is missed, from the same run's profile (means, ms) and idle engine.
+
+    The floor is what any schedule of our reads pays per request: one lease check and its own read;
+    the rest (queue, the reads of earlier requests of its batch, planning) is where that schedule
+    and the machine's load add to it. ``idle_read_ms``: one request's read on the raw engine with
+    both engine loops idle (None when it was not measured).
+    """
+    lease = mean_ms.get("lease check (Renew per batch)", 0.0)
+    read = mean_ms.get("engine read", 0.0)
+    rest = {
+        "queue wait": mean_ms.get("queue wait", 0.0),
+        "reads of earlier requests": mean_ms.get("reads of earlier requests of its batch", 0.0),
+        "planning + bookkeeping": mean_ms.get("planning + bookkeeping", 0.0),
+    }
+    floor = lease + read
+    idle = (
+        f" ({read / idle_read_ms:.1f}x the same read on the idle engine, {idle_read_ms:.1f} ms)" if idle_read_ms else ""
+    )
+    return (
+        f"{shape}: the target, {1 / LATENCY_TARGET}x vLLM's p50 = {target_ms:.1f} ms; ours per request, mean: "
+        f"one lease check {lease:.1f} + its own read {read:.1f} ms{idle} = {floor:.1f} ms, "
+        f"{floor / target_ms:.2f}x the target before any wait; then "
+        + ", ".join(f"{k} {v:.1f}" for k, v in rest.items())
+        + f" ms = {floor + sum(rest.values()):.1f} ms"
+    )
 
 
 def _read_in_turn(raw: Any, session: str, batches: list[Any], readers: int) -> float:
