@@ -506,14 +506,15 @@ def latency_target_note(shape: str, target_ms: float, mean_ms: dict[str, float],
     The floor is what any schedule of our reads pays per request: one lease check and its own read;
     the rest (queue, the reads of earlier requests of its batch, planning) is where that schedule
     and the machine's load add to it. ``idle_read_ms``: one request's read on the raw engine with
-    both engine loops idle (None when it was not measured).
+    both engine loops idle (None when it was not measured). ``mean_ms`` is keyed by
+    `pd_vllm_probe.PHASES` (a phase renamed there fails here, not quietly as zero).
     """
-    lease = mean_ms.get("lease check (Renew per batch)", 0.0)
-    read = mean_ms.get("engine read", 0.0)
+    lease = mean_ms["lease check (Renew per batch)"]
+    read = mean_ms["engine read"]
     rest = {
-        "queue wait": mean_ms.get("queue wait", 0.0),
-        "reads of earlier requests": mean_ms.get("reads of earlier requests of its batch", 0.0),
-        "planning + bookkeeping": mean_ms.get("planning + bookkeeping", 0.0),
+        "queue wait": mean_ms["queue wait"],
+        "reads of earlier requests": mean_ms["reads of earlier requests of its batch"],
+        "planning + bookkeeping": mean_ms["planning + bookkeeping"],
     }
     floor = lease + read
     idle = (
