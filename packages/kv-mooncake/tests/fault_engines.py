@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["CountingReader", "EngineWrapper", "SlowWriter"]
+__all__ = ["CountingReader", "CountingWriter", "EngineWrapper", "SlowWriter"]
 
 
 class EngineWrapper:
@@ -61,6 +61,20 @@ class CountingReader(EngineWrapper):
         """Count, then read."""
         self.reads += 1
         super().read(session, batch, timeout_s=timeout_s)
+
+
+class CountingWriter(EngineWrapper):
+    """Counts the writes issued (a refused push must reach none)."""
+
+    def __init__(self, real: Any) -> None:
+        """Wrap ``real``; no write yet."""
+        super().__init__(real)
+        self.writes = 0
+
+    def write(self, session: str, pieces: Any, *, timeout_s: float = 60.0) -> None:
+        """Count, then write."""
+        self.writes += 1
+        super().write(session, pieces, timeout_s=timeout_s)
 
 
 class SlowWriter(EngineWrapper):

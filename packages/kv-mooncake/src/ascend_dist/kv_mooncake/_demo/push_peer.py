@@ -21,6 +21,19 @@ JSON line each:
 * ``{"cmd": "idle", "name"}`` -> ``{"ok": true}`` once every layer's push finished.
 * ``{"cmd": "held", "name"}`` -> what the instance holds (`LwInstance.held`) once idle, plus the
   process's ``threads`` (native ones too), open ``fds`` and engine ``regions``.
+* ``{"cmd": "engine", "name"}`` -> ``{"session": "host:rpc_port", "transport_ports": [...]}`` (the
+  instance's Mooncake engine).
+* D instances (``"role": "consumer"`` in ``create``; D announces to a metaserver kept in the child):
+
+  * ``{"cmd": "announce", "name", "rid", "prompt_len"}`` -> ``{"params": {...}}`` (what D announced:
+    the proxy hands it to every P rank)
+  * ``{"cmd": "wait_recv", "name", "rids", "timeout_s"}`` -> ``{"errors": [...]}`` (load-error block ids)
+  * ``{"cmd": "verify", "name", "rid", "seed"}`` -> ``{"bytes": n}`` (every pushed byte against P's
+    pattern; an error reply naming the first differing layer otherwise)
+  * ``{"cmd": "blocks", "name", "rid"}`` -> ``{"blocks": [[...]]}`` (D's block ids per group)
+  * ``{"cmd": "reason", "name", "rid"}`` -> ``{"reason": "..."}`` (why the request failed on D's
+    first rank, P's reason when P reported it; empty when it did not fail)
+
 * ``{"cmd": "drop", "name"}``; ``{"cmd": "quit"}`` shuts everything down and exits.
 
 It exits by itself when stdin closes, so it never outlives its parent.
@@ -36,7 +49,7 @@ from typing import Any
 
 from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess
 from ascend_dist.kv_mooncake._demo.peer_serve import serve
-from ascend_dist.kv_mooncake._demo.push_synthetic import LwInstance
+from ascend_dist.kv_mooncake._demo.push_synthetic import CollectingMetaserver, LwInstance
 from ascend_dist.kv_mooncake._demo.synthetic import Model
 from ascend_dist.kv_mooncake.core.engine import MooncakeEngine
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
@@ -49,9 +62,11 @@ __all__ = ["LwPeerProcess", "main"]
 class LwPeerProcess(PeerProcess):
     """A ``python -m ascend_dist.kv_mooncake._demo.push_peer`` child (same JSON-lines driver as the pull's)."""
 
-    def __init__(self, *, ready_timeout_s: float = 60.0) -> None:
-        """Start the child and wait until it reports ready."""
-        super().__init__(module="ascend_dist.kv_mooncake._demo.push_peer", ready_timeout_s=ready_timeout_s)
+    def __init__(self, *, ready_timeout_s: float = 60.0, rpc_ports: tuple[int, int] | None = None) -> None:
+        """Start the child and wait until it reports ready (``rpc_ports``: see `PeerProcess`)."""
+        super().__init__(
+            module="ascend_dist.kv_mooncake._demo.push_peer", ready_timeout_s=ready_timeout_s, rpc_ports=rpc_ports
+        )
 
 
 def _gloo(spec: dict[str, Any] | None, config: LayerwiseConfig, heads: int, mla: bool) -> AllToAll | None:
@@ -78,17 +93,33 @@ def _gloo(spec: dict[str, Any] | None, config: LayerwiseConfig, heads: int, mla:
 
 def _create(msg: dict[str, Any]) -> LwInstance:
     extra = msg["config"]
+    consumer = msg.get("role") == "consumer"
     config = LayerwiseConfig.from_kv_transfer_config(
         engine_id=extra["engine_id"],
-        kv_role="kv_producer",
+        kv_role="kv_consumer" if consumer else "kv_producer",
         kv_port=extra["kv_port"],
         extra=extra,
         model=extra.get("model", "synthetic"),
         dtype="int16",
     )
     model = Model(**msg["model"])
+    if consumer:
+        return LwInstance(config, model, metaserver=CollectingMetaserver())
     a2a = _gloo(msg.get("gloo"), config, model.heads, model.mla)
     return LwInstance(config, model, tp_ranks=list(msg.get("tp_ranks") or []), all_to_all=a2a)
+
+
+def _announce(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    rid = str(msg["rid"])
+    inst.announce(rid, int(msg["prompt_len"]))
+    if not isinstance(inst.metaserver, CollectingMetaserver):
+        return {"error": "announce: not a D instance of this child"}
+    return {"params": inst.metaserver.take(rid)}
+
+
+def _engine(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    assert inst.engine is not None
+    return {"session": inst.engine.session, "transport_ports": list(inst.engine.transport_ports)}
 
 
 def _prefill(inst: LwInstance, msg: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +169,14 @@ _COMMANDS: dict[str, Callable[[LwInstance, dict[str, Any]], dict[str, Any]]] = {
     "held": _held,
     "compute_only": lambda inst, m: {"elapsed": inst.compute_only(float(m["compute_s"]))},
     "raw_push": lambda inst, m: {"elapsed": inst.raw_push(m["params"], int(m["prompt_len"]))},
+    "engine": _engine,
+    "announce": _announce,
+    "wait_recv": lambda inst, m: {
+        "errors": sorted(inst.wait_recv({str(r) for r in m["rids"]}, float(m.get("timeout_s", 20.0))))
+    },
+    "verify": lambda inst, m: {"bytes": inst.verify(str(m["rid"]), int(m["seed"]))},
+    "blocks": lambda inst, m: {"blocks": inst.blocks[str(m["rid"])]},
+    "reason": lambda inst, m: {"reason": inst.ranks[0].worker.failure_reasons.get(str(m["rid"]), "")},
 }
 
 

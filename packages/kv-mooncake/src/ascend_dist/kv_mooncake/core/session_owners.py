@@ -1,6 +1,8 @@
 """Which peer process each Mooncake session name stands for in this process (TCP transport).
 
-Runs in: D worker processes (one table per process: every receiver shares Mooncake's one engine).
+Runs in: worker processes that move bytes with a peer's session (one table per process: every
+connector shares Mooncake's one engine): the pull's D before each read, the layer-wise push's P
+before writing with a D's metadata.
 
 Why: Mooncake's engine fetches a peer's segment descriptor (its transport port and memory) the
 first time it transfers to a session name ``host:rpc_port`` and keeps it for the life of the
@@ -9,12 +11,13 @@ it, ``send_probe`` does not; ``MC_TE_METADATA_REFRESH_INTERVAL_SECONDS`` polls e
 seen, dead ones included, every interval and logs each failure; ``MC_DISABLE_METACACHE`` fetches
 it for every piece, 7-14x slower). A P that restarts and draws the RPC port of an earlier P this
 process read (ports are drawn from 15000-16999, or pinned by the operator) is then read through
-the dead one's descriptor. Where the new P also took the dead one's transport port (Mooncake
-draws both from one range, so a restart often does) the read reaches it and is right (the
-addresses come from our own metadata; measured). Where the transport port differs, every read
-fails after a second of reconnecting to the old port, or reaches whatever process listens there
-now. So a later owner of a session name is read only if it listens on the first owner's transport
-ports; otherwise its requests fail at once, without a read, and are recomputed.
+the dead one's descriptor, and a D restarted the same way is written through it by a push P.
+Where the new peer also took the dead one's transport port (Mooncake draws both from one range,
+so a restart often does) the transfer reaches it and is right (the addresses come from our own
+metadata; measured). Where the transport port differs, every transfer fails after a second of
+reconnecting to the old port, or reaches whatever process listens there now. So a later owner of
+a session name is transferred with only if it listens on the first owner's transport ports;
+otherwise its requests fail at once, without moving a byte, and are recomputed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ __all__ = ["SESSION_OWNERS", "SessionOwners", "SessionReused"]
 
 
 class SessionReused(TransferError):
-    """A P process took a session name this process's Mooncake engine knows as another process's."""
+    """A peer process took a session name this process's Mooncake engine knows as another process's."""
 
 
 class SessionOwners:
@@ -40,7 +43,7 @@ class SessionOwners:
         self._first: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     def claim(self, session: str, owner: str, transport_ports: Sequence[int]) -> None:
-        """Record ``owner`` and its ``transport_ports`` for ``session`` before reading from it.
+        """Record ``owner`` and its ``transport_ports`` for ``session`` before moving bytes with it.
 
         Raises:
             SessionReused: ``session`` was first claimed for another owner on other transport ports
@@ -52,9 +55,10 @@ class SessionOwners:
         if first != owner and first_ports != ports:
             raise SessionReused(
                 f"Mooncake session {session} now belongs to {owner} on transport ports {list(ports)}, but "
-                f"this process's Mooncake engine read it as {first} on {list(first_ports)} and keeps that "
-                "descriptor for its life (Mooncake over TCP does not refresh it): not read, recomputed. "
-                "Restart that P on another RPC port (MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) or restart this D",
+                f"this process's Mooncake engine knows it as {first} on {list(first_ports)} and keeps that "
+                "descriptor for its life (Mooncake over TCP does not refresh it): nothing moved, recomputed. "
+                "Restart that peer on another Mooncake RPC port (MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) or restart "
+                "this process",
                 peer=session,
             )
 

@@ -36,6 +36,7 @@ from ascend_dist.common.zmq_rpc import RpcClient
 from ascend_dist.common.zmq_server import tcp_endpoint
 from ascend_dist.kv_mooncake.core.engine import Writer
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, TensorMeta, accept_reply
+from ascend_dist.kv_mooncake.core.session_owners import SESSION_OWNERS, SessionOwners
 from ascend_dist.kv_mooncake.core.transfer_mappings import Endpoint
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import Claim, LayerDone, PushDone, Reply, Request
@@ -52,14 +53,28 @@ _MAX_COALESCED = 64  # layers one notification may cover when the notifier lags 
 
 
 class MetaCache:
-    """D workers' metadata by endpoint, fetched once with P's handshake (``GetMeta``)."""
+    """D workers' metadata by endpoint, fetched once with P's handshake (``GetMeta``).
+
+    Each answer is first checked against the Mooncake sessions this process already wrote to
+    (`core.session_owners`): P's engine keeps a D's segment descriptor per session name for its
+    life, so a D restarted on a dead D's Mooncake RPC port but another transport port would be
+    written through the dead one's descriptor (to a port nobody or another process listens on).
+    """
 
     def __init__(
-        self, client: RpcClient, requests: Codec[Request], replies: Codec[Reply], handshake: Handshake, engine_id: str
+        self,
+        client: RpcClient,
+        requests: Codec[Request],
+        replies: Codec[Reply],
+        handshake: Handshake,
+        engine_id: str,
+        *,
+        sessions: SessionOwners | None = SESSION_OWNERS,
     ) -> None:
-        """Create an empty cache."""
+        """Create an empty cache (``sessions``: None where the engine refreshes a peer's descriptor itself)."""
         self._client, self._requests, self._replies = client, requests, replies
         self._handshake, self._engine_id = handshake, engine_id
+        self._sessions = sessions
         self._cache: dict[Endpoint, AgentMetadata] = {}
         self._lock = threading.Lock()
 
@@ -73,19 +88,23 @@ class MetaCache:
             IncompatiblePeer: D refused our handshake, or has our engine id, or its handshake differs.
             DeadlineExceeded: D did not answer.
             ProtocolError: D's reply is malformed.
+            SessionReused: D's Mooncake session is one this process's engine wrote to as another
+                process, on other transport ports (checked on every call: nothing is written there).
         """
         with self._lock:
             hit = self._cache.get(endpoint)
-        if hit is not None and (not engine_id or hit.engine_id == engine_id):
-            return hit
-        payload = self._requests.encode(GetMeta(handshake=self._handshake, engine_id=self._engine_id))
-        raw = self._replies.decode(self._client.request(tcp_endpoint(endpoint.host, endpoint.port), payload))
-        reply = accept_reply(raw, MetaReply, self._handshake, f"D {endpoint}")
-        if reply.metadata.engine_id == self._engine_id:
-            raise IncompatiblePeer("engine_id", self._engine_id, reply.metadata.engine_id)
-        with self._lock:
-            self._cache[endpoint] = reply.metadata
-        return reply.metadata
+        if hit is None or (engine_id and hit.engine_id != engine_id):
+            payload = self._requests.encode(GetMeta(handshake=self._handshake, engine_id=self._engine_id))
+            raw = self._replies.decode(self._client.request(tcp_endpoint(endpoint.host, endpoint.port), payload))
+            reply = accept_reply(raw, MetaReply, self._handshake, f"D {endpoint}")
+            if reply.metadata.engine_id == self._engine_id:
+                raise IncompatiblePeer("engine_id", self._engine_id, reply.metadata.engine_id)
+            hit = reply.metadata
+            with self._lock:
+                self._cache[endpoint] = hit
+        if self._sessions is not None:
+            self._sessions.claim(hit.te_session, hit.owner, hit.transport_ports)
+        return hit
 
     def forget_other_worker(self, endpoint: Endpoint, incarnation: str) -> str | None:
         """Drop the metadata at ``endpoint`` if it names another D worker than ``incarnation``.

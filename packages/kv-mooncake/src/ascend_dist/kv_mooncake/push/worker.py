@@ -218,6 +218,8 @@ class LayerwiseWorker:
             block_size=self._block_size,
             num_blocks=self._num_blocks,
             layers=self._metas,
+            # P checks them against the session's first owner (P's Mooncake keeps a descriptor per session).
+            transport_ports=engine.transport_ports,
             # Named in each answer to a Claim: P writing with a dead worker's metadata (a D restarted
             # on these ports, its engine id pinned) would write at the dead worker's addresses.
             incarnation=secrets.token_hex(8),
