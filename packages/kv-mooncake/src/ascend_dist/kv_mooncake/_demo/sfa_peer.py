@@ -13,6 +13,8 @@ line each:
   open (``"take": false``: P's failures are left where they are, as vLLM's connector leaves them: ``{}``)
 * ``{"cmd": "held", "name"}`` -> what the instance holds (`SfaPInstance.held`), plus the process's
   ``threads``, open ``fds`` and engine ``regions``
+* ``{"cmd": "engine", "name"}`` -> ``{"session": "host:rpc_port", "transport_ports": [...]}`` (the
+  process's Mooncake engine, which the instance's `Hello` names)
 * ``{"cmd": "drop", "name"}`` -> ``{"ok": true}`` (shuts that instance down)
 * ``{"cmd": "quit"}`` -> shuts every instance down and exits.
 
@@ -83,11 +85,17 @@ def _held(inst: SfaPInstance, msg: dict[str, Any]) -> dict[str, Any]:
     return {**inst.held(), "threads": threading.active_count(), "fds": fds, "regions": len(engine.registered)}
 
 
+def _engine(inst: SfaPInstance, msg: dict[str, Any]) -> dict[str, Any]:
+    engine = get_engine(inst.config.host, inst.config.protocol)
+    return {"session": engine.session, "transport_ports": list(engine.transport_ports)}
+
+
 _COMMANDS: dict[str, Callable[[SfaPInstance, dict[str, Any]], dict[str, Any]]] = {
     "prefill": _prefill,
     "prefill_batch": _prefill_batch,
     "drain": _drain,
     "held": _held,
+    "engine": _engine,
 }
 
 

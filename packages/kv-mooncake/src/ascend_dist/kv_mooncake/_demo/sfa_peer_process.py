@@ -16,9 +16,11 @@ __all__ = ["SfaP", "SfaPeer"]
 class SfaPeer(PeerProcess):
     """A ``python -m ascend_dist.kv_mooncake._demo.sfa_peer`` child."""
 
-    def __init__(self, *, ready_timeout_s: float = 60.0) -> None:
-        """Start the child and wait until it reports ready."""
-        super().__init__(module="ascend_dist.kv_mooncake._demo.sfa_peer", ready_timeout_s=ready_timeout_s)
+    def __init__(self, *, ready_timeout_s: float = 60.0, rpc_ports: tuple[int, int] | None = None) -> None:
+        """Start the child and wait until it reports ready (``rpc_ports``: see `PeerProcess`)."""
+        super().__init__(
+            module="ascend_dist.kv_mooncake._demo.sfa_peer", ready_timeout_s=ready_timeout_s, rpc_ports=rpc_ports
+        )
 
     def create_p(self, name: str, config: dict[str, Any], model: dict[str, Any]) -> SfaP:
         """Create a P instance in the child."""
@@ -50,6 +52,11 @@ class SfaP:
     def held(self) -> dict[str, int]:
         """What P and its process hold (`sfa_peer`'s ``held``)."""
         return {k: int(v) for k, v in self.peer.call({"cmd": "held", "name": self.name}).items()}
+
+    def mooncake_ports(self) -> tuple[int, list[int]]:
+        """``(RPC port, transport ports)`` of the child's Mooncake engine."""
+        reply = self.peer.call({"cmd": "engine", "name": self.name})
+        return int(str(reply["session"]).rsplit(":", 1)[1]), [int(p) for p in reply["transport_ports"]]
 
     def kill(self) -> None:
         """SIGKILL the whole child process (every instance in it dies)."""

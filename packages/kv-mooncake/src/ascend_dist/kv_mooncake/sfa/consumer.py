@@ -37,6 +37,7 @@ from ascend_dist.common.zmq_server import RpcServer
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.messages import Refused, admit
+from ascend_dist.kv_mooncake.core.session_owners import SESSION_OWNERS, SessionOwners, SessionReused
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.messages import (
     Commit,
@@ -81,6 +82,8 @@ class _Recv:
 class _Peer:
     session: str
     layers: dict[str, LayerMeta]
+    owner: str = ""
+    transport_ports: tuple[int, ...] = ()
 
 
 class ConsumerWorker:
@@ -93,8 +96,12 @@ class ConsumerWorker:
         tp_rank: int,
         backend: Reader,
         clock: Callable[[], float] = time.monotonic,
+        sessions: SessionOwners | None = SESSION_OWNERS,
     ) -> None:
         """Create the worker (the read thread starts in `register`).
+
+        ``sessions``: which P process each Mooncake session was first read from in this process
+        (`core.session_owners`; None where the engine refreshes a peer's descriptor itself).
 
         Raises:
             ConfigError: ``tp_rank`` out of range.
@@ -106,6 +113,7 @@ class ConsumerWorker:
         self._backend = backend
         self._registered: RegisterRegions | None = None  # unregistered by shutdown
         self._clock = clock
+        self._sessions = sessions
         self._requests: Codec[Request] = request_codec(config.max_message_bytes)
         self._replies: Codec[Reply] = reply_codec(config.max_message_bytes)
         self._dest: dict[str, DestLayer] = {}
@@ -197,7 +205,7 @@ class ConsumerWorker:
         if refused is not None:
             return refused
         with self._cond:
-            self._peers[msg.sender] = _Peer(msg.session, dict(msg.layers))
+            self._peers[msg.sender] = _Peer(msg.session, dict(msg.layers), msg.owner, tuple(msg.transport_ports))
             self._peers.move_to_end(msg.sender)
             while len(self._peers) > _PEER_MEMORY:  # P restarts bring new sender names
                 self._peers.popitem(last=False)
@@ -287,7 +295,7 @@ class ConsumerWorker:
         batch = Descriptors.concat(parts) if parts else None
         if batch is not None and len(batch):
             batch = coalesce(np.asarray(batch.local), np.asarray(batch.remote), np.asarray(batch.lengths))
-            error, engine_failed = self._read(peer.session, batch, msg.layer_name, give_up_at)
+            error, engine_failed = self._read(peer, batch, msg.layer_name, give_up_at)
             if error is not None:
                 if engine_failed:
                     self._forget(msg.sender, peer.session)
@@ -300,15 +308,23 @@ class ConsumerWorker:
                     self.trace.append((peer.session, batch))
         return ReadDone(layer_idx=msg.layer_idx, failed=failed)
 
-    def _read(self, session: str, batch: Descriptors, layer_name: str, give_up_at: float) -> tuple[str | None, bool]:
-        """One batch read, repeated ``read_retries`` times on failure.
+    def _read(self, peer: _Peer, batch: Descriptors, layer_name: str, give_up_at: float) -> tuple[str | None, bool]:
+        """One batch read from ``peer``'s session, repeated ``read_retries`` times on failure.
 
-        No attempt starts after ``give_up_at`` (P's read budget): P would not take its answer.
+        No attempt starts after ``give_up_at`` (P's read budget): P would not take its answer. None
+        starts when this process's engine knows the session as another P process's on other
+        transport ports (`core.session_owners`: Mooncake would read through the dead one's descriptor).
 
         Returns:
             ``(None, False)`` when read; else the last error and whether the engine failed a read
-            of ``session`` (False: the budget passed before the first attempt).
+            of the session (False: the budget passed before the first attempt, or the session was refused).
         """
+        try:
+            if self._sessions is not None:
+                self._sessions.claim(peer.session, peer.owner, peer.transport_ports)
+        except SessionReused as exc:
+            return str(exc), False
+        session = peer.session
         error = ""
         for attempt in range(self._config.read_retries + 1):
             if time.monotonic() >= give_up_at:

@@ -21,13 +21,13 @@ without one fails.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from ascend_dist.kv_mooncake.core.admission import Count, ParallelSize, Port, Text, check_host, convert_params
 from ascend_dist.kv_mooncake.core.capability import Tag, WallMs
-from ascend_dist.kv_mooncake.core.messages import Greeting, Refused
+from ascend_dist.kv_mooncake.core.messages import MAX_TRANSPORT_PORTS, Greeting, Refused
 from ascend_dist.kv_mooncake.core.wire import Channel, Message
 from ascend_dist.kv_mooncake.core.wire import Request as _Request
 
@@ -74,11 +74,25 @@ class LayerMeta(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Hello(Greeting, frozen=True, kw_only=True, tag="hello"):
-    """P's first message to a D endpoint: compatibility (the `Greeting`), session and layer metadata."""
+    """P's first message to a D endpoint: compatibility (the `Greeting`), session and layer metadata.
+
+    ``incarnation`` (a token of P's process life) and ``transport_ports`` (where P's Mooncake
+    transport listens besides the session's port) let D tell a P restarted on a dead P's session
+    apart (`core.session_owners`); empty from a P that does not say.
+    """
 
     sender: str
     session: str
     layers: dict[str, LayerMeta]
+    incarnation: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    transport_ports: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=1, le=65535)], ...], msgspec.Meta(max_length=MAX_TRANSPORT_PORTS)
+    ] = ()
+
+    @property
+    def owner(self) -> str:
+        """Who serves ``transport_ports``: the session and the life of P's process."""
+        return f"{self.session}#{self.incarnation}" if self.incarnation else self.session
 
 
 class ReadReq(msgspec.Struct, frozen=True, array_like=True):

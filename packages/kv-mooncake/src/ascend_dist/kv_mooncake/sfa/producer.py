@@ -32,6 +32,7 @@ from ascend_dist.common.wire import Handshake
 from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import tensor_geometry
+from ascend_dist.kv_mooncake.core.tcp_sockets import process_incarnation
 from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 from ascend_dist.kv_mooncake.sfa.links import Dispatcher, Part, Slot
 from ascend_dist.kv_mooncake.sfa.messages import (
@@ -210,6 +211,8 @@ class ProducerWorker:
             sender=self._sender,
             session=session,
             layers={layer.name: layer.meta for layer in self._layers.values()},
+            incarnation=process_incarnation(),
+            transport_ports=tuple(self._backend.transport_ports),
         )
 
     def start_load_kv(self, meta: ProducerMetadata) -> None:
