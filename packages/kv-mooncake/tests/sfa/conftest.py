@@ -71,8 +71,8 @@ def sfa_peer() -> Iterator[SfaPeer]:
 def make_sfa_pair(sfa_peer: SfaPeer) -> Iterator[Callable[..., SfaPair]]:
     """Build P/D pairs: ``p_tp``, ``d_tp``, ``p_extra``/``d_extra`` overrides, model fields.
 
-    ``own_process=True`` gives P its own child (for tests that kill it); ``d_reader`` wraps D's
-    engine (a fault injected at D's reads).
+    ``own_process=True`` gives P its own child (for tests that kill it), ``p_rpc_ports`` too, its
+    Mooncake ports drawn from that range; ``d_reader`` wraps D's engine (a fault injected at D's reads).
     """
     made: list[SfaPair] = []
     peers: list[SfaPeer] = []
@@ -86,6 +86,7 @@ def make_sfa_pair(sfa_peer: SfaPeer) -> Iterator[Callable[..., SfaPair]]:
         d_model: dict[str, Any] | None = None,
         d_reader: Callable[[Reader], Reader] | None = None,
         own_process: bool = False,
+        p_rpc_ports: tuple[int, int] | None = None,
         **model: Any,
     ) -> SfaPair:
         n = next(_IDS)
@@ -102,8 +103,8 @@ def make_sfa_pair(sfa_peer: SfaPeer) -> Iterator[Callable[..., SfaPair]]:
         }
         spec = {"layers": 3, "block_size": 8, "num_blocks": 48, "main_dims": (32, 8), "indexer_dims": (8,), **model}
         peer = sfa_peer
-        if own_process:
-            peer = SfaPeer()
+        if own_process or p_rpc_ports:
+            peer = SfaPeer(rpc_ports=p_rpc_ports)
             peers.append(peer)
         p = peer.create_p(f"p{n}", {**extra, "engine_id": f"P{n}", **(p_extra or {})}, spec)
         d_extra_all = {**extra, **(d_extra or {})}

@@ -14,66 +14,30 @@ anything reached it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fault_engines import CountingReader
 
 from ascend_dist.common.errors import ProtocolError
-from ascend_dist.kv_mooncake._demo.peer_process import free_port_range, fresh_rpc_ports
+from ascend_dist.kv_mooncake._demo.peer_process import fresh_rpc_ports
 from ascend_dist.kv_mooncake._demo.sfa_peer_process import SfaP, SfaPeer
-from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance, SfaModel
-from ascend_dist.kv_mooncake.core.engine import get_engine
+from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance
+from ascend_dist.kv_mooncake.core.engine import Reader
 from ascend_dist.kv_mooncake.core.tcp_sockets import ports_in_use
-from ascend_dist.kv_mooncake.pull.config import Role
-from ascend_dist.kv_mooncake.sfa.config import SfaConfig
 
-SPEC: dict[str, Any] = {
-    "layers": 3,
-    "block_size": 8,
-    "num_blocks": 48,
-    "main_dims": (32, 8),
-    "indexer_dims": (8,),
-}
 PROMPT = 24
 TRIES = 30
-EXTRA: dict[str, Any] = {
-    "prefill": {"tp_size": 1},
-    "decode": {"tp_size": 1},
-    "transfer_backend": "mooncake",
-    "read_timeout_s": 5.0,
-    "hello_timeout_s": 2.0,
-    "quarantine_s": 0.05,
-    "recv_timeout_s": 20.0,
-    "dest_wait_s": 0.5,
-}
 
 
-@pytest.fixture
-def d_here() -> Iterator[tuple[SfaDInstance, CountingReader]]:
-    """A D instance here, reading through this process's Mooncake engine (counted)."""
-    engine = CountingReader(get_engine("127.0.0.1"))
-    config = SfaConfig.from_kv_transfer_config(
-        engine_id="SD-reuse",
-        kv_role=Role.CONSUMER.value,
-        kv_port=free_port_range(1),
-        extra=EXTRA,
-        model="synthetic-sfa",
-        dtype="int16",
-    )
-    d = SfaDInstance(config, SfaModel(**SPEC), engine)
-    try:
-        yield d, engine
-    finally:
-        d.shutdown()
-
-
-def _start(window: tuple[int, int], name: str) -> tuple[SfaPeer, SfaP]:
+def _start(pair: Any, window: tuple[int, int], name: str) -> tuple[SfaPeer, SfaP]:
+    """A P child like ``pair``'s (config and model), its Mooncake ports drawn from ``window``."""
     peer = SfaPeer(rpc_ports=window)
     try:
-        return peer, peer.create_p(name, {**EXTRA, "kv_port": free_port_range(1), "engine_id": name}, SPEC)
+        return peer, peer.create_p(name, {**pair.extra, "engine_id": name}, dataclasses.asdict(pair.d.model))
     except BaseException:
         peer.close()
         raise
@@ -84,12 +48,12 @@ def _ports(p: SfaP) -> tuple[int, int]:
     return rpc, transport
 
 
-def _start_drawing(window: range, wanted: Callable[[int, int], bool], name: str) -> tuple[SfaPeer, SfaP]:
+def _start_drawing(pair: Any, window: range, wanted: Callable[[int, int], bool], name: str) -> tuple[SfaPeer, SfaP]:
     """A P child whose Mooncake ports, drawn from ``window``, satisfy ``wanted(rpc, transport)``."""
     drawn: list[tuple[int, int] | str] = []
     for _ in range(TRIES):
         try:
-            peer, p = _start((window[0], window[-1]), name)
+            peer, p = _start(pair, (window[0], window[-1]), name)
         except ProtocolError:  # Mooncake found no free transport port in the window this time
             drawn.append("no engine")
             continue
@@ -117,23 +81,24 @@ def _run(d: SfaDInstance, p: SfaP, rid: str, seed: int) -> tuple[set[int], float
     return errors, time.monotonic() - start
 
 
-def _blocks(d: SfaDInstance, rid: str) -> set[int]:
-    return set(d.alloc.held[rid][0])
-
-
 @pytest.mark.timeout(300)
 def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_refused_at_once_and_others_are_read(
-    d_here: tuple[SfaDInstance, CountingReader],
+    make_sfa_pair: Callable[..., Any],
 ) -> None:
-    d, engine = d_here
+    readers: list[CountingReader] = []
+
+    def counted(engine: Reader) -> Reader:
+        readers.append(CountingReader(engine))
+        return readers[-1]  # type: ignore[return-value]  # forwards every Reader call
+
     # Four ports of its own: the dead P draws the middle two, so a spare lies beside either of them.
     first, _ = fresh_rpc_ports()
-    peer, dead = _start((first + 1, first + 2), "SP-dead")
-    with peer:
-        assert _run(d, dead, "first", seed=1)[0] == set()
-        assert d.verify("first", 1) > 0 and engine.reads > 0  # D's engine now keeps this P's descriptor
-        rpc, transport = _ports(dead)
-        peer.kill()
+    pair = make_sfa_pair(p_rpc_ports=(first + 1, first + 2), d_reader=counted)
+    d, engine = pair.d, readers[0]
+    assert _run(d, pair.p, "first", seed=1)[0] == set()
+    assert d.verify("first", 1) > 0 and engine.reads > 0  # D's engine now keeps this P's descriptor
+    rpc, transport = _ports(pair.p)
+    pair.p.kill()
 
     # The dead session on the spare port: D refuses the reads at once and reads nothing. D's engine
     # keeps its connections to the dead P (CLOSE_WAIT), so the dead P's ends hold its ports until
@@ -141,10 +106,10 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_refused_at_once_and_othe
     _wait_released(rpc)
     reads = engine.reads
     moved = range(first, first + 2) if rpc == first + 1 else range(first + 2, first + 4)
-    peer, p = _start_drawing(moved, lambda r, t: r == rpc and t != transport, "SP-moved")
+    peer, p = _start_drawing(pair, moved, lambda r, t: r == rpc and t != transport, "SP-moved")
     with peer:
         errors, took = _run(d, p, "moved", seed=2)
-        assert errors and errors <= _blocks(d, "moved")  # failed: vLLM recomputes it
+        assert errors and errors <= set(d.alloc.held["moved"][0])  # failed: vLLM recomputes it
         assert engine.reads == reads, "read through the dead P's descriptor"
         reasons = p.drain()["failed"]
         assert any(f"Mooncake session 127.0.0.1:{rpc} now belongs to" in r for r in reasons.values()), reasons
@@ -154,7 +119,7 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_refused_at_once_and_othe
         peer.kill()
 
     # Control: a P on a session of its own is read through the same engine, byte-exact.
-    with SfaPeer() as peer:
-        fresh = peer.create_p("SP-fresh", {**EXTRA, "kv_port": free_port_range(1), "engine_id": "SP-fresh"}, SPEC)
+    peer, fresh = _start(pair, fresh_rpc_ports(), "SP-fresh")
+    with peer:
         assert _run(d, fresh, "fresh", seed=4)[0] == set()
         assert d.verify("fresh", 4) > 0 and engine.reads > reads
