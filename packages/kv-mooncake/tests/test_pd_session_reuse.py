@@ -27,9 +27,8 @@ import pytest
 from fault_engines import CountingReader
 
 from ascend_dist.common.errors import ProtocolError
-from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, fresh_rpc_ports
+from ascend_dist.kv_mooncake._demo.peer_process import PeerProcess, PInstance, fresh_rpc_ports, wait_ports_released
 from ascend_dist.kv_mooncake.core.engine import get_engine
-from ascend_dist.kv_mooncake.core.tcp_sockets import ports_in_use
 
 SPEC = {"layers": 4, "heads": 4, "head_dim": 16, "block_size": 16, "num_blocks": 32}
 TRIES = 30
@@ -77,15 +76,6 @@ def _kill_and_forget(pair: Any, peer: PeerProcess, params: dict[str, Any], rid: 
     assert pair.d.wait_recv({rid}, timeout_s=15.0) == set(pair.d.blocks[rid][0])
 
 
-def _wait_released(ports: range, timeout_s: float = 90.0) -> None:
-    """Wait until no socket uses ``ports`` (a dead P's stay in TIME_WAIT for 60 s)."""
-    deadline = time.monotonic() + timeout_s
-    while ports_in_use(ports):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"ports {ports} still in use after {timeout_s} s")
-        time.sleep(1.0)
-
-
 def _session_port(pair: Any) -> int:
     """The Mooncake RPC port of the P whose metadata ``pair``'s D last fetched."""
     meta = pair.d.ranks[0].worker.receiver.peer_metadata(pair.extra["engine_id"], "127.0.0.1", pair.kv_port)
@@ -129,7 +119,7 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_refused_at_once_or_read_
         peer.kill()  # nothing was read: no TIME_WAIT left behind
 
     # The dead session on the dead one's transport port too: read, byte-exact.
-    _wait_released(range(first, first + 4))
+    wait_ports_released(range(first, first + 4), timeout_s=90.0)
     peer, p = _start_drawing(pair, range(first + 1, first + 3), lambda r, t: r == rpc and t == transport, "same")
     with peer:
         params = p.prefill("same", 40, 4)

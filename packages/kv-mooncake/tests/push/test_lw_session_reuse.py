@@ -23,7 +23,7 @@ import pytest
 from fault_engines import CountingWriter
 
 from ascend_dist.common.errors import ProtocolError
-from ascend_dist.kv_mooncake._demo.peer_process import free_port_range, fresh_rpc_ports
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range, fresh_rpc_ports, wait_ports_released
 from ascend_dist.kv_mooncake._demo.push_peer import LwPeerProcess
 from ascend_dist.kv_mooncake._demo.push_synthetic import LwInstance
 from ascend_dist.kv_mooncake._demo.synthetic import Model
@@ -120,7 +120,9 @@ def test_a_d_restarted_on_a_dead_ds_mooncake_session_is_refused_at_once_and_othe
         rpc, transport = dead.mooncake_ports()  # P's engine now keeps this descriptor for that session
         peer.kill()
 
-    # The dead session on the spare port: P refuses at once and writes nothing.
+    # The dead session on the spare port: P refuses at once and writes nothing. Connections P's
+    # engine keeps to the dead D can hold its RPC port (the kernel's tcp_fin_timeout) until released.
+    wait_ports_released([rpc])
     writes = engine.writes
     moved = range(first, first + 2) if rpc == first + 1 else range(first + 2, first + 4)
     peer, d = _start_drawing(moved, lambda r, t: r == rpc and t != transport, "LWD-moved")

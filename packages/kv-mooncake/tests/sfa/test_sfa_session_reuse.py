@@ -23,11 +23,10 @@ import pytest
 from fault_engines import CountingReader
 
 from ascend_dist.common.errors import ProtocolError
-from ascend_dist.kv_mooncake._demo.peer_process import fresh_rpc_ports
+from ascend_dist.kv_mooncake._demo.peer_process import fresh_rpc_ports, wait_ports_released
 from ascend_dist.kv_mooncake._demo.sfa_peer_process import SfaP, SfaPeer
 from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance
 from ascend_dist.kv_mooncake.core.engine import Reader
-from ascend_dist.kv_mooncake.core.tcp_sockets import ports_in_use
 
 PROMPT = 24
 TRIES = 30
@@ -64,14 +63,6 @@ def _start_drawing(pair: Any, window: range, wanted: Callable[[int, int], bool],
     raise AssertionError(f"no P drew the wanted Mooncake ports from {window} in {TRIES} starts: {drawn}")
 
 
-def _wait_released(port: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while ports_in_use([port]):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"port {port} still in use after {timeout_s} s")
-        time.sleep(1.0)
-
-
 def _run(d: SfaDInstance, p: SfaP, rid: str, seed: int) -> tuple[set[int], float]:
     """D allocates ``rid``, P prefills it; D's load errors and the seconds to them."""
     params = d.decode(rid, PROMPT)
@@ -103,7 +94,7 @@ def test_a_p_restarted_on_a_dead_ps_mooncake_session_is_refused_at_once_and_othe
     # The dead session on the spare port: D refuses the reads at once and reads nothing. D's engine
     # keeps its connections to the dead P (CLOSE_WAIT), so the dead P's ends hold its ports until
     # the kernel drops them (tcp_fin_timeout, 60 s): until then no P can take its RPC port.
-    _wait_released(rpc)
+    wait_ports_released([rpc])
     reads = engine.reads
     moved = range(first, first + 2) if rpc == first + 1 else range(first + 2, first + 4)
     peer, p = _start_drawing(pair, moved, lambda r, t: r == rpc and t != transport, "SP-moved")

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import closing
 from types import TracebackType
 from typing import Any, Self
@@ -34,6 +34,7 @@ __all__ = [
     "PeerProcess",
     "free_port_range",
     "fresh_rpc_ports",
+    "wait_ports_released",
 ]
 
 STDERR_LINES_KEPT = 400
@@ -71,6 +72,24 @@ def fresh_rpc_ports() -> tuple[int, int]:
         window = range(first, first + RPC_PORT_WINDOWS.step)
         if not ports_in_use(window):
             return window[0], window[-1]
+
+
+def wait_ports_released(ports: Iterable[int], timeout_s: float = 120.0) -> None:
+    """Wait until no socket of this namespace has one of ``ports`` as its own (TIME_WAIT included).
+
+    A killed peer's ports stay held while its connections wind down in the kernel (TIME_WAIT, or
+    FIN_WAIT2 while the other side keeps its end open: Mooncake pools connections to dead peers),
+    60 s each; a child meant to take one of them again waits here first.
+
+    Raises:
+        DeadlineExceeded: Still in use after ``timeout_s``.
+    """
+    wanted = list(ports)
+    deadline = time.monotonic() + timeout_s
+    while ports_in_use(wanted):
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(f"ports {wanted} still in use after {timeout_s} s")
+        time.sleep(1.0)
 
 
 def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
