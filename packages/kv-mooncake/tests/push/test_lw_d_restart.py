@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from ascend_dist.common.regions import RegisterRegions
+from ascend_dist.kv_mooncake._demo.peer_process import start_on_same_port
 from ascend_dist.kv_mooncake._demo.push_synthetic import LwInstance
 from ascend_dist.kv_mooncake._demo.synthetic import Model
 
@@ -29,7 +30,7 @@ def _restart_d(pair: Any, engine_id: str) -> LwInstance:
     dead: LwInstance = pair.d
     dead.shutdown()
     config = dataclasses.replace(dead.config, engine_id=engine_id)
-    pair.d = LwInstance(config, Model(**pair.spec), metaserver=pair.metaserver)
+    pair.d = start_on_same_port(lambda: LwInstance(config, Model(**pair.spec), metaserver=pair.metaserver))
     return dead
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ascend_dist.common.errors import TransferError
+from ascend_dist.common.errors import ConfigError, TransferError
 from ascend_dist.common.regions import RegisterRegions
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient
@@ -264,3 +264,26 @@ def test_greeted_senders_are_bounded_and_the_latest_still_served(d: Any) -> None
     assert isinstance(ch.send(_ready("P0/tp0", 0, [ReadReq("r", [1], [2])], [])), ReadFailed)  # evicted: greet again
     latest = ch.send(_ready(f"P{_PEER_MEMORY + 19}/tp0", 0, [ReadReq("r", [1], [2])], []))
     assert isinstance(latest, ReadDone) and latest.failed == [] and engine.reads
+
+
+def test_a_start_whose_port_is_taken_leaves_nothing_registered() -> None:
+    class Registrations(FakeEngine):
+        def unregister(self, regions: RegisterRegions) -> None:
+            for region in zip(regions.ptrs, regions.lengths, strict=True):
+                self.registered.remove(region)
+
+    config = _config()
+    engine = Registrations()
+    first = ConsumerWorker(config, tp_rank=0, backend=engine)
+    dest = {LAYER: DestLayer((4096,), (64,), (), ())}
+    first.register(dest, [(4096, 64 * 8)])
+    try:
+        second = ConsumerWorker(config, tp_rank=0, backend=engine)  # the same port
+        with pytest.raises(ConfigError, match="port"):
+            second.register(dest, [(8192, 64 * 8)])
+        assert engine.registered == [(4096, 64 * 8)]  # only the running worker's
+        second.shutdown()  # idempotent after a failed start
+        assert engine.registered == [(4096, 64 * 8)]
+    finally:
+        first.shutdown()
+    assert engine.registered == []

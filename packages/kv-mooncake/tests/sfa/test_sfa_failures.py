@@ -18,7 +18,7 @@ from ascend_dist.common.errors import ConfigError
 from ascend_dist.common.wire import Codec
 from ascend_dist.common.zmq_rpc import RpcClient, RpcServer
 from ascend_dist.common.zmq_server import tcp_endpoint
-from ascend_dist.kv_mooncake._demo.peer_process import free_port_range
+from ascend_dist.kv_mooncake._demo.peer_process import free_port_range, start_on_same_port
 from ascend_dist.kv_mooncake._demo.sfa_synthetic import SfaDInstance
 from ascend_dist.kv_mooncake.core.descriptors import Descriptors
 from ascend_dist.kv_mooncake.core.engine import Reader, get_engine
@@ -244,7 +244,7 @@ def test_a_d_restarted_on_its_ports_with_a_new_engine_id_is_read_into_again(make
     pair.d.finish("before")
     pair.d.shutdown()
     config = dataclasses.replace(pair.d.config, engine_id=f"{pair.d.config.engine_id}-restarted")
-    pair.d = SfaDInstance(config, pair.d.model, get_engine("127.0.0.1"))  # the same ports
+    pair.d = start_on_same_port(lambda: SfaDInstance(config, pair.d.model, get_engine("127.0.0.1")))
     for i in range(2):
         rid = f"after{i}"
         pair.run(rid, 24, seed=40 + i)

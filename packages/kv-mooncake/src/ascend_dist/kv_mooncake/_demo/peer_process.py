@@ -18,10 +18,10 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import closing
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from ascend_dist.common.errors import ConfigError, DeadlineExceeded, ProtocolError
 from ascend_dist.kv_mooncake.core.tcp_sockets import ports_in_use
@@ -34,8 +34,11 @@ __all__ = [
     "PeerProcess",
     "free_port_range",
     "fresh_rpc_ports",
+    "start_on_same_port",
     "wait_ports_released",
 ]
+
+T = TypeVar("T")
 
 STDERR_LINES_KEPT = 400
 """How many of the child's latest log lines a `PeerProcess` keeps (for the error it raises)."""
@@ -90,6 +93,26 @@ def wait_ports_released(ports: Iterable[int], timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise DeadlineExceeded(f"ports {wanted} still in use after {timeout_s} s")
         time.sleep(1.0)
+
+
+def start_on_same_port(start: Callable[[], T], timeout_s: float = 10.0) -> T:
+    """``start()`` again while it fails for its port in use, until ``timeout_s``: an instance restarted on its ports.
+
+    Test ports come from the kernel's ephemeral range, so while a dead instance's port is free a
+    peer reconnecting to it can, now and then, take it as its own source port (a connection to
+    itself) until its socket gives up a moment later: the restart then finds it in use.
+
+    Raises:
+        ConfigError: Still in use after ``timeout_s`` (or any other configuration error, at once).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return start()
+        except ConfigError as exc:
+            if exc.field != "port" or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
 
 
 def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:

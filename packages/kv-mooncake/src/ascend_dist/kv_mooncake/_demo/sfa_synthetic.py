@@ -273,7 +273,11 @@ class SfaDInstance:
                 )
             regions = pool_regions + [(t.data_ptr(), t.numel() * t.element_size()) for ts in idx.values() for t in ts]
             worker = ConsumerWorker(config, tp_rank=rank, backend=engine)
-            worker.register(dest, regions)
+            try:
+                worker.register(dest, regions)
+            except BaseException:  # the ranks started so far stop and unregister too
+                self.shutdown()
+                raise
             self.indexers.append(idx)
             self.workers.append(worker)
 

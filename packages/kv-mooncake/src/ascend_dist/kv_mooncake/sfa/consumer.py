@@ -161,14 +161,20 @@ class ConsumerWorker:
         self._handshake = make_sfa_handshake(
             self._config, f"{self._config.engine_id}/d{self._tp_rank}", len(dest), layout
         )
-        self._server = RpcServer(
-            self._config.host,
-            self.port,
-            self._handle,
-            max_bytes=self._config.max_message_bytes,
-            name=f"sfa-read-d{self._tp_rank}",
-        )
-        self._server.start()
+        try:
+            server = RpcServer(
+                self._config.host,
+                self.port,
+                self._handle,
+                max_bytes=self._config.max_message_bytes,
+                name=f"sfa-read-d{self._tp_rank}",
+            )
+            server.start()
+        except BaseException:  # a port in use, a foreign host: nothing of this start stays registered
+            self._backend.unregister(mine)
+            self._registered = None
+            raise
+        self._server = server
 
     def start_load_kv(self, meta: ConsumerMetadata) -> None:
         """Record the destinations of newly allocated requests (wakes a waiting read)."""
