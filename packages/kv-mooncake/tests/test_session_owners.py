@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ascend_dist.kv_mooncake.core.session_owners import SessionOwners, SessionReused
+from ascend_dist.kv_mooncake.core.session_owners import SESSION_OWNERS, SessionOwners, SessionReused, session_owners_for
 
 
 def test_the_first_owner_is_read_again_and_again() -> None:
@@ -34,3 +34,8 @@ def test_sessions_are_apart() -> None:
     owners.claim("10.0.0.1:15000", "10.0.0.1:15000#a", (15001,))
     owners.claim("10.0.0.2:15000", "10.0.0.2:15000#b", (15002,))
     assert len(owners) == 2
+
+
+def test_only_tcp_connectors_check_sessions() -> None:
+    assert session_owners_for("tcp") is SESSION_OWNERS  # Mooncake TCP keeps a descriptor for good
+    assert session_owners_for("rdma") is None and session_owners_for("ascend") is None

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from ascend_dist.common.errors import TransferError
 
-__all__ = ["SESSION_OWNERS", "SessionOwners", "SessionReused"]
+__all__ = ["SESSION_OWNERS", "SessionOwners", "SessionReused", "session_owners_for"]
 
 
 class SessionReused(TransferError):
@@ -69,3 +69,12 @@ class SessionOwners:
 
 SESSION_OWNERS = SessionOwners()
 """This process's table (every receiver in the process reads through Mooncake's one engine)."""
+
+
+def session_owners_for(protocol: str) -> SessionOwners | None:
+    """The table a connector moving bytes over Mooncake ``protocol`` checks sessions against, or None.
+
+    Measured over TCP: Mooncake never refreshes a peer's descriptor. Its RDMA transport refetches
+    one after a remote failure (per its source; not measured here), so nothing is checked there.
+    """
+    return SESSION_OWNERS if protocol == "tcp" else None

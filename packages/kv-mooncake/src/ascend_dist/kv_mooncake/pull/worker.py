@@ -33,7 +33,7 @@ from ascend_dist.kv_mooncake.core.kv_views import layer_axes, state_geometry, te
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, Done, GetMeta, MetaReply, TensorMeta, admit
 from ascend_dist.kv_mooncake.core.ports import PortLayout, RankCoord
 from ascend_dist.kv_mooncake.core.ranks import PLAN_VERSION
-from ascend_dist.kv_mooncake.core.session_owners import SESSION_OWNERS
+from ascend_dist.kv_mooncake.core.session_owners import session_owners_for
 from ascend_dist.kv_mooncake.core.tcp_sockets import process_incarnation
 from ascend_dist.kv_mooncake.pull.config import PullConfig
 from ascend_dist.kv_mooncake.pull.cp_plan import cp_layouts, cp_p_fan_in
@@ -329,9 +329,7 @@ class PullWorker:
                 secret=self._secret,
                 wall_clock=self._wall_clock,
                 thread_cpus=self._transfer_cpus,
-                # Measured over TCP: Mooncake never refreshes a peer's descriptor. Its RDMA transport
-                # refetches one after a remote failure (per its source; not measured here).
-                sessions=SESSION_OWNERS if self._config.protocol == "tcp" else None,
+                sessions=session_owners_for(self._config.protocol),
             )
 
     @staticmethod

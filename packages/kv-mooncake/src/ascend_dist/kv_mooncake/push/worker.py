@@ -38,7 +38,7 @@ from ascend_dist.kv_mooncake.core.engine import Writer, get_engine
 from ascend_dist.kv_mooncake.core.kv_geometry import CacheLayout, layout_label
 from ascend_dist.kv_mooncake.core.kv_views import layer_axes, tensor_geometry, token_rows
 from ascend_dist.kv_mooncake.core.messages import Ack, AgentMetadata, GetMeta, MetaReply, TensorMeta, admit
-from ascend_dist.kv_mooncake.core.session_owners import SESSION_OWNERS
+from ascend_dist.kv_mooncake.core.session_owners import session_owners_for
 from ascend_dist.kv_mooncake.push.config import LayerwiseConfig
 from ascend_dist.kv_mooncake.push.gate import ReuseGate
 from ascend_dist.kv_mooncake.push.messages import CHANNEL, Claim, LayerDone, PushDone, reply_codec, request_codec
@@ -242,8 +242,7 @@ class LayerwiseWorker:
         self._client = client = RpcClient(
             timeout_s=c.rpc_timeout_s, retries=c.rpc_retries, max_reply_bytes=c.max_message_bytes
         )
-        # Over TCP Mooncake never refreshes a D's descriptor; its RDMA transport refetches one itself.
-        sessions = SESSION_OWNERS if c.protocol == "tcp" else None
+        sessions = session_owners_for(c.protocol)
         metas = MetaCache(client, self._requests, self._replies, self._handshake, c.engine_id, sessions=sessions)
 
         def make_sender(gate: ReuseGate) -> SendThread:

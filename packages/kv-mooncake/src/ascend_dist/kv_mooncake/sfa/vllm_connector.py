@@ -37,7 +37,7 @@ from ascend_dist.kv_mooncake.core.admission import ParamsGate
 from ascend_dist.kv_mooncake.core.device_fence import write_fence
 from ascend_dist.kv_mooncake.core.kv_views import token_rows
 from ascend_dist.kv_mooncake.core.metaserver import RetryingAnnouncer
-from ascend_dist.kv_mooncake.core.session_owners import SESSION_OWNERS
+from ascend_dist.kv_mooncake.core.session_owners import session_owners_for
 from ascend_dist.kv_mooncake.core.vllm_glue import (
     MooncakeAdapterBase,
     StepMetadata,
@@ -159,11 +159,8 @@ class SfaRemoteD2HConnector(MooncakeAdapterBase):
         if self._sfa.is_producer:
             self._producer = ProducerWorker(self._sfa, tp_rank=parallel_ranks()[0], backend=backend)
         else:
-            # Over Mooncake TCP a P's descriptor is never refreshed (`core.session_owners`); RDMA refetches it.
-            tcp = sfa.transfer_backend == "mooncake" and sfa.protocol == "tcp"
-            self._consumer = ConsumerWorker(
-                self._sfa, tp_rank=parallel_ranks()[0], backend=backend, sessions=SESSION_OWNERS if tcp else None
-            )
+            sessions = session_owners_for(sfa.protocol) if sfa.transfer_backend == "mooncake" else None
+            self._consumer = ConsumerWorker(self._sfa, tp_rank=parallel_ranks()[0], backend=backend, sessions=sessions)
 
     # ---- scheduler side -------------------------------------------------------------------------
 
